@@ -1,0 +1,79 @@
+"""Command-line flags that can also come from ``KVSERVE_<FLAG>`` environment variables."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, NoReturn
+
+ENV_PREFIX = "KVSERVE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    """``--max-num-seqs`` → ``KVSERVE_MAX_NUM_SEQS``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose long flags default to ``KVSERVE_<FLAG>`` when set.
+
+    Command line beats environment beats the coded default. Errors print one
+    line (``prog: error: reason``) and exit 2, without the usage block.
+    """
+
+    def __init__(self, *args: Any, environ: dict[str, str] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self._environ = os.environ if environ is None else environ
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        long_flags = [n for n in names if n.startswith("--")]
+        if not long_flags:
+            return super().add_argument(*names, **kwargs)
+        var = env_name(long_flags[0])
+        kwargs["help"] = f"{kwargs.get('help', '')} [env: {var}]".strip()
+        raw = self._environ.get(var)
+        if raw is not None:
+            kwargs["default"] = self._convert_env(var, raw, kwargs)
+            kwargs.pop("required", None)
+        return super().add_argument(*names, **kwargs)
+
+    def _convert_env(self, var: str, raw: str, kwargs: dict[str, Any]) -> Any:
+        action = kwargs.get("action")
+        try:
+            if action in ("store_true", "store_false") or action is argparse.BooleanOptionalAction:
+                return parse_bool(raw)
+            value = kwargs.get("type", str)(raw)
+        except (TypeError, ValueError) as exc:
+            self.error(f"{var}={raw!r}: {exc}")
+        choices = kwargs.get("choices")
+        if choices is not None and value not in choices:
+            self.error(f"{var}={raw!r}: choose from {', '.join(map(str, choices))}")
+        return value
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def add_server_flags(parser: EnvArgumentParser, *, default_port: int) -> None:
+    """The flags every gRPC service has."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=default_port, help="gRPC port")
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+    )
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=5.0, help="seconds in-flight RPCs get on SIGTERM"
+    )

@@ -1,0 +1,169 @@
+"""gRPC server plumbing shared by the three services.
+
+``GrpcServer`` wires a ``grpc.aio`` server with the standard health service,
+server reflection and ``DomainErrorInterceptor`` (domain errors → status
+codes); ``run_service`` runs a service's async main until SIGTERM/SIGINT and
+turns start-up failures into a one-line error and exit code 1.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from kvserve.errors import KVServeError, StartupError
+from kvserve.logs import get_logger
+
+log = get_logger("kvserve.server")
+
+# 64 MiB: a batched Execute of long prompts carries many token ids.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer to host: its full proto name and the generated ``add_*_to_server``."""
+
+    full_name: str
+    servicer: object
+    add_to_server: Callable[[object, grpc.aio.Server], None]
+
+
+def _status_for(exc: KVServeError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+
+
+class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Aborts an RPC with the status code a raised ``KVServeError`` names.
+
+    Any other exception becomes INTERNAL with its message, and is logged.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    @staticmethod
+    async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+        if isinstance(exc, KVServeError):
+            await context.abort(_status_for(exc), str(exc))
+        log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    def _wrap_unary(self, behavior, method: str):
+        async def unary(request, context):
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 — every error gets a status code
+                await self._abort(context, exc, method)
+
+        return unary
+
+    def _wrap_stream(self, behavior, method: str):
+        async def stream(request, context):
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method)
+
+        return stream
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server with health, reflection and the error interceptor."""
+
+    def __init__(self, name: str, host: str, port: int, services: Iterable[Service]):
+        self.name = name
+        self.address = f"{host}:{port}"
+        self.services = list(services)
+        self.health = health_aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.port = port
+
+    async def start(self) -> None:
+        server = grpc.aio.server(interceptors=[DomainErrorInterceptor()], options=SERVER_OPTIONS)
+        for service in self.services:
+            service.add_to_server(service.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [s.full_name for s in self.services]
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        try:
+            self.port = server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise StartupError(f"cannot listen on {self.address}: port in use or address invalid") from exc
+        if self.port == 0:
+            raise StartupError(f"cannot listen on {self.address}: port in use or address invalid")
+        await server.start()
+        self._server = server
+        for full_name in ["", *names]:
+            await self.health.set(full_name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("grpc_server_started", service=self.name, address=self.address, services=names)
+
+    async def stop(self, grace: float) -> None:
+        """Reports NOT_SERVING, stops accepting, gives in-flight RPCs ``grace`` seconds."""
+        if self._server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+        self._server = None
+        log.info("grpc_server_stopped", service=self.name)
+
+
+async def wait_for_shutdown_signal() -> signal.Signals:
+    """Returns the first SIGTERM or SIGINT received."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+    try:
+        return await received
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_service(prog: str, main: Callable[[], Awaitable[None]]) -> int:
+    """Runs ``main`` in a fresh event loop; a ``StartupError`` prints one line and returns 1."""
+    try:
+        asyncio.run(main())
+    except StartupError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

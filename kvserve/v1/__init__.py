@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs for package ``kvserve.v1`` (see ``kvserve.protogen``)."""

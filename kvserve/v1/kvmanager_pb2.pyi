@@ -1,0 +1,288 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class AllocationPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALLOCATION_POLICY_UNSPECIFIED: _ClassVar[AllocationPolicy]
+    ALLOCATION_POLICY_PAGED: _ClassVar[AllocationPolicy]
+    ALLOCATION_POLICY_RESERVE: _ClassVar[AllocationPolicy]
+
+class AllocationStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALLOCATION_STATUS_UNSPECIFIED: _ClassVar[AllocationStatus]
+    ALLOCATION_STATUS_OK: _ClassVar[AllocationStatus]
+    ALLOCATION_STATUS_NO_ROOM: _ClassVar[AllocationStatus]
+ALLOCATION_POLICY_UNSPECIFIED: AllocationPolicy
+ALLOCATION_POLICY_PAGED: AllocationPolicy
+ALLOCATION_POLICY_RESERVE: AllocationPolicy
+ALLOCATION_STATUS_UNSPECIFIED: AllocationStatus
+ALLOCATION_STATUS_OK: AllocationStatus
+ALLOCATION_STATUS_NO_ROOM: AllocationStatus
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    model_fingerprint: str
+    enable_prefix_caching: bool
+    allocation_policy: AllocationPolicy
+    max_model_len: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("pool_id", "ttl_ms", "client_name")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    ttl_ms: int
+    client_name: str
+    def __init__(self, pool_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ttl_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class RenewSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class RenewSessionResponse(_message.Message):
+    __slots__ = ("expires_in_ms",)
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    expires_in_ms: int
+    def __init__(self, expires_in_ms: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_sequences_freed",)
+    NUM_SEQUENCES_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_sequences_freed: int
+    def __init__(self, num_sequences_freed: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("pool_id", "session_id", "free_seq_ids", "sequences")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    session_id: str
+    free_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
+
+class SequenceAllocation(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: int
+    enable_prefix_caching: bool
+    cache_salt: str
+    adapter_id: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+
+class SequenceAllocationResult(_message.Message):
+    __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    status: AllocationStatus
+    num_cached_tokens: int
+    start_position: int
+    num_tokens: int
+    block_table_offset: int
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    copy_src: _containers.RepeatedScalarFieldContainer[int]
+    copy_dst: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_table_offset: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("results", "kv_cache_usage")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SequenceAllocationResult]
+    kv_cache_usage: float
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceAllocationResult, _Mapping]]] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+
+class ForkRequest(_message.Message):
+    __slots__ = ("pool_id", "session_id", "parent_seq_id", "child_seq_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    session_id: str
+    parent_seq_id: int
+    child_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_seq_id: _Optional[int] = ..., child_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("block_table",)
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    block_table: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_table: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool_id", "session_id", "seq_ids")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    session_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_blocks_freed",)
+    NUM_BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_freed: int
+    def __init__(self, num_blocks_freed: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "usage", "num_sequences", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copies", "num_stored_tokens", "num_allocated_slots", "allocation_policy", "enable_prefix_caching", "num_sessions")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COPIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALLOCATED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_sequences: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+    num_copies: int
+    num_stored_tokens: int
+    num_allocated_slots: int
+    allocation_policy: AllocationPolicy
+    enable_prefix_caching: bool
+    num_sessions: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_sequences: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_allocated_slots: _Optional[int] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., enable_prefix_caching: _Optional[bool] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_blocks_cleared",)
+    NUM_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_cleared: int
+    def __init__(self, num_blocks_cleared: _Optional[int] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("events", "timestamp")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    timestamp: float
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "adapter_id")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    adapter_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
