@@ -1,0 +1,75 @@
+"""The interface between the model and an attention backend.
+
+The model runner turns block tables into an ``AttentionMetadata`` once per
+step; each layer then calls ``write_kv`` (reshape-and-cache) and ``attend``.
+A backend owns its KV cache layout: the torch backend keeps its own, the
+native (CUDA/MUSA) backend uses vLLM's
+K ``[num_blocks, num_kv_heads, head_size // x, block_size, x]`` and
+V ``[num_blocks, num_kv_heads, head_size, block_size]``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+# One layer's cache: (key_cache, value_cache), layout chosen by the backend.
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens sit in the paged cache. Sequences are in batch order;
+    each sequence's new tokens are contiguous in the flattened token dimension."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset; -1 = do not write
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0 (the null block)
+    query_lens_cpu: list[int]  # new tokens per sequence, on the host
+    seq_lens_cpu: list[int]  # seq_lens on the host
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Paged attention over one layer's KV cache. One instance serves every layer."""
+
+    name: str
+
+    @abstractmethod
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        """Zero-filled K and V caches for one layer."""
+
+    @abstractmethod
+    def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stores new K/V in their slots (slot < 0 skipped).
+        key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens] int64."""
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of each new token over its sequence's cached context
+        (which already holds this step's K/V).
+        query: [num_tokens, num_heads, head_size] → [num_tokens, num_heads, head_size]."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: block src[i] → dst[i] in every layer. src, dst: [num_pairs] int64."""
