@@ -1,0 +1,190 @@
+"""Shared fixtures: real service processes on free loopback ports, and models.
+
+``start_service("kvmanager", "--flag", ...)`` starts ``python -m kvmanager`` on a
+free port, waits until its health service says SERVING, and stops it (SIGTERM)
+at teardown. ``start_stack(model_dir)`` does that for all three services.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without KVSERVE_* variables (they would change flag defaults)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "2")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServiceProcess:
+    """A service started as ``python -m <module>``; output goes to ``log_path``."""
+
+    module: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    extra_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Sends ``sig`` and returns the exit code (kills after ``timeout`` s)."""
+        if self.alive():
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def launch(module: str, args: list[str], log_dir: Path, *, port: int | None = None,
+           env: dict[str, str] | None = None, wait: bool = True, timeout: float = 120.0) -> ServiceProcess:
+    """Starts ``python -m module --port PORT *args`` and (by default) waits for SERVING."""
+    from kvserve.health import wait_until_serving
+
+    port = port or free_port()
+    log_path = log_dir / f"{module}-{port}.log"
+    log_file = log_path.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, "--port", str(port), *args],
+        cwd=REPO_ROOT, env=service_env(env), stdout=log_file, stderr=subprocess.STDOUT,
+    )
+    service = ServiceProcess(module, port, proc, log_path)
+    if wait:
+        try:
+            wait_until_serving(service.address, timeout, is_alive=service.alive)
+        except (TimeoutError, RuntimeError) as exc:
+            service.stop(signal.SIGKILL)
+            raise RuntimeError(f"{module} did not start: {exc}\n{service.logs()[-4000:]}") from exc
+    return service
+
+
+@pytest.fixture
+def start_service(tmp_path):
+    """Factory fixture: ``start_service(module, *args, env=None, wait=True)``; all stopped at teardown."""
+    started: list[ServiceProcess] = []
+
+    def start(module: str, *args: str, env: dict[str, str] | None = None, wait: bool = True,
+              port: int | None = None, timeout: float = 120.0) -> ServiceProcess:
+        service = launch(module, list(args), tmp_path, port=port, env=env, wait=wait, timeout=timeout)
+        started.append(service)
+        return service
+
+    yield start
+    for service in reversed(started):
+        service.stop()
+
+
+@dataclass
+class Stack:
+    kvmanager: ServiceProcess
+    executor: ServiceProcess
+    gateway: ServiceProcess
+    http_port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return self.gateway.address
+
+    def stop(self) -> dict[str, int]:
+        return {s.module: s.stop() for s in (self.gateway, self.executor, self.kvmanager)}
+
+
+def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = (),
+                gateway_args: list[str] = (), kvmanager_args: list[str] = ()) -> Stack:
+    """kvmanager, executor and gateway as three processes on free ports, all healthy."""
+    kvmanager = launch("kvmanager", list(kvmanager_args), log_dir)
+    try:
+        executor = launch("executor", ["--model", str(model_dir), *executor_args], log_dir, timeout=300)
+    except Exception:
+        kvmanager.stop()
+        raise
+    http_port = free_port()
+    try:
+        gateway = launch(
+            "gateway",
+            ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+             "--executor-address", executor.address, "--model", str(model_dir), *gateway_args],
+            log_dir, timeout=120,
+        )
+    except Exception:
+        executor.stop()
+        kvmanager.stop()
+        raise
+    return Stack(kvmanager, executor, gateway, http_port)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted on first use."""
+    from executor.prepare_model import default_model_dir as model_dir, prepare
+
+    return prepare(model_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
+    """A 2-layer random-weight Llama with the default model's tokenizer: fast, deterministic, wrong."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir / name).exists():
+            shutil.copy(default_model_dir / name, out / name)
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Polls ``predicate`` until true or ``timeout`` s pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
