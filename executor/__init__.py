@@ -1,0 +1,1 @@
+"""executor: model forward passes over a paged KV cache (torch, CUDA and MUSA attention backends)."""
