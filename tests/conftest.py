@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from kvserve.launcher import ServiceProcess, Stack, StackConfig, spawn, start_healthy
+from kvserve.launcher import start_stack as launcher_start_stack
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -31,64 +30,19 @@ def free_port() -> int:
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The test's environment without KVSERVE_* variables (they would change flag defaults)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "2")
     env.update(extra or {})
     return env
 
 
-@dataclass
-class ServiceProcess:
-    """A service started as ``python -m <module>``; output goes to ``log_path``."""
-
-    module: str
-    port: int
-    proc: subprocess.Popen
-    log_path: Path
-    extra_ports: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
-        """Sends ``sig`` and returns the exit code (kills after ``timeout`` s)."""
-        if self.alive():
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
 def launch(module: str, args: list[str], log_dir: Path, *, port: int | None = None,
            env: dict[str, str] | None = None, wait: bool = True, timeout: float = 120.0) -> ServiceProcess:
     """Starts ``python -m module --port PORT *args`` and (by default) waits for SERVING."""
-    from kvserve.health import wait_until_serving
-
     port = port or free_port()
-    log_path = log_dir / f"{module}-{port}.log"
-    log_file = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--port", str(port), *args],
-        cwd=REPO_ROOT, env=service_env(env), stdout=log_file, stderr=subprocess.STDOUT,
-    )
-    service = ServiceProcess(module, port, proc, log_path)
+    kwargs = dict(port=port, log_path=log_dir / f"{module}-{port}.log", env=service_env(env))
     if wait:
-        try:
-            wait_until_serving(service.address, timeout, is_alive=service.alive)
-        except (TimeoutError, RuntimeError) as exc:
-            service.stop(signal.SIGKILL)
-            raise RuntimeError(f"{module} did not start: {exc}\n{service.logs()[-4000:]}") from exc
-    return service
+        return start_healthy(module, args, timeout=timeout, **kwargs)
+    return spawn(module, args, **kwargs)
 
 
 @pytest.fixture
@@ -107,47 +61,16 @@ def start_service(tmp_path):
         service.stop()
 
 
-@dataclass
-class Stack:
-    kvmanager: ServiceProcess
-    executor: ServiceProcess
-    gateway: ServiceProcess
-    http_port: int
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_address(self) -> str:
-        return self.gateway.address
-
-    def stop(self) -> dict[str, int]:
-        return {s.module: s.stop() for s in (self.gateway, self.executor, self.kvmanager)}
-
-
 def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = (),
                 gateway_args: list[str] = (), kvmanager_args: list[str] = ()) -> Stack:
-    """kvmanager, executor and gateway as three processes on free ports, all healthy."""
-    kvmanager = launch("kvmanager", list(kvmanager_args), log_dir)
-    try:
-        executor = launch("executor", ["--model", str(model_dir), *executor_args], log_dir, timeout=300)
-    except Exception:
-        kvmanager.stop()
-        raise
-    http_port = free_port()
-    try:
-        gateway = launch(
-            "gateway",
-            ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-             "--executor-address", executor.address, "--model", str(model_dir), *gateway_args],
-            log_dir, timeout=120,
-        )
-    except Exception:
-        executor.stop()
-        kvmanager.stop()
-        raise
-    return Stack(kvmanager, executor, gateway, http_port)
+    """kvmanager, executor and gateway as three processes on free loopback ports, all healthy."""
+    config = StackConfig(
+        model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
+        gateway_port=free_port(), http_port=free_port(), kvmanager_args=list(kvmanager_args),
+        executor_args=list(executor_args), gateway_args=list(gateway_args), log_dir=log_dir,
+        env=service_env(),
+    )
+    return launcher_start_stack(config)
 
 
 @pytest.fixture(scope="session")
