@@ -1,0 +1,71 @@
+"""``python -m kvmanager``: serve ``kvserve.v1.KVManager`` until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+from kvmanager.manager import MAX_TTL_MS, KVManager
+from kvmanager.service import SERVICE_NAME, KVManagerService
+from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.logs import configure_logging, get_logger
+from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.v1 import kvmanager_pb2_grpc
+
+DEFAULT_PORT = 50052
+PROG = "kvmanager"
+log = get_logger("kvmanager")
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog=PROG,
+        description="The kvserve KV cache manager: paged block pools with refcounts, "
+        "copy-on-write, prefix caching and client leases, over gRPC.",
+    )
+    add_server_flags(parser, default_port=DEFAULT_PORT)
+    parser.add_argument("--default-session-ttl-ms", type=int, default=30_000,
+                        help="lease length of a session opened with ttl_ms=0")
+    parser.add_argument("--reap-interval-ms", type=int, default=250,
+                        help="how often expired sessions are looked for and their sequences freed")
+    return parser
+
+
+async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
+    """Frees the sequences of sessions nobody renewed, even when no call comes in."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            manager.reap_expired()
+        except Exception as exc:  # noqa: BLE001 — the reaper must outlive one bad pass
+            log.error("reap_failed", error=repr(exc))
+
+
+async def serve(args) -> None:
+    manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms)
+    server = GrpcServer(PROG, args.host, args.port, [
+        Service(SERVICE_NAME, KVManagerService(manager), kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
+    ])
+    await server.start()
+    reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
+    signum = await wait_for_shutdown_signal()
+    log.info("shutdown_requested", signal=signum.name)
+    reaper.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reaper
+    await server.stop(args.shutdown_grace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.default_session_ttl_ms <= MAX_TTL_MS:
+        parser.error(f"--default-session-ttl-ms: must be 1..{MAX_TTL_MS}")
+    if args.reap_interval_ms <= 0:
+        parser.error("--reap-interval-ms: must be > 0")
+    configure_logging(args.log_level)
+    return run_service(PROG, lambda: serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

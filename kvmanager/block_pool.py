@@ -1,0 +1,212 @@
+"""Blocks, refcounts, the free LRU queue and the prefix cache of one paged KV cache.
+
+Anchored on vLLM v1's ``block_pool.py`` / ``FreeKVCacheBlockQueue``: every block
+is a ``KVCacheBlock`` object that links itself into the free queue (an intrusive
+doubly-linked list), so taking a cached block out of the middle of the queue on
+a prefix hit, freeing and allocating are all O(1) per block; nothing scans the
+pool. Block 0 is the null block: never handed out, never in the queue.
+
+A block is in exactly one state:
+  * null      — block 0;
+  * used      — ``ref_cnt > 0``, in one or more block tables;
+  * free      — ``ref_cnt == 0``, in the free queue; it may still carry a hash
+                ("cached"), and then a prefix hit takes it back (``touch``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvmanager.events import BlockStored, EventRecorder
+from kvserve.errors import FailedPrecondition
+
+NULL_BLOCK_ID = 0
+
+
+class KVCacheBlock:
+    """One block of ``block_size`` KV slots; also a node of the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "block_key", "num_tokens", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Prefix-cache identity while the block is cached; None otherwise.
+        self.block_hash: bytes | None = None
+        # What block_hash was computed from (parent hash, extra keys, tokens),
+        # kept so that a hit is verified, not trusted (see hashing.py).
+        self.block_key: bytes | None = None
+        # Slots holding (or about to hold) KV: feeds PoolStats.num_stored_tokens.
+        self.num_tokens = 0
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Free blocks, least recently freed first: the head is evicted first.
+
+    Sentinel head/tail nodes keep ``append``/``popleft``/``remove`` branch-free.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise AssertionError("popleft on an empty free queue")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        """Head to tail (eviction order). O(n): for tests and debugging only."""
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+
+class BlockPool:
+    """All blocks of one pool, the free queue and the hash → block map."""
+
+    def __init__(self, num_blocks: int, block_size: int, events: EventRecorder) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.events = events
+        self.num_cached_free_blocks = 0  # free blocks that still carry a hash
+        self.num_stored_tokens = 0  # sum of num_tokens over used blocks
+        self.num_evictions = 0
+
+    # -- counts -------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Used / usable blocks; cached free blocks count as free, as in vLLM."""
+        return self.num_used_blocks / (self.num_blocks - 1)
+
+    # -- allocation -----------------------------------------------------------
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        """Takes ``n`` blocks from the head of the free queue (LRU), evicting any
+        cached hash they carry. The caller has checked ``n <= num_free_blocks``."""
+        if n > self.free_queue.num_free_blocks:
+            raise AssertionError(f"get_new_blocks({n}) with {self.free_queue.num_free_blocks} free")
+        blocks = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            block.num_tokens = 0
+            blocks.append(block)
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Reuse resets a block's hash: it is no longer findable by prefix."""
+        del self.cached_blocks[block.block_hash]
+        self.events.removed(block.block_hash)
+        block.block_hash = block.block_key = None
+        self.num_cached_free_blocks -= 1
+        self.num_evictions += 1
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Takes prefix-hit blocks: refcount + 1, out of the free queue if they were free."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.num_cached_free_blocks -= 1
+                self.num_stored_tokens += block.num_tokens
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> int:
+        """Refcount - 1; blocks reaching 0 join the queue's tail in the order given
+        (callers pass a sequence's blocks tail first, so its tail is evicted before
+        its head). Returns how many reached 0."""
+        num_freed = 0
+        for block in blocks_in_eviction_order:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+                self.num_stored_tokens -= block.num_tokens
+                if block.block_hash is not None:
+                    self.num_cached_free_blocks += 1
+                num_freed += 1
+        return num_freed
+
+    def add_tokens(self, block: KVCacheBlock, n: int) -> None:
+        """``n`` more slots of a used block hold KV."""
+        block.num_tokens += n
+        self.num_stored_tokens += n
+
+    # -- prefix cache ----------------------------------------------------------
+
+    def lookup(self, block_hash: bytes, block_key: bytes) -> KVCacheBlock | None:
+        """The cached block for this hash, if its key (tokens and parent) is identical."""
+        block = self.cached_blocks.get(block_hash)
+        if block is None or block.block_key != block_key:
+            return None
+        return block
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes, block_key: bytes) -> bool:
+        """Makes a full, used block findable. False when another block already holds
+        this hash (identical content computed twice): the first copy stays the cached one."""
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        block.block_key = block_key
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def record_stored(self, event: BlockStored) -> None:
+        self.events.stored(event)
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every hash. Refused while any block is used: a running sequence
+        may still extend its chain from a cached block (as vLLM refuses)."""
+        if self.num_used_blocks:
+            raise FailedPrecondition(
+                f"cannot reset the prefix cache: {self.num_used_blocks} blocks are in use"
+            )
+        num_cleared = len(self.cached_blocks)
+        for block in self.cached_blocks.values():
+            block.block_hash = block.block_key = None
+        self.cached_blocks.clear()
+        self.num_cached_free_blocks = 0
+        self.events.cleared()
+        return num_cleared

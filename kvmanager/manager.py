@@ -1,0 +1,296 @@
+"""The KV manager: several pools (one per executor), client sessions, validation.
+
+Every public method is one RPC's worth of work and is atomic with respect to
+the others (the server calls them from one event-loop thread, and none of them
+awaits). Input is validated completely before anything changes, so a malformed
+request never leaves a half-applied batch. Errors are ``kvserve.errors`` types;
+the server maps them to status codes.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
+from kvmanager.pool import AllocationPolicy, AllocationRequest, AllocationResult, KVPool, PoolConfig
+from kvmanager.sessions import Session, SessionRegistry
+from kvserve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvserve.logs import get_logger
+
+log = get_logger("kvmanager")
+
+# Upper bounds that only catch nonsense: 4M blocks x 256 tokens is far beyond any
+# device today, and each block costs ~150 bytes of host memory here.
+MAX_NUM_BLOCKS = 1 << 22
+MAX_BLOCK_SIZE = 256
+MAX_MODEL_LEN = 1 << 24
+MAX_TTL_MS = 24 * 3600 * 1000
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_SEQ_ID = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class PoolStatsView:
+    """Field names match ``kvserve.v1.PoolStats``."""
+
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_sequences: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions: int
+    num_copies: int
+    num_stored_tokens: int
+    num_allocated_slots: int
+    allocation_policy: int
+    enable_prefix_caching: bool
+    num_sessions: int
+
+
+def validate_pool_config(config: PoolConfig) -> PoolConfig:
+    """Checks a RegisterPool's fields; returns the config with the policy normalized."""
+    if not config.pool_id:
+        raise InvalidArgument("pool_id: must not be empty")
+    if not 2 <= config.num_blocks <= MAX_NUM_BLOCKS:
+        raise InvalidArgument(f"num_blocks: must be 2..{MAX_NUM_BLOCKS} (block 0 is reserved), got {config.num_blocks}")
+    bs = config.block_size
+    if not 1 <= bs <= MAX_BLOCK_SIZE or bs & (bs - 1):
+        raise InvalidArgument(f"block_size: must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {bs}")
+    if not 0 <= config.max_model_len <= MAX_MODEL_LEN:
+        raise InvalidArgument(f"max_model_len: must be 0..{MAX_MODEL_LEN}, got {config.max_model_len}")
+    policy = config.allocation_policy or AllocationPolicy.PAGED  # UNSPECIFIED (0) = PAGED
+    try:
+        policy = AllocationPolicy(policy)
+    except ValueError:
+        raise InvalidArgument(f"allocation_policy: unknown value {config.allocation_policy}") from None
+    if policy is AllocationPolicy.RESERVE and config.max_model_len == 0:
+        raise InvalidArgument("max_model_len: the RESERVE policy needs max_model_len > 0")
+    return PoolConfig(config.pool_id, config.num_blocks, bs, config.model_fingerprint,
+                      bool(config.enable_prefix_caching), policy, config.max_model_len)
+
+
+def _check_seq_id(field: str, seq_id: int) -> None:
+    if not 0 <= seq_id <= MAX_SEQ_ID:
+        raise InvalidArgument(f"{field}: must be 0..2^64-1, got {seq_id}")
+
+
+class KVManager:
+    def __init__(self, default_session_ttl_ms: int = 30_000, clock: Callable[[], float] = time.monotonic):
+        if not 0 < default_session_ttl_ms <= MAX_TTL_MS:
+            raise InvalidArgument(f"default_session_ttl_ms: must be 1..{MAX_TTL_MS}")
+        self.default_session_ttl_ms = default_session_ttl_ms
+        self.pools: dict[str, KVPool] = {}
+        self.sessions = SessionRegistry(clock)
+        self.hubs: dict[str, EventHub] = {}
+
+    # -- pools ---------------------------------------------------------------
+
+    def register_pool(self, config: PoolConfig) -> bool:
+        """Creates a pool, keeps an identical one (False), or replaces an idle one."""
+        config = validate_pool_config(config)
+        existing = self.pools.get(config.pool_id)
+        if existing is not None:
+            if existing.config == config:
+                return False
+            if existing.block_pool.num_used_blocks:
+                raise FailedPrecondition(
+                    f"pool {config.pool_id!r} has {existing.block_pool.num_used_blocks} blocks in use "
+                    "and different parameters; free them before re-registering"
+                )
+            self._hub(config.pool_id).publish([AllBlocksCleared()])
+        self.pools[config.pool_id] = KVPool(config)
+        log.info("pool_registered", pool_id=config.pool_id, num_blocks=config.num_blocks,
+                 block_size=config.block_size, policy=config.allocation_policy.name,
+                 prefix_caching=config.enable_prefix_caching, replaced=existing is not None)
+        return True
+
+    def pool(self, pool_id: str) -> KVPool:
+        if not pool_id:
+            raise InvalidArgument("pool_id: must not be empty")
+        pool = self.pools.get(pool_id)
+        if pool is None:
+            raise NotFound(f"pool_id: unknown pool {pool_id!r}")
+        return pool
+
+    def stats(self, pool_id: str) -> PoolStatsView:
+        self.reap_expired()
+        pool = self.pool(pool_id)
+        blocks = pool.block_pool
+        return PoolStatsView(
+            pool_id=pool_id, num_blocks=blocks.num_blocks, block_size=blocks.block_size,
+            num_free_blocks=blocks.num_free_blocks, num_used_blocks=blocks.num_used_blocks,
+            num_cached_blocks=blocks.num_cached_free_blocks, usage=blocks.usage,
+            num_sequences=len(pool.sequences), prefix_cache_queries=pool.prefix_cache_queries,
+            prefix_cache_hits=pool.prefix_cache_hits, num_evictions=blocks.num_evictions,
+            num_copies=pool.num_copies, num_stored_tokens=blocks.num_stored_tokens,
+            num_allocated_slots=blocks.num_used_blocks * blocks.block_size,
+            allocation_policy=int(pool.config.allocation_policy),
+            enable_prefix_caching=pool.config.enable_prefix_caching,
+            num_sessions=self.sessions.count_for_pool(pool_id),
+        )
+
+    def reset_prefix_cache(self, pool_id: str) -> int:
+        self.reap_expired()
+        pool = self.pool(pool_id)
+        num_cleared = pool.reset_prefix_cache()
+        self._publish(pool)
+        return num_cleared
+
+    # -- sessions -----------------------------------------------------------
+
+    def open_session(self, pool_id: str, ttl_ms: int = 0, client_name: str = "") -> Session:
+        self.reap_expired()
+        self.pool(pool_id)
+        if not 0 <= ttl_ms <= MAX_TTL_MS:
+            raise InvalidArgument(f"ttl_ms: must be 0..{MAX_TTL_MS}, got {ttl_ms}")
+        session = self.sessions.open(pool_id, ttl_ms or self.default_session_ttl_ms, client_name)
+        log.info("session_opened", session_id=session.session_id, pool_id=pool_id,
+                 ttl_ms=session.ttl_ms, client=client_name)
+        return session
+
+    def renew_session(self, session_id: str) -> int:
+        """Extends the lease; returns milliseconds until it expires."""
+        self.reap_expired()
+        session = self._session(session_id)
+        self.sessions.renew(session)
+        return session.ttl_ms
+
+    def close_session(self, session_id: str) -> int:
+        """Frees the session's sequences; returns how many."""
+        self.reap_expired()
+        session = self._session(session_id)
+        self.sessions.remove(session_id)
+        num_freed = self._free_session_sequences(session)
+        log.info("session_closed", session_id=session_id, sequences_freed=num_freed)
+        return num_freed
+
+    def reap_expired(self) -> int:
+        """Frees the sequences of every session whose lease ran out; returns how many sessions."""
+        expired = self.sessions.pop_expired()
+        for session in expired:
+            num_freed = self._free_session_sequences(session)
+            log.warning("session_expired", session_id=session.session_id, pool_id=session.pool_id,
+                        client=session.client_name, sequences_freed=num_freed)
+        return len(expired)
+
+    def _free_session_sequences(self, session: Session) -> int:
+        pool = self.pools.get(session.pool_id)
+        if pool is None:
+            return 0
+        num_freed = pool.free_session(session.session_id)
+        self._publish(pool)
+        return num_freed
+
+    def _session(self, session_id: str) -> Session:
+        if not session_id:
+            raise InvalidArgument("session_id: must not be empty")
+        return self.sessions.get(session_id)
+
+    def _pool_and_session(self, pool_id: str, session_id: str) -> tuple[KVPool, Session]:
+        """The pool and the caller's live session on it; using it renews its lease."""
+        self.reap_expired()
+        pool = self.pool(pool_id)
+        session = self._session(session_id)
+        if session.pool_id != pool_id:
+            raise InvalidArgument(f"session_id: session belongs to pool {session.pool_id!r}, not {pool_id!r}")
+        self.sessions.renew(session)
+        return pool, session
+
+    # -- sequences -------------------------------------------------------------
+
+    def allocate(self, pool_id: str, session_id: str, free_seq_ids: Iterable[int],
+                 requests: list[AllocationRequest]) -> tuple[list[AllocationResult], float]:
+        """One scheduler step: piggybacked frees, then each sequence in order.
+        Returns the per-sequence results and the pool's usage afterwards."""
+        pool, session = self._pool_and_session(pool_id, session_id)
+        sequences = pool.sequences
+        to_free = []
+        for seq_id in free_seq_ids:
+            seq = sequences.get(seq_id)
+            if seq is not None:  # unknown ids are ignored here, unlike Free
+                if seq.session_id != session_id:
+                    raise PermissionDenied(f"free_seq_ids: sequence {seq_id} belongs to another session")
+                to_free.append(seq_id)
+        freeing = set(to_free)
+        seen = set()
+        for i, request in enumerate(requests):
+            seq_id = request.seq_id
+            _check_seq_id(f"sequences[{i}].seq_id", seq_id)
+            if seq_id in seen:
+                raise InvalidArgument(f"sequences[{i}].seq_id: {seq_id} appears twice in one step")
+            seen.add(seq_id)
+            tokens = request.token_ids
+            if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+                raise InvalidArgument(f"sequences[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
+            if request.num_new_tokens < 0:
+                raise InvalidArgument(f"sequences[{i}].num_new_tokens: must be >= 0")
+            seq = sequences.get(seq_id)
+            if seq is not None and seq.session_id != session_id and seq_id not in freeing:
+                raise PermissionDenied(f"sequences[{i}].seq_id: sequence {seq_id} belongs to another session")
+
+        for seq_id in dict.fromkeys(to_free):
+            pool.free(seq_id)
+        results = [pool.allocate(session_id, request) for request in requests]
+        self._publish(pool)
+        return results, pool.block_pool.usage
+
+    def fork(self, pool_id: str, session_id: str, parent_seq_id: int, child_seq_ids: list[int]) -> list[int]:
+        """Children share the parent's blocks; returns the shared block table."""
+        pool, _ = self._pool_and_session(pool_id, session_id)
+        parent = self._own_sequence(pool, session_id, parent_seq_id, "parent_seq_id")
+        if not child_seq_ids:
+            raise InvalidArgument("child_seq_ids: must not be empty")
+        if len(set(child_seq_ids)) != len(child_seq_ids):
+            raise InvalidArgument("child_seq_ids: duplicate ids")
+        for child_id in child_seq_ids:
+            _check_seq_id("child_seq_ids", child_id)
+            if child_id in pool.sequences:
+                raise AlreadyExists(f"child_seq_ids: sequence {child_id} already exists")
+        return pool.fork(parent, child_seq_ids)
+
+    def free(self, pool_id: str, session_id: str, seq_ids: Iterable[int]) -> int:
+        """Frees sequences (all or none); returns blocks whose refcount reached 0."""
+        pool, _ = self._pool_and_session(pool_id, session_id)
+        unique = list(dict.fromkeys(seq_ids))
+        for seq_id in unique:
+            self._own_sequence(pool, session_id, seq_id, "seq_ids")
+        num_blocks_freed = sum(pool.free(seq_id) for seq_id in unique)
+        self._publish(pool)
+        return num_blocks_freed
+
+    @staticmethod
+    def _own_sequence(pool: KVPool, session_id: str, seq_id: int, field: str):
+        seq = pool.sequences.get(seq_id)
+        if seq is None:
+            raise NotFound(f"{field}: unknown sequence {seq_id}")
+        if seq.session_id != session_id:
+            raise PermissionDenied(f"{field}: sequence {seq_id} belongs to another session")
+        return seq
+
+    # -- events ------------------------------------------------------------------
+
+    def subscribe(self, pool_id: str, subscriber: Subscriber) -> int:
+        self.pool(pool_id)
+        return self._hub(pool_id).subscribe(subscriber)
+
+    def unsubscribe(self, pool_id: str, token: int) -> None:
+        hub = self.hubs.get(pool_id)
+        if hub is not None:
+            hub.unsubscribe(token)
+
+    def _hub(self, pool_id: str) -> EventHub:
+        hub = self.hubs.get(pool_id)
+        if hub is None:
+            hub = self.hubs[pool_id] = EventHub()
+        return hub
+
+    def _publish(self, pool: KVPool) -> None:
+        events = pool.drain_events()
+        if events:
+            self._hub(pool.config.pool_id).publish(events)

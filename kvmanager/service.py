@@ -1,0 +1,128 @@
+"""``kvserve.v1.KVManager`` servicer: protobuf ⇄ domain, nothing else.
+
+Domain errors raised by ``KVManager`` become status codes in
+``kvserve.server.DomainErrorInterceptor``. Handlers never await in the middle
+of a domain call, so each RPC is applied atomically on the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvmanager.manager import KVManager
+from kvmanager.pool import AllocationRequest, PoolConfig
+from kvserve.errors import ResourceExhausted
+from kvserve.v1 import kvmanager_pb2 as pb
+from kvserve.v1 import kvmanager_pb2_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVManager"].full_name
+# A watcher that falls this many batches behind is dropped (it can reconnect and resync).
+MAX_PENDING_EVENT_BATCHES = 10_000
+
+_OK = pb.ALLOCATION_STATUS_OK
+_NO_ROOM = pb.ALLOCATION_STATUS_NO_ROOM
+
+
+def event_batch_to_proto(batch: EventBatch) -> pb.KVEventBatch:
+    out = pb.KVEventBatch(timestamp=batch.timestamp)
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            out.events.add(block_stored=pb.BlockStored(
+                block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
+                token_ids=event.token_ids, block_size=event.block_size, adapter_id=event.adapter_id))
+        elif isinstance(event, BlockRemoved):
+            out.events.add(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+        elif isinstance(event, AllBlocksCleared):
+            out.events.add(all_blocks_cleared=pb.AllBlocksCleared())
+    return out
+
+
+class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
+    def __init__(self, manager: KVManager) -> None:
+        self.manager = manager
+
+    async def RegisterPool(self, request, context):
+        created = self.manager.register_pool(PoolConfig(
+            pool_id=request.pool_id, num_blocks=request.num_blocks, block_size=request.block_size,
+            model_fingerprint=request.model_fingerprint,
+            enable_prefix_caching=request.enable_prefix_caching,
+            allocation_policy=request.allocation_policy, max_model_len=request.max_model_len,
+        ))
+        return pb.RegisterPoolResponse(created=created)
+
+    async def OpenSession(self, request, context):
+        session = self.manager.open_session(request.pool_id, request.ttl_ms, request.client_name)
+        return pb.OpenSessionResponse(session_id=session.session_id, ttl_ms=session.ttl_ms)
+
+    async def RenewSession(self, request, context):
+        return pb.RenewSessionResponse(expires_in_ms=self.manager.renew_session(request.session_id))
+
+    async def CloseSession(self, request, context):
+        return pb.CloseSessionResponse(num_sequences_freed=self.manager.close_session(request.session_id))
+
+    async def Allocate(self, request, context):
+        requests = [
+            AllocationRequest(s.seq_id, list(s.token_ids), s.num_new_tokens,
+                              s.enable_prefix_caching, s.cache_salt, s.adapter_id)
+            for s in request.sequences
+        ]
+        results, usage = self.manager.allocate(request.pool_id, request.session_id,
+                                               request.free_seq_ids, requests)
+        response = pb.AllocateResponse(kv_cache_usage=usage)
+        add = response.results.add
+        for r in results:
+            if r.ok:
+                add(seq_id=r.seq_id, status=_OK, num_cached_tokens=r.num_cached_tokens,
+                    start_position=r.start_position, num_tokens=r.num_tokens,
+                    block_table_offset=r.block_table_offset, block_table=r.block_table,
+                    copy_src=r.copy_src, copy_dst=r.copy_dst)
+            else:
+                add(seq_id=r.seq_id, status=_NO_ROOM)
+        return response
+
+    async def Fork(self, request, context):
+        table = self.manager.fork(request.pool_id, request.session_id, request.parent_seq_id,
+                                  list(request.child_seq_ids))
+        return pb.ForkResponse(block_table=table)
+
+    async def Free(self, request, context):
+        num = self.manager.free(request.pool_id, request.session_id, list(request.seq_ids))
+        return pb.FreeResponse(num_blocks_freed=num)
+
+    async def GetStats(self, request, context):
+        s = self.manager.stats(request.pool_id)
+        return pb.PoolStats(
+            pool_id=s.pool_id, num_blocks=s.num_blocks, block_size=s.block_size,
+            num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
+            num_cached_blocks=s.num_cached_blocks, usage=s.usage, num_sequences=s.num_sequences,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_evictions=s.num_evictions, num_copies=s.num_copies,
+            num_stored_tokens=s.num_stored_tokens, num_allocated_slots=s.num_allocated_slots,
+            allocation_policy=s.allocation_policy, enable_prefix_caching=s.enable_prefix_caching,
+            num_sessions=s.num_sessions,
+        )
+
+    async def ResetPrefixCache(self, request, context):
+        return pb.ResetPrefixCacheResponse(num_blocks_cleared=self.manager.reset_prefix_cache(request.pool_id))
+
+    async def WatchEvents(self, request, context):
+        queue: asyncio.Queue[EventBatch | None] = asyncio.Queue()
+
+        def deliver(batch: EventBatch) -> None:
+            if queue.qsize() >= MAX_PENDING_EVENT_BATCHES:
+                queue.put_nowait(None)  # wakes the stream to end it
+                raise OverflowError("watcher fell behind")  # the hub drops this subscriber
+            queue.put_nowait(batch)
+
+        token = self.manager.subscribe(request.pool_id, deliver)
+        try:
+            # Tell the client it is subscribed: events published from here on reach it.
+            await context.send_initial_metadata(())
+            while True:
+                batch = await queue.get()
+                if batch is None:
+                    raise ResourceExhausted(
+                        f"watcher fell more than {MAX_PENDING_EVENT_BATCHES} event batches behind; resubscribe")
+                yield event_batch_to_proto(batch)
+        finally:
+            self.manager.unsubscribe(request.pool_id, token)
