@@ -34,12 +34,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, environ: dict[str, str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
-        super().__init__(*args, **kwargs)
         self._environ = os.environ if environ is None else environ
+        super().__init__(*args, **kwargs)
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
         long_flags = [n for n in names if n.startswith("--")]
-        if not long_flags:
+        if not long_flags or kwargs.get("action") in ("help", "version"):
             return super().add_argument(*names, **kwargs)
         var = env_name(long_flags[0])
         kwargs["help"] = f"{kwargs.get('help', '')} [env: {var}]".strip()

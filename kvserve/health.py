@@ -39,3 +39,21 @@ async def check_async(channel: grpc.aio.Channel, service: str = "", timeout: flo
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvserve.health HOST:PORT [SERVICE]``: exit 0 when SERVING (container healthchecks)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvserve.health", description=main.__doc__)
+    parser.add_argument("address", help="host:port of a kvserve service")
+    parser.add_argument("service", nargs="?", default="", help="service name; empty = the whole server")
+    parser.add_argument("--timeout", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    serving = check(args.address, args.service, timeout=args.timeout)
+    print("SERVING" if serving else "NOT_SERVING")
+    return 0 if serving else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

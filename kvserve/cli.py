@@ -1,0 +1,115 @@
+"""The ``kvserve`` command: ``up``, ``prepare-model``, ``bench``, ``protogen``.
+
+``kvserve up`` runs the whole system locally (what ``make run`` calls): it
+prepares the default model if needed, starts kvmanager, executor and gateway,
+waits until all three are healthy, prints where to connect, and stops all
+three on Ctrl-C or SIGTERM. The other commands hand over to the module that
+owns the work, in a child process, so this package imports no service.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvserve.config import EnvArgumentParser
+from kvserve.launcher import StackConfig, start_stack
+from kvserve.paths import default_model_dir
+
+
+def _run_module(module: str, args: list[str]) -> int:
+    return subprocess.call([sys.executable, "-m", module, *args])
+
+
+def _ensure_default_model(model_dir: Path) -> None:
+    if model_dir != default_model_dir():
+        if not (model_dir / "config.json").is_file():
+            raise SystemExit(f"kvserve up: error: model directory {model_dir} has no config.json")
+        return
+    if _run_module("executor.prepare_model", ["--check"]) != 0:
+        if _run_module("executor.prepare_model", []) != 0:
+            raise SystemExit("kvserve up: error: preparing the default model failed")
+
+
+def up(argv: list[str]) -> int:
+    parser = EnvArgumentParser(prog="kvserve up", description="Run kvmanager, executor and gateway locally.")
+    parser.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face model directory")
+    parser.add_argument("--host", default="127.0.0.1", help="address all three listen on")
+    parser.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI-compatible HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
+    parser.add_argument("--kvmanager-port", type=int, default=50052, help="kvmanager gRPC port")
+    parser.add_argument("--executor-port", type=int, default=50053, help="executor gRPC port")
+    parser.add_argument("--executor-args", default="", help="extra executor flags, e.g. '--num-blocks 4096'")
+    parser.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--batching static'")
+    parser.add_argument("--kvmanager-args", default="", help="extra kvmanager flags")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
+    args = parser.parse_args(argv)
+
+    started = time.monotonic()
+    _ensure_default_model(args.model)
+    config = StackConfig(
+        model_dir=args.model, host=args.host, kvmanager_port=args.kvmanager_port,
+        executor_port=args.executor_port, gateway_port=args.grpc_port, http_port=args.http_port,
+        kvmanager_args=shlex.split(args.kvmanager_args), executor_args=shlex.split(args.executor_args),
+        gateway_args=shlex.split(args.gateway_args), timeout=args.startup_timeout,
+    )
+    # SIGTERM (docker stop, systemd) stops the stack the same way Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        stack = start_stack(config)
+    except RuntimeError as exc:
+        sys.stderr.write(f"kvserve up: error: {exc}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(
+        f"\nkvserve is up in {time.monotonic() - started:.1f}s (model {args.model.name})\n"
+        f"  OpenAI API   {stack.http_url}/v1   (try: curl {stack.http_url}/v1/models)\n"
+        f"  gRPC gateway {stack.grpc_address}   (kvserve.v1.Gateway)\n"
+        f"  metrics      {stack.http_url}/metrics\n"
+        f"  kvmanager    {stack.kvmanager.address}   executor {stack.executor.address}\n"
+        "Ctrl-C stops all three.\n",
+        flush=True,
+    )
+    try:
+        while all(s.alive() for s in stack.services()):
+            time.sleep(0.5)
+        dead = [s.module for s in stack.services() if not s.alive()]
+        sys.stderr.write(f"kvserve up: {', '.join(dead)} exited; stopping the rest\n")
+        code = 1
+    except KeyboardInterrupt:
+        code = 0
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    codes = stack.stop()
+    print("stopped: " + ", ".join(f"{name} exit {rc}" for name, rc in codes.items()), flush=True)
+    return code
+
+
+COMMANDS = {
+    "up": (up, "run kvmanager, executor and gateway locally"),
+    "prepare-model": (lambda argv: _run_module("executor.prepare_model", argv),
+                      "convert the embedded default model (SmolLM2-135M-Instruct) once"),
+    "bench": (lambda argv: _run_module("bench", argv), "benchmark a running system or sweep configurations"),
+    "protogen": (lambda argv: _run_module("kvserve.protogen", argv), "regenerate kvserve/v1 stubs from protos/"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM serving with a paged KV cache manager service.")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see kvserve COMMAND --help)")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    ns = parser.parse_args(argv[:1])
+    handler, _ = COMMANDS[ns.command]
+    return handler(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The ground every service stands on: stubs, flags, real processes, health,
+reflection, graceful shutdown, bad command lines, compose.yaml."""
+from __future__ import annotations
+
+import filecmp
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import REPO_ROOT, service_env
+from kvserve.config import EnvArgumentParser
+from kvserve.protogen import generate
+
+def test_committed_stubs_match_the_protos(tmp_path):
+    written = generate(tmp_path)
+    assert written, "protoc produced nothing"
+    for path in written:
+        committed = REPO_ROOT / path.relative_to(tmp_path)
+        assert committed.exists(), f"{committed} missing: run `python -m kvserve.protogen`"
+        assert filecmp.cmp(path, committed, shallow=False), f"{committed} is stale: run `python -m kvserve.protogen`"
+
+
+def test_three_services_never_import_each_other():
+    packages = ("kvmanager", "executor", "gateway")
+    for package in packages:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            text = path.read_text()
+            for other in packages:
+                if other != package:
+                    assert f"import {other}" not in text and f"from {other}" not in text, f"{path} imports {other}"
+
+
+@pytest.mark.parametrize("package", ["kvmanager", "gateway"])
+def test_kvmanager_and_gateway_never_load_torch(package):
+    code = (
+        f"import sys, importlib, pkgutil, {package}\n"
+        f"for mod in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
+        "    if not mod.name.endswith('__main__'): importlib.import_module(mod.name)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=service_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", f"{package} imports torch"
+
+
+def test_flags_come_from_environment_and_command_line_wins():
+    parser = EnvArgumentParser(prog="t", environ={"KVSERVE_MAX_NUM_SEQS": "7", "KVSERVE_DTYPE": "float16",
+                                                  "KVSERVE_ENABLE_X": "false"})
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float16"])
+    parser.add_argument("--enable-x", action="store_true")
+    assert vars(parser.parse_args([])) == {"max_num_seqs": 7, "dtype": "float16", "enable_x": False}
+    assert parser.parse_args(["--max-num-seqs", "3"]).max_num_seqs == 3
+
+
+@pytest.mark.parametrize("module", ["kvmanager", "executor", "gateway", "kvserve"])
+def test_help_exits_zero(module):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO_ROOT, env=service_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage" in out.stdout.lower()
+
+
+def _one_line_failure(args: list[str], env: dict[str, str] | None = None) -> str:
+    out = subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, env=service_env(env),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0, f"{args} should fail\n{out.stdout}\n{out.stderr}"
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line of reason, got:\n{out.stderr}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("module", ["kvmanager", "executor", "gateway"])
+def test_unknown_flag_is_one_line(module):
+    assert "--no-such-flag" in _one_line_failure([module, "--no-such-flag"])
+
+
+def test_bad_environment_value_is_one_line():
+    assert "KVSERVE_PORT" in _one_line_failure(["kvmanager"], env={"KVSERVE_PORT": "not-a-port"})
+
+
+def test_port_in_use_is_one_line():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        reason = _one_line_failure(["kvmanager", "--port", str(port)])
+    assert str(port) in reason
+
+
+def test_missing_model_directory_is_one_line(tmp_path):
+    missing = tmp_path / "no-model-here"
+    assert str(missing) in _one_line_failure(["executor", "--port", "0", "--model", str(missing)])
+
+
+def _assert_serving_with_reflection(address: str, service_name: str) -> None:
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", service_name):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert service_name in names and "grpc.health.v1.Health" in names
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_kvmanager_serves_health_and_reflection_and_stops_cleanly(start_service, sig):
+    service = start_service("kvmanager")
+    _assert_serving_with_reflection(service.address, "kvserve.v1.KVManager")
+    assert service.stop(sig) == 0, service.logs()
+
+
+def test_port_from_environment(start_service):
+    from conftest import free_port
+
+    port = free_port()
+    service = start_service("kvmanager", env={"KVSERVE_PORT": str(port)}, wait=False, port=port)
+    from kvserve.health import wait_until_serving
+
+    wait_until_serving(f"127.0.0.1:{port}", 60, is_alive=service.alive)
+
+
+def test_whole_stack_healthy_then_sigterm_exits_zero(tiny_model_dir, tmp_path):
+    from conftest import start_stack
+
+    stack = start_stack(tiny_model_dir, tmp_path, executor_args=["--num-blocks", "64"])
+    try:
+        _assert_serving_with_reflection(stack.kvmanager.address, "kvserve.v1.KVManager")
+        _assert_serving_with_reflection(stack.executor.address, "kvserve.v1.Executor")
+        _assert_serving_with_reflection(stack.grpc_address, "kvserve.v1.Gateway")
+    finally:
+        codes = stack.stop()
+    assert codes == {"gateway": 0, "executor": 0, "kvmanager": 0}, {s.module: s.logs()[-2000:] for s in stack.services()}
+
+
+def test_compose_file_is_valid():
+    compose = REPO_ROOT / "compose.yaml"
+    if shutil.which("docker-compose"):
+        out = subprocess.run(["docker-compose", "-f", str(compose), "config", "-q"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    import yaml
+
+    spec = yaml.safe_load(compose.read_text())
+    services = spec["services"]
+    assert {"kvmanager", "executor", "gateway"} <= set(services)
+    for name in ("kvmanager", "executor", "gateway"):
+        assert "kvserve.health" in " ".join(services[name]["healthcheck"]["test"])
+    assert services["gateway"]["depends_on"]["kvmanager"]["condition"] == "service_healthy"
+    assert services["gateway"]["depends_on"]["executor"]["condition"] == "service_healthy"
+    published = [name for name, svc in services.items() if svc.get("ports")]
+    assert published == ["gateway"]
