@@ -1,0 +1,355 @@
+"""Unit tests of the kvmanager domain: block pool, Allocate, Fork, Free, prefix
+caching, copy-on-write and policies, including vLLM's block-pool scenarios."""
+from __future__ import annotations
+
+import pytest
+
+from kvmanager.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder
+from kvmanager.manager import KVManager
+from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
+from kvserve.errors import FailedPrecondition
+from tests.kvmanager_support import ShadowExecutor, check_invariants
+
+BS = 4
+
+
+class Harness:
+    """One pool, one session, a shadow executor and the pool's events."""
+
+    def __init__(self, num_blocks: int = 11, block_size: int = BS, **config) -> None:
+        self.manager = KVManager()
+        self.manager.register_pool(PoolConfig("p", num_blocks, block_size, "model-a", **config))
+        self.pool = self.manager.pools["p"]
+        self.session = self.manager.open_session("p").session_id
+        self.shadow = ShadowExecutor(num_blocks, block_size)
+        self.events: list = []
+        self.manager.subscribe("p", lambda batch: self.events.extend(batch.events))
+
+    def step(self, *requests: Req, free: tuple[int, ...] = ()):
+        for seq_id in free:
+            self.shadow.free(seq_id) if seq_id in self.pool.sequences else None
+        results, _ = self.manager.allocate("p", self.session, list(free), list(requests))
+        self.shadow.step({r.seq_id: r.token_ids for r in requests}, results)
+        self.check()
+        return results if len(results) != 1 else results[0]
+
+    def prefill(self, seq_id: int, tokens: list[int], **kw):
+        return self.step(Req(seq_id, list(tokens), len(tokens), **kw))
+
+    def decode(self, seq_id: int, token: int):
+        return self.step(Req(seq_id, [token], 1))
+
+    def fork(self, parent: int, *children: int):
+        table = self.manager.fork("p", self.session, parent, list(children))
+        self.shadow.fork(parent, list(children), table)
+        self.check()
+        return table
+
+    def free(self, *seq_ids: int) -> int:
+        n = self.manager.free("p", self.session, list(seq_ids))
+        for s in seq_ids:
+            self.shadow.free(s)
+        self.check()
+        return n
+
+    def check(self) -> None:
+        check_invariants(self.pool)
+        self.shadow.check(self.pool)
+
+    def table(self, seq_id: int) -> list[int]:
+        return [b.block_id for b in self.pool.sequences[seq_id].block_table]
+
+    @property
+    def stats(self):
+        return self.manager.stats("p")
+
+
+# -- the free queue ----------------------------------------------------------------
+
+
+def test_free_queue_is_lru_and_supports_removal_from_the_middle():
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert [b.block_id for b in queue] == [0, 1, 3, 4]
+    assert queue.popleft() is blocks[0]
+    queue.append(blocks[0])
+    queue.append(blocks[2])
+    assert [b.block_id for b in queue] == [1, 3, 4, 0, 2]
+    assert len(queue) == 5
+
+
+def test_block_pool_never_hands_out_the_null_block():
+    pool = BlockPool(4, BS, EventRecorder())
+    blocks = pool.get_new_blocks(3)
+    assert sorted(b.block_id for b in blocks) == [1, 2, 3]
+    assert pool.num_free_blocks == 0 and pool.num_used_blocks == 3
+    with pytest.raises(AssertionError):
+        pool.get_new_blocks(1)
+
+
+# -- allocate ---------------------------------------------------------------------
+
+
+def test_prefill_then_decode_crossing_a_block_boundary():
+    h = Harness()
+    r = h.prefill(1, list(range(7)))  # 7 tokens: 2 blocks, the second 3/4 full
+    assert (r.ok, r.start_position, r.num_tokens, r.block_table_offset) == (True, 0, 7, 0)
+    assert len(r.block_table) == 2
+    r = h.decode(1, 7)  # fills block 1: no new block
+    assert (r.start_position, r.num_tokens, r.block_table_offset, r.block_table) == (7, 1, 2, [])
+    r = h.decode(1, 8)  # position 8 starts block 2
+    assert (r.start_position, r.block_table_offset, len(r.block_table)) == (8, 2, 1)
+    assert h.stats.num_used_blocks == 3
+    assert h.stats.num_stored_tokens == 9 and h.stats.num_allocated_slots == 12
+
+
+def test_chunked_prefill_schedules_at_most_the_known_tokens():
+    h = Harness()
+    r = h.step(Req(1, list(range(10)), 4))
+    assert (r.start_position, r.num_tokens, len(r.block_table)) == (0, 4, 1)
+    r = h.step(Req(1, [], 100))  # capped at known - computed = 6
+    assert (r.start_position, r.num_tokens, r.block_table_offset, len(r.block_table)) == (4, 6, 1, 2)
+    r = h.step(Req(1, [], 5))  # nothing left to compute
+    assert (r.ok, r.num_tokens, r.block_table) == (True, 0, [])
+
+
+def test_prefill_with_partial_prefix_hit():
+    h = Harness()
+    h.prefill(1, list(range(10)))  # blocks [0..3] [4..7] cached, [8,9] partial
+    h.free(1)
+    r = h.prefill(2, list(range(8)) + [100, 101, 102, 103, 104])
+    assert r.num_cached_tokens == 8 and r.start_position == 8 and r.num_tokens == 5
+    assert r.block_table[:2] == h.shadow.tables[2][:2]
+    assert h.stats.prefix_cache_queries == 10 + 13 and h.stats.prefix_cache_hits == 8
+
+
+def test_hit_is_capped_so_the_last_prompt_token_is_recomputed():
+    h = Harness()
+    h.prefill(1, list(range(8)))  # two full blocks cached
+    r = h.prefill(2, list(range(8)))  # same prompt: only block 0 may hit
+    assert r.num_cached_tokens == 4 and r.start_position == 4 and r.num_tokens == 4
+    r = h.prefill(3, list(range(9)))
+    assert r.num_cached_tokens == 8 and r.num_tokens == 1
+
+
+def test_blocks_are_findable_in_the_step_that_computes_them():
+    h = Harness()
+    r1, r2 = h.step(Req(1, list(range(9)), 9), Req(2, list(range(9)), 9))
+    assert r2.num_cached_tokens == 8 and r2.block_table[:2] == r1.block_table[:2]
+
+
+def test_prefix_caching_off_for_the_pool_or_the_sequence():
+    h = Harness(enable_prefix_caching=False)
+    h.prefill(1, list(range(9)))
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 0
+    assert not h.pool.block_pool.cached_blocks
+    h = Harness()
+    h.prefill(1, list(range(9)), enable_prefix_caching=False)
+    assert not h.pool.block_pool.cached_blocks
+    h.prefill(2, list(range(9)))
+    assert h.prefill(3, list(range(9)), enable_prefix_caching=False).num_cached_tokens == 0
+
+
+def test_cache_salt_and_adapter_isolate_tenants():
+    h = Harness()
+    h.prefill(1, list(range(9)), cache_salt="tenant-a")
+    assert h.prefill(2, list(range(9)), cache_salt="tenant-b").num_cached_tokens == 0
+    assert h.prefill(3, list(range(9))).num_cached_tokens == 0
+    assert h.prefill(4, list(range(9)), cache_salt="tenant-a").num_cached_tokens == 8
+    assert h.prefill(5, list(range(9)), cache_salt="tenant-a", adapter_id="lora1").num_cached_tokens == 0
+
+
+def test_different_model_fingerprints_never_share_blocks():
+    a, b = Harness(), Harness()
+    b.manager.register_pool(PoolConfig("q", 11, BS, "model-b"))
+    a.prefill(1, list(range(9)))
+    assert a.pool.root_hash != b.manager.pools["q"].root_hash
+    assert set(a.pool.block_pool.cached_blocks).isdisjoint(
+        {b.manager.pools["q"].root_hash})
+
+
+def test_hash_collision_never_returns_another_prompts_kv(monkeypatch):
+    import kvmanager.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "hash_key", lambda key: b"\x00" * 16)  # everything collides
+    h = Harness()
+    h.prefill(1, [1, 2, 3, 4, 5])
+    r = h.prefill(2, [9, 9, 9, 9, 5])  # same (fake) hash, different tokens
+    assert r.num_cached_tokens == 0
+    assert h.prefill(3, [1, 2, 3, 4, 5]).num_cached_tokens == 4  # the real match still hits
+
+
+# -- eviction --------------------------------------------------------------------
+
+
+def test_eviction_order_after_freeing_several_requests():
+    h = Harness(num_blocks=11)
+    t1 = h.prefill(1, list(range(0, 12))).block_table  # 3 full blocks each
+    t2 = h.prefill(2, list(range(100, 112))).block_table
+    t3 = h.prefill(3, list(range(200, 212))).block_table
+    h.free(2)
+    h.free(1)
+    h.free(3)
+    # Never-used blocks first, then request by request in free order, each tail first.
+    order = [b.block_id for b in h.pool.block_pool.free_queue]
+    assert order == [10] + t2[::-1] + t1[::-1] + t3[::-1]
+    # A 5-block request takes the untouched block, evicts request 2's blocks tail
+    # first, then request 1's tail.
+    r = h.prefill(4, list(range(300, 320)))
+    assert r.block_table == [10] + t2[::-1] + [t1[2]]
+    assert h.stats.num_evictions == 4
+    r = h.prefill(6, list(range(0, 12)))  # 1's head survived; the new block evicts 3's tail
+    assert r.num_cached_tokens == 8 and r.block_table == t1[:2] + [t3[2]]
+    assert h.prefill(5, list(range(100, 112))).num_cached_tokens == 0  # 2's head is gone too
+
+
+def test_a_hit_block_is_not_evicted_to_satisfy_the_same_request():
+    h = Harness(num_blocks=4)  # 3 usable blocks
+    h.prefill(1, list(range(8)))  # 2 cached blocks
+    h.free(1)
+    # 13 tokens: 2 hit blocks + 2 new; only 1 free block besides the hits.
+    r = h.prefill(2, list(range(13)))
+    assert not r.ok
+    assert h.stats.num_cached_blocks == 2 and h.stats.num_evictions == 0
+    r = h.prefill(3, list(range(12)))  # 2 hits + 1 new block: fits exactly
+    assert r.ok and r.num_cached_tokens == 8 and h.stats.num_free_blocks == 0
+
+
+def test_reuse_resets_the_blocks_hash_and_emits_block_removed():
+    h = Harness(num_blocks=3)
+    h.prefill(1, list(range(8)))
+    stored = [e for e in h.events if isinstance(e, BlockStored)]
+    assert len(stored) == 1 and len(stored[0].block_hashes) == 2
+    assert stored[0].token_ids == list(range(8)) and stored[0].parent_block_hash == b""
+    h.free(1)
+    h.prefill(2, [50, 51])
+    block = h.pool.sequences[2].block_table[0]
+    assert block.block_hash is None and block.block_key is None
+    removed = [e for e in h.events if isinstance(e, BlockRemoved)]
+    assert removed == [BlockRemoved([stored[0].block_hashes[1]])]  # the tail went first
+    assert h.stats.num_cached_blocks == 1 and h.stats.num_evictions == 1
+
+
+def test_no_room_leaves_everything_unchanged():
+    h = Harness(num_blocks=5)
+    h.prefill(1, list(range(6)))  # 2 blocks
+    h.fork(1, 2)
+    before = [(b.block_id, b.ref_cnt, b.block_hash) for b in h.pool.block_pool.blocks]
+    free_order = [b.block_id for b in h.pool.block_pool.free_queue]
+    r = h.prefill(3, list(range(100, 113)))  # needs 4 blocks, 2 free
+    assert not r.ok and 3 not in h.pool.sequences
+    r = h.step(Req(1, list(range(6, 20)), 14))  # needs CoW + 3 more
+    assert not r.ok
+    assert h.pool.sequences[1].token_ids == list(range(6)) and h.pool.sequences[1].num_computed == 6
+    assert [(b.block_id, b.ref_cnt, b.block_hash) for b in h.pool.block_pool.blocks] == before
+    assert [b.block_id for b in h.pool.block_pool.free_queue] == free_order
+    assert h.stats.prefix_cache_queries == 6
+
+
+def test_a_sequence_that_can_never_fit_is_no_room():
+    h = Harness(num_blocks=3)  # 2 usable blocks = 8 slots
+    r = h.prefill(1, list(range(9)))
+    assert not r.ok and h.stats.num_sequences == 0
+
+
+def test_batch_handles_sequences_in_order_and_frees_first():
+    h = Harness(num_blocks=4)
+    h.prefill(1, list(range(12)))  # all 3 usable blocks
+    r1, r2 = h.step(Req(2, [7, 7, 7], 3), Req(3, [8, 8, 8, 8, 8], 5), free=(1,))
+    assert r1.ok and r2.ok and 1 not in h.pool.sequences
+    r1, r2 = h.step(Req(4, [1] * 8, 8), Req(2, [9], 1))
+    assert not r1.ok and r2.ok
+
+
+def test_empty_prompt_creates_an_empty_sequence():
+    h = Harness()
+    r = h.prefill(1, [])
+    assert r.ok and r.num_tokens == 0 and r.block_table == []
+    r = h.step(Req(1, [5, 6], 2))
+    assert r.num_tokens == 2 and len(r.block_table) == 1
+
+
+# -- fork / copy-on-write --------------------------------------------------------
+
+
+def test_fork_shares_blocks_and_copy_on_write_copies_the_partial_block():
+    h = Harness()
+    table = h.prefill(1, list(range(6))).block_table
+    assert h.fork(1, 2, 3) == table
+    assert [b.ref_cnt for b in h.pool.sequences[1].block_table] == [3, 3]
+    r = h.decode(2, 50)  # writes position 6 in shared block 1
+    assert r.copy_src == [table[1]] and len(r.copy_dst) == 1
+    assert r.block_table_offset == 1 and r.block_table == r.copy_dst
+    assert h.pool.sequences[2].block_table[0].block_id == table[0]
+    r = h.decode(1, 60)  # still shared with 3
+    assert len(r.copy_src) == 1
+    r = h.decode(3, 70)  # now the only holder of the original: writes in place
+    assert r.copy_src == [] and r.block_table == []
+    assert h.stats.num_copies == 2
+    assert h.stats.num_stored_tokens == 4 + 3 * 3
+
+
+def test_fork_at_a_block_boundary_needs_no_copy():
+    h = Harness()
+    table = h.prefill(1, list(range(8))).block_table
+    h.fork(1, 2)
+    r = h.decode(2, 99)
+    assert r.copy_src == [] and r.block_table_offset == 2 and len(r.block_table) == 1
+    assert h.table(2)[:2] == table
+
+
+def test_children_diverge_and_cache_their_own_blocks():
+    h = Harness()
+    h.prefill(1, list(range(6)))
+    h.fork(1, 2)
+    h.step(Req(1, [6, 7], 2), Req(2, [16, 17], 2))
+    assert h.prefill(3, list(range(8)) + [0]).num_cached_tokens == 8
+    assert h.prefill(4, list(range(6)) + [16, 17, 0]).num_cached_tokens == 8
+
+
+def test_free_of_a_forked_family_returns_every_block():
+    h = Harness()
+    h.prefill(1, list(range(6)))
+    h.fork(1, 2, 3)
+    h.decode(2, 1)
+    assert h.free(1) == 0  # shared with 3; the partial block still with 3
+    assert h.free(2, 3) == 3
+    assert h.stats.num_used_blocks == 0
+
+
+# -- policies, reset, stats ------------------------------------------------------
+
+
+def test_reserve_policy_allocates_max_model_len_at_admission():
+    h = Harness(num_blocks=11, allocation_policy=AllocationPolicy.RESERVE, max_model_len=16)
+    r = h.prefill(1, list(range(3)))
+    assert len(r.block_table) == 4 and r.num_tokens == 3
+    for t in range(3, 16):
+        assert h.decode(1, t).block_table == []
+    assert h.stats.num_allocated_slots == 16 and h.stats.num_stored_tokens == 16
+    h.prefill(2, [1])
+    assert h.stats.num_stored_tokens == 17 and h.stats.num_allocated_slots == 32
+    assert not h.prefill(3, [1]).ok  # 2 blocks left, 4 needed
+
+
+def test_reset_prefix_cache_refused_while_blocks_are_used():
+    h = Harness()
+    h.prefill(1, list(range(9)))
+    with pytest.raises(FailedPrecondition):
+        h.manager.reset_prefix_cache("p")
+    h.free(1)
+    assert h.manager.reset_prefix_cache("p") == 2
+    assert isinstance(h.events[-1], AllBlocksCleared)
+    assert h.stats.num_cached_blocks == 0
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 0
+
+
+def test_usage_counts_cached_free_blocks_as_free():
+    h = Harness(num_blocks=11)
+    h.prefill(1, list(range(20)))
+    assert h.stats.usage == pytest.approx(0.5)
+    h.free(1)
+    s = h.stats
+    assert (s.usage, s.num_free_blocks, s.num_cached_blocks, s.num_used_blocks) == (0.0, 10, 5, 0)
