@@ -1,0 +1,143 @@
+"""Paged attention in plain torch: the CPU path and the reference for the native kernels.
+
+KV layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_size]``,
+so a flat view ``[num_blocks * block_size, num_kv_heads, head_size]`` is indexed by slot
+and writing new K/V is one ``index_copy_``.
+
+Attention is batched over sequences, never a loop over them. Once per step (the
+first layer) the metadata is turned into a plan of at most two groups:
+
+- decode group (sequences with one new token): their blocks are gathered into
+  ``[num_seqs, ctx_len, kv_heads, head_size]`` and one SDPA runs with a key mask
+  ``j < seq_len``;
+- prefill group (chunks of more than one token, with or without a cached prefix):
+  queries are padded to ``max_query_len`` and the causal mask is offset by each
+  sequence's cached prefix: query ``i`` sees key ``j`` iff
+  ``j <= seq_len - query_len + i`` (and ``j < seq_len``).
+
+GQA without copying K/V: the ``group = num_heads // num_kv_heads`` query heads that
+share a KV head are laid out as extra query rows of that KV head, so SDPA sees
+``[num_seqs, kv_heads, group * query_len, head_size]`` against
+``[num_seqs, kv_heads, ctx_len, head_size]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+
+@dataclass
+class _Group:
+    """Sequences attended together, and where their tokens sit in the flat batch."""
+
+    token_index: torch.Tensor  # [n_tokens] positions in the flat token dim
+    padded_index: torch.Tensor | None  # [n_tokens] rows in [num_seqs * query_len]; None: no padding needed
+    block_ids: torch.Tensor  # [num_seqs * blocks_per_seq] blocks to gather, sequence-major
+    mask: torch.Tensor  # [num_seqs, 1, query_len, ctx_len] bool, True = attend
+    num_seqs: int
+    query_len: int
+    ctx_len: int
+
+
+def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _Group:
+    bs = meta.block_size
+    query_lens = [meta.query_lens_cpu[s] for s in seqs]
+    seq_lens = [meta.seq_lens_cpu[s] for s in seqs]
+    starts = meta.query_start_loc.tolist()
+    query_len = max(query_lens)
+    blocks_per_seq = -(-max(seq_lens) // bs)
+    ctx_len = blocks_per_seq * bs
+    seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
+    block_ids = meta.block_tables.index_select(0, seq_index)[:, :blocks_per_seq].reshape(-1).long()
+    token_index = torch.tensor(
+        [starts[s] + i for s, n in zip(seqs, query_lens) for i in range(n)], dtype=torch.long, device=device
+    )
+    padded_index = None  # equal query lengths: the group's tokens already form [num_seqs, query_len]
+    if any(n != query_len for n in query_lens):
+        padded_index = torch.tensor(
+            [row * query_len + i for row, n in enumerate(query_lens) for i in range(n)], dtype=torch.long, device=device
+        )
+    seq_len_t = torch.tensor(seq_lens, dtype=torch.long, device=device).view(-1, 1, 1)
+    first_query_pos = seq_len_t - torch.tensor(query_lens, dtype=torch.long, device=device).view(-1, 1, 1)
+    key_pos = torch.arange(ctx_len, device=device).view(1, 1, -1)
+    query_pos = first_query_pos + torch.arange(query_len, device=device).view(1, -1, 1)
+    mask = (key_pos <= query_pos) & (key_pos < seq_len_t)  # [num_seqs, query_len, ctx_len]
+    return _Group(token_index, padded_index, block_ids, mask.unsqueeze(1), len(seqs), query_len, ctx_len)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        # The plan is derived from the step's metadata on the first layer and reused by the rest.
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: list[_Group] = []
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
+        key_cache, value_cache = kv_cache
+        if bool((slot_mapping < 0).any()):
+            keep = slot_mapping >= 0
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+    def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
+        for key_cache, value_cache in kv_caches:
+            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+    def _groups(self, meta: AttentionMetadata) -> list[_Group]:
+        if meta is not self._plan_meta:
+            device = meta.block_tables.device
+            decode = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
+            prefill = [s for s, n in enumerate(meta.query_lens_cpu) if n > 1]
+            self._plan = [_make_group(meta, seqs, device) for seqs in (decode, prefill) if seqs]
+            self._plan_meta = meta
+        return self._plan
+
+    def attend(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_size] → [num_tokens, num_heads, head_size]
+        groups = self._groups(meta)
+        if len(groups) == 1 and groups[0].token_index.numel() == query.shape[0]:
+            return self._attend_group(query, kv_cache, groups[0], scale)
+        out = torch.empty_like(query)
+        for group in groups:  # at most two: decode tokens, prefill chunks
+            out[group.token_index] = self._attend_group(query[group.token_index], kv_cache, group, scale)
+        return out
+
+    @staticmethod
+    def _attend_group(query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
+        key_cache, value_cache = kv_cache
+        _, block_size, kv_heads, head_size = key_cache.shape
+        num_heads = query.shape[1]
+        group_size = num_heads // kv_heads
+        # [num_seqs, ctx_len, kv_heads, head_size] → [num_seqs, kv_heads, ctx_len, head_size]
+        keys = key_cache.index_select(0, g.block_ids).view(g.num_seqs, g.ctx_len, kv_heads, head_size).transpose(1, 2)
+        values = value_cache.index_select(0, g.block_ids).view(g.num_seqs, g.ctx_len, kv_heads, head_size).transpose(1, 2)
+        q = query.to(key_cache.dtype)
+        if g.padded_index is not None:
+            padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
+            padded[g.padded_index] = q
+            q = padded
+        # [num_seqs * query_len, heads, d] → [num_seqs, kv_heads, group * query_len, d]
+        q = q.view(g.num_seqs, g.query_len, kv_heads, group_size, head_size).permute(0, 2, 3, 1, 4)
+        q = q.reshape(g.num_seqs, kv_heads, group_size * g.query_len, head_size)
+        mask = g.mask if group_size == 1 else g.mask.repeat(1, 1, group_size, 1)  # rows: (group, query)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        # back to [num_seqs * query_len, heads, d]
+        out = out.view(g.num_seqs, kv_heads, group_size, g.query_len, head_size).permute(0, 3, 1, 2, 4)
+        out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
+        if g.padded_index is not None:
+            out = out[g.padded_index]
+        return out.to(query.dtype)

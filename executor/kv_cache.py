@@ -1,0 +1,74 @@
+"""How many KV blocks fit: ``--num-blocks``, ``--kv-cache-memory`` or ``--gpu-memory-utilization``.
+
+Block 0 is the null block: the manager never hands it out and block tables are
+padded with it, so ``num_blocks - 1`` blocks hold tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from executor.model import ModelConfig
+
+# The CPU default: 1 GiB of KV. For SmolLM2-135M in bf16 (22.5 KiB per token) that
+# is 2912 blocks of 16 tokens, ~46k tokens: several full-length requests at once.
+DEFAULT_CPU_KV_BYTES = 1 << 30
+MIN_BLOCKS = 2  # the null block and one to write into
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    num_blocks: int
+    bytes_per_block: int
+    source: str  # which flag (or default) decided
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+
+
+def size_kv_cache(
+    config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    device_memory: tuple[int, int, int] | None = None,
+) -> KVSizing:
+    """Blocks from the first of: ``num_blocks``, ``kv_cache_memory`` bytes, and on a device
+    ``total * gpu_memory_utilization - memory in use - activation peak`` (``device_memory`` =
+    (free, total, activation_peak) bytes measured after loading the weights); on the CPU 1 GiB."""
+    per_block = kv_bytes_per_block(config, block_size, dtype)
+    if num_blocks is not None:
+        blocks, source = num_blocks, "--num-blocks"
+    elif kv_cache_memory is not None:
+        blocks, source = kv_cache_memory // per_block, f"--kv-cache-memory={kv_cache_memory}"
+    elif device.type != "cpu" and device_memory is not None:
+        free, total, activation_peak = device_memory
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} outside (0, 1]")
+        budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
+        blocks = max(budget, 0) // per_block
+        source = f"--gpu-memory-utilization={gpu_memory_utilization}"
+    else:
+        blocks, source = DEFAULT_CPU_KV_BYTES // per_block, "cpu default (1 GiB)"
+    if blocks < MIN_BLOCKS:
+        raise ValueError(
+            f"KV cache too small: {blocks} blocks of {per_block} bytes from {source}; need at least {MIN_BLOCKS}"
+        )
+    return KVSizing(int(blocks), per_block, source)
+
+
+def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
+    """How many max_model_len-token requests the usable blocks (all but the null block) hold."""
+    return (num_blocks - 1) * block_size / max_model_len

@@ -1,0 +1,253 @@
+"""The Llama-family decoder (Llama incl. SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+
+gpt-fast style: one file, plain modules. Tokens of every sequence in a step
+are flattened into one ``[num_tokens]`` dimension with their positions; the
+attention backend knows (from ``AttentionMetadata``) which tokens belong to
+which sequence and where their KV lives. Differences between the families
+are flags on ``ModelConfig``: Qwen2 has q/k/v biases, Qwen3 normalizes q and k
+per head and sets ``head_dim`` explicitly, SmolLM2 ties the LM head to the
+embedding.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from executor.attention import AttentionBackend, AttentionMetadata, KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModel(ValueError):
+    """config.json describes a model this executor cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict = field(default_factory=dict)  # rope_type + its parameters ({} = plain RoPE)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    checkpoint_dtype: str = "float32"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        architectures = raw.get("architectures") or [raw.get("model_type", "?")]
+        arch = architectures[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("use_sliding_window") or (arch == "MistralForCausalLM" and raw.get("sliding_window")):
+            raise UnsupportedModel("sliding-window attention is not supported")
+        # transformers v5 keeps rope_theta inside rope_parameters; v4 has it top level
+        # and Llama-3 scaling under rope_scaling. Merge both spellings.
+        rope = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModel(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        num_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope_theta=rope_theta,
+            rope_scaling={"rope_type": rope_type, **rope} if rope_type != "default" else {},
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            o_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            checkpoint_dtype=str(dtype).removeprefix("torch."),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UnsupportedModel(f"cannot read {path}: {exc}") from exc
+        try:
+            return cls.from_dict(raw)
+        except KeyError as exc:
+            raise UnsupportedModel(f"{path} lacks {exc.args[0]!r}") from exc
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2], with linear or Llama-3 scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated (transformers' _compute_llama3_parameters).
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(config: ModelConfig, max_len: int, device: torch.device) -> torch.Tensor:
+    """cos and sin for every position: [max_len, 2, head_dim] float32 (halves duplicated, as HF)."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(config))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalized in float32 and cast back before the weight, exactly as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        # q, k and v in one matmul: [q_size + 2 * kv_size, hidden].
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.scale = config.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        c = self.config
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)  # q: [num_tokens, num_heads, head_dim]
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)  # k, v: [num_tokens, num_kv_heads, head_dim]
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        backend.write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = backend.attend(q, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        # gate and up in one matmul: [2 * intermediate, hidden].
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
+
+    def setup_rope(self, max_len: int) -> None:
+        device = self.embed_tokens.weight.device
+        self.rope_cache = rope_cos_sin(self.config, max_len, device).to(self.embed_tokens.weight.dtype)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        # token_ids, positions: [num_tokens] int64 → hidden states [num_tokens, hidden] (final-normed)
+        x = self.embed_tokens(token_ids)
+        cos_sin = self.rope_cache[positions]  # [num_tokens, 2, head_dim]
+        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [num_tokens, 1, head_dim], broadcast over heads
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
+        return F.linear(hidden, self.lm_head_weight()).float()

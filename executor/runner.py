@@ -1,0 +1,280 @@
+"""One executor step: validate the batch, copy blocks, run the model, sample.
+
+Everything about a batch is checked on the host before any tensor is touched,
+so a rejected batch (``InvalidArgument`` naming the field) leaves every
+sequence's KV as it was. Slot mapping and block tables are built here, once per
+step, vectorized; the model and attention backend only see tensors.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from executor.attention import AttentionMetadata, create_backend
+from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
+from executor.kv_cache import KVSizing, kv_bytes_per_block, max_concurrency, size_kv_cache
+from executor.loader import eos_token_ids, load_model, model_fingerprint
+from executor.model import ModelConfig
+from executor.sampling import SamplingParams, sample
+from kvserve.errors import InvalidArgument
+from kvserve.logs import get_logger
+
+log = get_logger("executor.runner")
+
+
+@dataclass
+class RunnerOptions:
+    model_dir: Path
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    seed: int = 0
+    profile_tokens: int = 2048  # tokens of the activation-profiling forward on a device
+
+
+@dataclass
+class SequenceInput:
+    seq_id: int
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class StepOutput:
+    sampled_token_ids: list[int]
+    sampled_logprobs: list[float]
+    top_logprobs: list[tuple[list[int], list[float]]] | None
+    num_tokens: int
+    copy_ms: float
+    forward_ms: float
+    sample_ms: float
+    total_ms: float
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    model_name: str
+    model_fingerprint: str
+    architecture: str
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    kv_bytes_per_block: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_layers: int
+    model_path: str
+
+
+class ModelRunner:
+    """Owns the weights and the paged KV cache of one model on one device."""
+
+    def __init__(self, options: RunnerOptions):
+        model_dir = Path(options.model_dir)
+        config = ModelConfig.from_dir(model_dir)
+        self.config = config
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, config, self.device)
+        self.block_size = options.block_size
+        if self.block_size < 1:
+            raise ValueError(f"--block-size {self.block_size} must be >= 1")
+        self.max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        self.backend = create_backend(options.attention_backend, self.device)
+        start = time.monotonic()
+        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len)
+        log.info("model_loaded", model=str(model_dir), architecture=config.architecture, dtype=dtype_name(self.dtype),
+                 device=str(self.device), attention_backend=self.backend.name, seconds=round(time.monotonic() - start, 2))
+        sizing = self._size_kv_cache(options)
+        self.num_blocks = sizing.num_blocks
+        self.kv_caches = [
+            self.backend.allocate_kv_cache(self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim,
+                                           self.dtype, self.device)
+            for _ in range(config.num_layers)
+        ]
+        log.info(f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
+        log.info(f"Maximum concurrency for {self.max_model_len} tokens per request: "
+                 f"{max_concurrency(self.num_blocks, self.block_size, self.max_model_len):.2f}x")
+        log.info("kv_cache_allocated", num_blocks=self.num_blocks, bytes=sizing.total_bytes, sized_by=sizing.source,
+                 attention_backend=self.backend.name)
+        self.generator = torch.Generator().manual_seed(options.seed)
+        self.info = ExecutorInfo(
+            model_name=options.served_model_name or model_dir.resolve().name,
+            model_fingerprint=model_fingerprint(model_dir),
+            architecture=config.architecture,
+            dtype=dtype_name(self.dtype),
+            device=str(self.device),
+            attention_backend=self.backend.name,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            kv_bytes_per_block=sizing.bytes_per_block,
+            max_model_len=self.max_model_len,
+            vocab_size=config.vocab_size,
+            eos_token_ids=eos_token_ids(model_dir, config),
+            num_layers=config.num_layers,
+            model_path=str(model_dir.resolve()),
+        )
+
+    # ---- KV sizing -------------------------------------------------------------------------
+    def _size_kv_cache(self, options: RunnerOptions) -> KVSizing:
+        device_memory = None
+        if self.device.type != "cpu" and options.num_blocks is None and options.kv_cache_memory is None:
+            device_memory = self._profile_device_memory(options.profile_tokens)
+        return size_kv_cache(self.config, self.block_size, self.dtype, self.device,
+                             num_blocks=options.num_blocks, kv_cache_memory=options.kv_cache_memory,
+                             gpu_memory_utilization=options.gpu_memory_utilization, device_memory=device_memory)
+
+    def _profile_device_memory(self, profile_tokens: int) -> tuple[int, int, int]:
+        """(free, total, activation peak) bytes: one forward of the longest step we expect,
+        on a throwaway KV cache just big enough for it."""
+        module = device_module(self.device)
+        num_tokens = min(profile_tokens, self.max_model_len)
+        blocks = -(-num_tokens // self.block_size) + 1
+        caches = [self.backend.allocate_kv_cache(blocks, self.block_size, self.config.num_kv_heads,
+                                                 self.config.head_dim, self.dtype, self.device)
+                  for _ in range(self.config.num_layers)]
+        synchronize(self.device)
+        module.reset_peak_memory_stats(self.device)
+        before = module.memory_allocated(self.device)
+        seq = SequenceInput(0, [0] * num_tokens, 0, list(range(1, blocks)), sample=True)
+        self._run([seq], [], [], caches)
+        synchronize(self.device)
+        peak = module.max_memory_allocated(self.device) - before
+        del caches
+        module.empty_cache()
+        free, total = module.mem_get_info(self.device)
+        log.info("profiled_device_memory", free=free, total=total, activation_peak=peak, tokens=num_tokens)
+        return free, total, peak
+
+    # ---- validation ------------------------------------------------------------------------
+    def validate(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int]) -> None:
+        """Raises InvalidArgument naming the first bad field; touches no tensor."""
+        if not sequences:
+            raise InvalidArgument("sequences: empty batch (at least one sequence is required)")
+        nb, bs, vocab = self.num_blocks, self.block_size, self.config.vocab_size
+        if len(copy_src) != len(copy_dst):
+            raise InvalidArgument(f"copy_dst: {len(copy_dst)} entries but copy_src has {len(copy_src)}")
+        for name, ids in (("copy_src", copy_src), ("copy_dst", copy_dst)):
+            for i, block in enumerate(ids):
+                if not 0 <= block < nb:
+                    raise InvalidArgument(f"{name}[{i}]: block {block} outside [0, {nb})")
+        sources, seen_dst = set(copy_src), set()
+        for i, block in enumerate(copy_dst):
+            if block in seen_dst:
+                raise InvalidArgument(f"copy_dst[{i}]: block {block} is a destination twice")
+            if block in sources:
+                raise InvalidArgument(f"copy_dst[{i}]: block {block} is also a copy source")
+            seen_dst.add(block)
+        for i, seq in enumerate(sequences):
+            where = f"sequences[{i}] (seq_id {seq.seq_id})"
+            if not seq.token_ids:
+                raise InvalidArgument(f"{where}.token_ids: empty")
+            if min(seq.token_ids) < 0 or max(seq.token_ids) >= vocab:
+                j, tid = next((j, t) for j, t in enumerate(seq.token_ids) if not 0 <= t < vocab)
+                raise InvalidArgument(f"{where}.token_ids[{j}]: {tid} outside the vocabulary [0, {vocab})")
+            end = seq.start_position + len(seq.token_ids)
+            if end > self.max_model_len:
+                raise InvalidArgument(f"{where}.start_position: tokens reach position {end - 1}, "
+                                      f"beyond max_model_len {self.max_model_len}")
+            needed = -(-end // bs)
+            if len(seq.block_table) < needed:
+                raise InvalidArgument(f"{where}.block_table: {len(seq.block_table)} blocks hold "
+                                      f"{len(seq.block_table) * bs} positions, {end} needed")
+            if min(seq.block_table) < 0 or max(seq.block_table) >= nb:
+                j, block = next((j, b) for j, b in enumerate(seq.block_table) if not 0 <= b < nb)
+                raise InvalidArgument(f"{where}.block_table[{j}]: block {block} outside [0, {nb})")
+            if seq.sample:
+                seq.sampling.validate(f"{where}.sampling", vocab)
+
+    # ---- one step --------------------------------------------------------------------------
+    def execute(self, sequences: list[SequenceInput], copy_src: list[int] = (), copy_dst: list[int] = ()) -> StepOutput:
+        start = time.perf_counter()
+        self.validate(sequences, list(copy_src), list(copy_dst))
+        return self._run(sequences, list(copy_src), list(copy_dst), self.kv_caches, start)
+
+    @torch.inference_mode()
+    def _run(self, sequences, copy_src, copy_dst, kv_caches, start: float | None = None) -> StepOutput:
+        start = time.perf_counter() if start is None else start
+        token_ids, positions, meta = self._prepare(sequences)
+        t_copy = time.perf_counter()
+        if copy_src:
+            self.backend.copy_blocks(kv_caches, torch.tensor(copy_src, dtype=torch.long, device=self.device),
+                                     torch.tensor(copy_dst, dtype=torch.long, device=self.device))
+        t_forward = time.perf_counter()
+        hidden = self.model(token_ids, positions, kv_caches, meta, self.backend)
+        sample_rows = [i for i, s in enumerate(sequences) if s.sample]
+        if self.device.type != "cpu":
+            synchronize(self.device)
+        t_sample = time.perf_counter()
+        result = None
+        if sample_rows:
+            ends = list(itertools.accumulate(meta.query_lens_cpu))  # one past each sequence's last token
+            last_tokens = torch.tensor([ends[i] - 1 for i in sample_rows], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, last_tokens))
+            params = [sequences[i].sampling for i in sample_rows]
+            next_positions = [meta.seq_lens_cpu[i] for i in sample_rows]
+            result = sample(logits, params, next_positions, self.generator)
+        end = time.perf_counter()
+        return StepOutput(
+            sampled_token_ids=result.token_ids if result else [],
+            sampled_logprobs=result.logprobs if result else [],
+            top_logprobs=result.top_logprobs if result else None,
+            num_tokens=len(token_ids),
+            copy_ms=(t_forward - t_copy) * 1e3,
+            forward_ms=(t_sample - t_forward) * 1e3,
+            sample_ms=(end - t_sample) * 1e3,
+            total_ms=(end - start) * 1e3,
+        )
+
+    def _prepare(self, sequences: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)."""
+        bs = self.block_size
+        query_lens = [len(s.token_ids) for s in sequences]
+        seq_lens = [s.start_position + n for s, n in zip(sequences, query_lens)]
+        max_blocks = -(-max(seq_lens) // bs)
+        tables = [s.block_table[: -(-n // bs)] for s, n in zip(sequences, seq_lens)]
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        token_ids = torch.tensor([t for s in sequences for t in s.token_ids], dtype=torch.long)
+        num_seqs, num_tokens = len(sequences), len(token_ids)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.long)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        if num_tokens == num_seqs:  # decode only: one token per sequence
+            seq_index = torch.arange(num_seqs)
+            positions = torch.tensor([s.start_position for s in sequences], dtype=torch.long)
+        else:
+            seq_index = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
+            first = torch.tensor([s.start_position for s in sequences], dtype=torch.long)
+            offsets = torch.arange(num_tokens) - query_start_loc[:-1].long().repeat_interleave(query_lens_t)
+            positions = first[seq_index] + offsets
+        slot_mapping = block_tables[seq_index, positions // bs].long() * bs + positions % bs
+        if num_seqs > 1 and torch.unique(slot_mapping).numel() != num_tokens:
+            raise InvalidArgument("sequences.block_table: two tokens of this batch write the same KV slot")
+        device = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+            block_tables=block_tables.to(device),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+        )
+        return token_ids.to(device), positions.to(device), meta

@@ -1,0 +1,133 @@
+"""Picks the next token of each sampled sequence, vectorized over the batch.
+
+Order of operations per row (one row per sequence that asked to sample):
+
+1. suppressed token ids → logit −inf (they can never be picked; a hard constraint);
+2. divide by temperature (0 = greedy: argmax of the logits);
+3. log-softmax → the reported logprobs (after temperature, before top-k/top-p);
+4. top-k, then top-p (smallest set of most likely tokens whose probability reaches p);
+5. draw with the exponential race: ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``, which samples
+   exactly from ``p``. A seeded row draws its ``E`` from a generator seeded by
+   ``(seed, position)`` alone, so the same seed gives the same token whatever batch
+   the sequence runs in; other rows share the executor's generator.
+
+``position`` is the position the sampled token will occupy
+(``start_position + len(token_ids)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.errors import InvalidArgument
+
+MAX_TOP_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+    top_logprobs: int = 0
+    suppressed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, field_name: str, vocab_size: int) -> None:
+        if not (self.temperature >= 0.0 and self.temperature != float("inf")):
+            raise InvalidArgument(f"{field_name}.temperature: {self.temperature} must be a finite number >= 0")
+        if not (0.0 <= self.top_p <= 1.0):
+            raise InvalidArgument(f"{field_name}.top_p: {self.top_p} outside [0, 1]")
+        if self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"{field_name}.top_logprobs: {self.top_logprobs} > {MAX_TOP_LOGPROBS}")
+        for i, tid in enumerate(self.suppressed_token_ids):
+            if not 0 <= tid < vocab_size:
+                raise InvalidArgument(f"{field_name}.suppressed_token_ids[{i}]: {tid} outside [0, {vocab_size})")
+        if len(self.suppressed_token_ids) >= vocab_size:
+            raise InvalidArgument(f"{field_name}.suppressed_token_ids: every token suppressed")
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    # Per row (token ids, logprobs) most likely first; None when no row asked for any.
+    top_logprobs: list[tuple[list[int], list[float]]] | None
+
+
+def seed_for(seed: int, position: int) -> int:
+    """Mixes (seed, position) into a 63-bit generator seed (splitmix64 finalizer)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _exponential_noise(params: list[SamplingParams], positions: list[int], vocab: int,
+                       generator: torch.Generator) -> torch.Tensor:
+    """[rows, vocab] Exp(1) noise: per-(seed, position) for seeded rows, shared generator otherwise."""
+    noise = torch.empty(len(params), vocab).exponential_(generator=generator)
+    for row, (p, pos) in enumerate(zip(params, positions)):
+        if p.seed is not None and not p.is_greedy:
+            row_gen = torch.Generator().manual_seed(seed_for(p.seed, pos))
+            noise[row].exponential_(generator=row_gen)
+    return noise
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # logits: [rows, vocab]; top_k: [rows] (0 = off); top_p: [rows] (1 = off)
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device).view(1, -1)
+    k = torch.where(top_k > 0, top_k, vocab).view(-1, 1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens before it already reach top_p; the first always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.view(-1, 1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+           generator: torch.Generator) -> SampleResult:
+    """logits: [rows, vocab] float32 on the CPU or the device, one row per entry of ``params``."""
+    logits = logits.float()
+    rows, vocab = logits.shape
+    suppressed = [(row, tid) for row, p in enumerate(params) for tid in p.suppressed_token_ids]
+    if suppressed:
+        logits = logits.clone()
+        index = torch.tensor(suppressed, dtype=torch.long, device=logits.device)
+        logits[index[:, 0], index[:, 1]] = float("-inf")
+    temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
+                               dtype=torch.float32, device=logits.device)
+    scaled = logits / temperature.view(-1, 1)
+    logprobs = scaled.log_softmax(dim=-1)
+    chosen = scaled.argmax(dim=-1)
+    random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        rand_params = [params[r] for r in random_rows]
+        row_index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        candidates = scaled.index_select(0, row_index)
+        if any(p.top_k > 0 or 0.0 < p.top_p < 1.0 for p in rand_params):
+            top_k = torch.tensor([p.top_k for p in rand_params], dtype=torch.long, device=logits.device)
+            top_p = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in rand_params],
+                                 dtype=torch.float32, device=logits.device)
+            candidates = _filter_top_k_top_p(candidates, top_k, top_p)
+        probs = candidates.softmax(dim=-1)
+        noise = _exponential_noise(rand_params, [positions[r] for r in random_rows], vocab, generator)
+        drawn = (probs / noise.to(probs.device)).argmax(dim=-1)
+        chosen = chosen.index_copy(0, row_index, drawn)
+    chosen_logprobs = logprobs.gather(1, chosen.view(-1, 1)).view(-1)
+    top = None
+    max_top = max(p.top_logprobs for p in params)
+    if max_top > 0:
+        top_values, top_ids = logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        top = [(top_ids[r][: p.top_logprobs], top_values[r][: p.top_logprobs]) for r, p in enumerate(params)]
+    return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), top)
