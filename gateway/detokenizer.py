@@ -1,0 +1,170 @@
+"""Tokenizer, chat template and incremental detokenization for one model directory.
+
+Incremental decoding follows the prefix/read-offset scheme of vLLM and TGI:
+decode a short window that ends with the new tokens and a second window without
+them; the difference is the new text. A window whose text ends in U+FFFD (half
+a UTF-8 character) is held back until the character completes, so a stream
+never shows a broken character; decoding with a few tokens of left context
+keeps the leading space a token carries.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from gateway.sequence import TextDecoder
+from kvserve.errors import InvalidArgument, StartupError
+
+REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character is at most 4 bytes; byte-level tokens carry at least one.
+MAX_PENDING_TOKENS = 4
+# Left context kept before the tokens being decoded.
+CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer(TextDecoder):
+    """Turns one sequence's tokens into text deltas, one token at a time."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - CONTEXT_TOKENS)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def append(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        pending = len(self._ids) - self._read_offset
+        if new_text.endswith(REPLACEMENT_CHAR) and pending < MAX_PENDING_TOKENS and not final:
+            return ""
+        if len(new_text) > len(prefix_text) and new_text.startswith(prefix_text):
+            delta = new_text[len(prefix_text):]
+        elif len(new_text) > len(prefix_text):
+            # The context decoded differently with the new tokens (rare with merges):
+            # trust the common prefix only.
+            common = _common_prefix_len(prefix_text, new_text)
+            delta = new_text[common:]
+        else:
+            delta = ""
+        if delta:
+            self._prefix_offset = self._read_offset
+        else:  # nothing visible (a skipped special token): keep the context short
+            self._prefix_offset = max(self._prefix_offset, len(self._ids) - CONTEXT_TOKENS)
+        self._read_offset = len(self._ids)
+        self._trim()
+        return delta
+
+    def _trim(self) -> None:
+        """Keeps the window short: drop ids before the prefix offset."""
+        if self._prefix_offset > 64:
+            drop = self._prefix_offset
+            self._ids = self._ids[drop:]
+            self._prefix_offset -= drop
+            self._read_offset -= drop
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ModelTokenizer:
+    """The model directory's tokenizer.json, chat template and special tokens."""
+
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise StartupError(f"no tokenizer.json in model directory {model_dir}")
+        self.tokenizer = Tokenizer.from_file(str(path))
+        self.model_dir = model_dir
+        config = _read_json(model_dir / "tokenizer_config.json")
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = _load_chat_template(model_dir, config)
+        self._template = None
+        if self.chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        generation = _read_json(model_dir / "generation_config.json")
+        eos = generation.get("eos_token_id", [])
+        self.eos_token_ids = {eos} if isinstance(eos, int) else set(eos)
+        if self.eos_token:
+            token_id = self.tokenizer.token_to_id(self.eos_token)
+            if token_id is not None:
+                self.eos_token_ids.add(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokenizer.id_to_token(token_id) or ""
+
+    def detokenizer(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise InvalidArgument("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"messages: chat template failed: {exc}") from exc
+
+
+def _raise_template_error(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _load_chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template

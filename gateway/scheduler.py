@@ -1,0 +1,363 @@
+"""Continuous batching at iteration level: which sequences run how many tokens each step.
+
+Pure Python: no grpc, no tensors. One step is
+
+1. ``schedule()``: running sequences first (decodes, then prefill chunks), then
+   waiting ones FCFS, within ``max_num_seqs`` and ``max_num_batched_tokens``
+   (a long prompt is split across steps, so decodes are never starved);
+2. the engine sends the plan to kvmanager ``Allocate`` and hands the results to
+   ``apply_allocation()``: NO_ROOM preempts the most recently admitted running
+   sequence (recompute: freed, requeued at the head) and asks for a retry; a
+   sequence that cannot fit even alone fails its request instead of looping;
+3. the engine runs the ready entries on the executor and hands the sampled
+   tokens to ``apply_samples()``, which appends them, checks stop conditions and
+   collects per-request outputs; finished sequences are queued for freeing.
+
+``batching="static"`` is the baseline: a batch is admitted only when nothing
+runs, and runs to completion. ``n > 1`` prefills the prompt once (all but its
+last token) in sequence 0, then the engine ``Fork``s the other choices from it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.sequence import (
+    FinishReason, GenerationRequest, RequestOutput, Sequence, SeqStatus,
+)
+from gateway.stopping import append_token, finish_with, take_delta
+from kvserve.errors import InvalidArgument, ResourceExhausted
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    batching: str = "continuous"  # or "static"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidArgument("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidArgument("max_num_batched_tokens must be >= 1")
+        if self.batching not in ("continuous", "static"):
+            raise InvalidArgument("batching must be 'continuous' or 'static'")
+
+
+@dataclass
+class AllocationResult:
+    """kvmanager's answer for one sequence of a step (a mirror of SequenceAllocationResult)."""
+
+    ok: bool
+    num_cached_tokens: int = 0
+    start_position: int = 0
+    num_tokens: int = 0
+    block_table_offset: int = 0
+    block_table: list[int] = field(default_factory=list)
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's part of a step: what to tell the kvmanager, then what to run."""
+
+    seq: Sequence
+    seq_id: int
+    num_new_tokens: int
+    new_token_ids: list[int]
+    start_position: int = 0
+    num_tokens: int = 0
+    sample: bool = False
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def compute_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start_position:self.start_position + self.num_tokens]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class AllocationVerdict:
+    ready: list[ScheduledSeq]
+    retry: list[ScheduledSeq]
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    """FCFS waiting queue + running set; the engine drives it one step at a time."""
+
+    def __init__(self, config: SchedulerConfig, new_seq_id: Callable[[], int]):
+        self.config = config
+        self._new_seq_id = new_seq_id
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, GenerationRequest] = {}
+        self.counters = SchedulerCounters()
+        self._pending_frees: list[int] = []
+        self._pending_forks: list[GenerationRequest] = []
+        self._outputs: list[RequestOutput] = []
+        self._admissions = 0
+
+    # --- requests in and out -------------------------------------------------
+
+    def add_request(self, request: GenerationRequest, make_decoder: Callable[[], object]) -> None:
+        """Creates the request's ``n`` sequences and queues what can start."""
+        n = request.options.n
+        request.fork_pending = n > 1 and request.num_prompt_tokens >= 2
+        for index in range(n):
+            seq = Sequence(self._new_seq_id(), request, index, list(request.prompt_token_ids), make_decoder())
+            request.sequences.append(seq)
+        self.requests[request.request_id] = request
+        queued = request.sequences[:1] if request.fork_pending else request.sequences
+        self.waiting.extend(queued)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finishes every choice with ``abort``; blocks are freed with the next Allocate."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._end_request(request, FinishReason.ABORT, None)
+        return True
+
+    def fail_request(self, request: GenerationRequest, error: Exception) -> None:
+        self._end_request(request, FinishReason.ERROR, error)
+
+    def fail_all(self, error: Exception) -> None:
+        for request in list(self.requests.values()):
+            self.fail_request(request, error)
+
+    def _end_request(self, request: GenerationRequest, reason: FinishReason, error: Exception | None) -> None:
+        for seq in request.sequences:
+            if not seq.is_finished:
+                finish_with(seq, reason)
+                self._retire(seq)
+        self._emit(request, error=error)
+
+    # --- state the engine reads ------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_forks)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        return len({seq.request.request_id for seq in self.waiting})
+
+    def take_pending_frees(self) -> list[int]:
+        frees, self._pending_frees = self._pending_frees, []
+        return frees
+
+    def take_pending_forks(self) -> list[GenerationRequest]:
+        forks, self._pending_forks = self._pending_forks, []
+        return [r for r in forks if not r.finished and r.sequences[0].status is SeqStatus.RUNNING]
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    # --- one step ------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Picks this step's batch: decodes, prefill chunks, then admissions."""
+        budget = self.config.max_num_batched_tokens
+        plan: list[ScheduledSeq] = []
+        for seq in self.running:
+            if seq.num_to_compute() == 1 and budget > 0:
+                plan.append(self._entry(seq, 1))
+                budget -= 1
+        for seq in self.running:
+            todo = seq.num_to_compute()
+            if todo > 1 and budget > 0:
+                plan.append(self._entry(seq, min(todo, budget)))
+                budget -= plan[-1].num_new_tokens
+        if self.config.batching == "static":
+            if not self.running:
+                while self.waiting and self._running_slots() < self.config.max_num_seqs:
+                    seq = self.waiting.popleft()
+                    self._admit(seq)
+                    if budget > 0:
+                        plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
+                        budget -= plan[-1].num_new_tokens
+            return plan
+        while self.waiting and budget > 0 and self._running_slots() + self._slots(self.waiting[0]) <= \
+                self.config.max_num_seqs:
+            seq = self.waiting.popleft()
+            self._admit(seq)
+            plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
+            budget -= plan[-1].num_new_tokens
+        return plan
+
+    def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
+        """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""
+        if len(plan) != len(results):
+            raise ValueError(f"{len(results)} allocation results for {len(plan)} sequences")
+        ready: list[ScheduledSeq] = []
+        no_room: list[ScheduledSeq] = []
+        for entry, result in zip(plan, results):
+            seq = entry.seq
+            if seq.status is not SeqStatus.RUNNING or seq.seq_id != entry.seq_id:
+                continue
+            if not result.ok:
+                no_room.append(entry)
+                continue
+            if not seq.holds_blocks:
+                self._record_prefix_lookup(seq, result.num_cached_tokens)
+            seq.num_known_by_manager = seq.num_sendable()
+            seq.apply_block_table_delta(result.block_table_offset, list(result.block_table))
+            entry.start_position = result.start_position
+            entry.num_tokens = result.num_tokens
+            entry.copies = list(zip(result.copy_src, result.copy_dst))
+            end = result.start_position + result.num_tokens
+            entry.sample = end == len(seq.token_ids)
+            if result.num_tokens > 0 or entry.copies:
+                ready.append(entry)
+        retry: list[ScheduledSeq] = []
+        requeue: list[Sequence] = []
+        preempted = False  # one victim per round: its blocks may be enough for the others
+        for entry in no_room:
+            seq = entry.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # already preempted as a victim this round
+            others_hold = any(s.holds_blocks for s in self.running if s is not seq)
+            if not seq.holds_blocks:
+                if others_hold:  # wait for running sequences to finish
+                    self.running.remove(seq)
+                    seq.status = SeqStatus.WAITING
+                    requeue.append(seq)
+                else:
+                    self._fail_cannot_fit(seq, entry)
+                continue
+            if preempted:
+                retry.append(entry)
+                continue
+            victim = self._pick_victim()
+            if victim is seq and not others_hold:
+                self._fail_cannot_fit(seq, entry)
+                continue
+            self._preempt(victim)
+            preempted = True
+            requeue.append(victim)
+            if victim is not seq:
+                retry.append(entry)
+        requeue.sort(key=lambda s: s.admitted_order)
+        self.waiting.extendleft(reversed(requeue))
+        return AllocationVerdict(ready=self.prune(ready), retry=self.prune(retry))
+
+    @staticmethod
+    def prune(entries: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Drops entries whose sequence was preempted or finished since they were allocated."""
+        return [e for e in entries if e.seq.status is SeqStatus.RUNNING and e.seq.seq_id == e.seq_id]
+
+    def apply_samples(self, ready: list[ScheduledSeq], sampled: list[SampledToken],
+                      now: float | None = None) -> None:
+        """Records computed KV and appends sampled tokens; outputs go to ``take_outputs()``."""
+        touched: dict[str, GenerationRequest] = {}
+        samples = iter(sampled)
+        for entry in ready:
+            seq = entry.seq
+            sample = next(samples) if entry.sample else None
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed = entry.start_position + entry.num_tokens
+            request = seq.request
+            if sample is not None:
+                touched[request.request_id] = request
+                if append_token(seq, sample.token_id, sample.logprob, sample.top_logprobs, now):
+                    self._retire(seq)
+            elif request.fork_pending and seq.index == 0 and seq.num_to_compute() == 0:
+                self._pending_forks.append(request)
+        for request in touched.values():
+            self._emit(request)
+
+    def complete_fork(self, request: GenerationRequest, block_table: list[int]) -> None:
+        """The engine forked sequence 0 into the other choices: they join the running set."""
+        parent = request.sequences[0]
+        request.fork_pending = False
+        for child in request.sequences[1:]:
+            if child.is_finished:
+                continue
+            child.num_computed = parent.num_computed
+            child.num_known_by_manager = parent.num_known_by_manager
+            child.block_table = list(block_table)
+            self._admit(child)
+
+    # --- helpers -------------------------------------------------------------
+
+    def _entry(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        new_ids = seq.token_ids[seq.num_known_by_manager:seq.num_sendable()]
+        return ScheduledSeq(seq, seq.seq_id, num_new_tokens, new_ids)
+
+    def _slots(self, seq: Sequence) -> int:
+        request = seq.request
+        return request.options.n if request.fork_pending and seq.index == 0 else 1
+
+    def _running_slots(self) -> int:
+        return sum(self._slots(seq) for seq in self.running)
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        seq.admitted_order = self._admissions
+        self._admissions += 1
+        self.running.append(seq)
+
+    def _pick_victim(self) -> Sequence:
+        holders = [s for s in self.running if s.holds_blocks]
+        return max(holders, key=lambda s: s.admitted_order)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._pending_frees.append(seq.seq_id)
+        seq.reset_for_recompute(self._new_seq_id())
+        self.counters.num_preemptions += 1
+
+    def _record_prefix_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:
+        request = seq.request
+        if request.num_cached_tokens is None:  # first admission only: what usage reports
+            request.num_cached_tokens = num_cached_tokens
+            self.counters.prefix_cache_queries += request.num_prompt_tokens
+            self.counters.prefix_cache_hits += num_cached_tokens
+
+    def _fail_cannot_fit(self, seq: Sequence, entry: ScheduledSeq) -> None:
+        needed = seq.num_computed + entry.num_new_tokens
+        self.fail_request(seq.request, ResourceExhausted(
+            f"request {seq.request.request_id} cannot fit in the KV cache even alone "
+            f"({needed} tokens of sequence {seq.index} need more blocks than the pool has free)"))
+
+    def _retire(self, seq: Sequence) -> None:
+        """A sequence is done: leave the queues, free its blocks with the next Allocate."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.holds_blocks:
+            self._pending_frees.append(seq.seq_id)
+            seq.num_known_by_manager = 0
+        seq.status = SeqStatus.FINISHED
+
+    def _emit(self, request: GenerationRequest, error: Exception | None = None) -> None:
+        if request.finished:
+            return
+        deltas = [d for d in (take_delta(seq) for seq in request.sequences) if d is not None]
+        finished = request.all_finished()
+        if finished:
+            request.finished = True
+            self.requests.pop(request.request_id, None)
+        if not deltas and not finished:
+            return
+        self._outputs.append(RequestOutput(
+            request_id=request.request_id, choices=deltas, finished=finished, error=error,
+            prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_completion_tokens,
+            cached_tokens=request.num_cached_tokens or 0,
+        ))

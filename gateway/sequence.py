@@ -1,0 +1,176 @@
+"""Requests and their sequences: the scheduler's domain objects (no grpc, no I/O).
+
+A ``GenerationRequest`` has ``n`` choices; each choice is a ``Sequence`` whose
+``token_ids`` hold the prompt followed by the generated tokens. A sequence knows
+how much of it the kvmanager has seen (``num_known_by_manager``) and how much has
+KV in the cache (``num_computed``); the scheduler moves those forward step by step.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingOptions:
+    """Everything a request asks about sampling and stopping, already validated."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int = 1
+    logprobs: int | None = None
+    enable_prefix_caching: bool = True
+    cache_salt: str = ""
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice produced since its previous delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One step's worth of output for one request; ``finished`` on the last one."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    finished: bool = False
+    error: Exception | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class TextDecoder:
+    """Interface the scheduler needs from a detokenizer (see ``gateway.detokenizer``)."""
+
+    def append(self, token_id: int) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def flush(self) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request, as the scheduler and the kvmanager see it."""
+
+    seq_id: int
+    request: GenerationRequest
+    index: int
+    token_ids: list[int]
+    decoder: TextDecoder
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_known_by_manager: int = 0
+    block_table: list[int] = field(default_factory=list)
+    admitted_order: int = -1
+    output_text: str = ""
+    num_text_sent: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    finish_reported: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether the kvmanager knows this sequence (it may hold blocks)."""
+        return self.num_known_by_manager > 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def num_sendable(self) -> int:
+        """Tokens the kvmanager may know: all, except the last prompt token while a fork is pending."""
+        if self.request.fork_pending and self.index == 0:
+            return self.num_prompt_tokens - 1
+        return len(self.token_ids)
+
+    def num_to_compute(self) -> int:
+        return self.num_sendable() - self.num_computed
+
+    def reset_for_recompute(self, new_seq_id: int) -> None:
+        """Preemption by recompute: forget every block; the tokens stay."""
+        self.seq_id = new_seq_id
+        self.num_computed = 0
+        self.num_known_by_manager = 0
+        self.block_table = []
+        self.status = SeqStatus.WAITING
+
+    def apply_block_table_delta(self, offset: int, blocks: list[int]) -> None:
+        del self.block_table[offset:]
+        self.block_table.extend(blocks)
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    """A client request: prompt, options, ``n`` sequences and where outputs go."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    options: SamplingOptions
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    sink: Callable[[RequestOutput], None] = lambda output: None
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    fork_pending: bool = False
+    num_cached_tokens: int | None = None
+    abort_requested: bool = False
+    finished: bool = False
+    max_stop_len: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(seq.num_output_tokens for seq in self.sequences)
+
+    def all_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.sequences)
