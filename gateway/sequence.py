@@ -30,7 +30,7 @@ class SeqStatus(enum.Enum):
 class SamplingOptions:
     """Everything a request asks about sampling and stopping, already validated."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -157,6 +157,7 @@ class GenerationRequest:
     max_model_len: int
     sink: Callable[[RequestOutput], None] = lambda output: None
     arrival_time: float = field(default_factory=time.monotonic)
+    last_emit_time: float | None = None
     sequences: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
     num_cached_tokens: int | None = None

@@ -1,0 +1,118 @@
+"""``python -m gateway``: the OpenAI-compatible HTTP API and gRPC Gateway in one asyncio loop."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.detokenizer import ModelTokenizer
+from gateway.engine import Engine, EngineConfig
+from gateway.grpc_api import GatewayServicer
+from gateway.http_api import create_app
+from gateway.metrics import GatewayMetrics
+from gateway.scheduler import SchedulerConfig
+from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.errors import StartupError
+from kvserve.logs import configure_logging, get_logger
+from kvserve.paths import default_model_dir
+from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+log = get_logger("gateway")
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog="gateway", description="kvserve gateway: requests, continuous batching, "
+                               "OpenAI-compatible HTTP and gRPC APIs")
+    add_server_flags(parser, default_port=50051)
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port")
+    parser.add_argument("--kvmanager-address", default="localhost:50052", help="kvmanager gRPC address")
+    parser.add_argument("--executor-address", default="localhost:50053", help="executor gRPC address")
+    parser.add_argument("--model", type=Path, default=default_model_dir(),
+                        help="model directory (tokenizer.json, chat template)")
+    parser.add_argument("--served-model-name", default=None, help="model name in the APIs (default: "
+                        "the model directory's name)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="most tokens computed per step (prefill is chunked to fit)")
+    parser.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                        help="continuous (iteration-level) or static (batch runs to completion) batching")
+    parser.add_argument("--kv-allocation", choices=["paged", "reserve"], default="paged",
+                        help="kvmanager pool policy: blocks on demand or max_model_len reserved at admission")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True, help="reuse cached KV blocks of shared prompt prefixes")
+    parser.add_argument("--max-queue-len", type=int, default=1024,
+                        help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
+    parser.add_argument("--pool-id", default="", help="kvmanager pool name (default: executor@<address>)")
+    parser.add_argument("--session-ttl-ms", type=int, default=10_000, help="kvmanager session lease")
+    return parser
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside our loop: the gateway, not uvicorn, handles SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(args) -> None:
+    configure_logging(args.log_level)
+    if not (args.model / "tokenizer.json").exists():
+        raise StartupError(f"--model {args.model}: no tokenizer.json there")
+    try:
+        scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.batching)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    tokenizer = ModelTokenizer(args.model)
+    metrics = GatewayMetrics(args.served_model_name or args.model.name)
+    config = EngineConfig(
+        kvmanager_address=args.kvmanager_address, executor_address=args.executor_address, pool_id=args.pool_id,
+        kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
+        session_ttl_ms=args.session_ttl_ms, max_queue_len=args.max_queue_len, scheduler=scheduler_config,
+    )
+    engine = Engine(config, tokenizer, metrics)
+    batching = {"batching": args.batching, "kv_allocation": args.kv_allocation,
+                "enable_prefix_caching": args.enable_prefix_caching}
+    servicer = GatewayServicer(engine, tokenizer, batching)
+    grpc_server = GrpcServer("gateway", args.host, args.port, [Service(
+        gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, servicer,
+        gateway_pb2_grpc.add_GatewayServicer_to_server)])
+    app = create_app(engine, tokenizer)
+    http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+    await engine.start()
+    await grpc_server.start()
+    http_task = asyncio.create_task(http.serve())
+    while not http.started:
+        if http_task.done():
+            await engine.shutdown()
+            await grpc_server.stop(0)
+            raise StartupError(f"cannot listen on {args.host}:{args.http_port} (HTTP)")
+        await asyncio.sleep(0.02)
+    log.info("gateway_started", grpc=grpc_server.address, http=f"{args.host}:{args.http_port}",
+             model=metrics.model_name, batching=args.batching, kv_allocation=args.kv_allocation,
+             prefix_caching=args.enable_prefix_caching)
+    signal_task = asyncio.create_task(wait_for_shutdown_signal())
+    done, _ = await asyncio.wait({signal_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("gateway_stopping", signal=str(signal_task.result()) if signal_task in done else "http exited")
+    await engine.shutdown(timeout=args.shutdown_grace)
+    http.should_exit = True
+    await grpc_server.stop(args.shutdown_grace)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(http_task, args.shutdown_grace + 1)
+    signal_task.cancel()
+    log.info("gateway_stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_service("gateway", lambda: serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""grpc.aio clients of kvmanager and executor: protobuf ⇄ the scheduler's domain objects.
+
+Every RPC failure becomes ``DependencyError`` (an ``Unavailable``) naming the
+service, its address and the status, so a request that fails because a
+dependency is down says why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
+from gateway.stopping import suppressed_token_ids
+from kvserve.errors import Unavailable
+from kvserve.health import check_async
+from kvserve.server import MAX_MESSAGE_BYTES
+from kvserve.v1 import executor_pb2, executor_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Reconnect quickly when a dependency comes back (the default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+OK = kvmanager_pb2.ALLOCATION_STATUS_OK
+POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
+
+
+class DependencyError(Unavailable):
+    """kvmanager or executor failed an RPC (unreachable, restarted, or refused the call)."""
+
+    def __init__(self, service: str, address: str, exc: grpc.aio.AioRpcError):
+        self.service = service
+        self.status = exc.code()
+        super().__init__(f"{service} at {address}: {exc.code().name}: {exc.details()}")
+
+
+@dataclass(frozen=True)
+class ExecutorInfo:
+    """What the executor serves (from Describe)."""
+
+    model_name: str
+    model_fingerprint: str
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExecuteOutput:
+    sampled: list[SampledToken]
+    forward_s: float
+    total_s: float
+
+
+class _Client:
+    service = ""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+    async def healthy(self, timeout: float = 1.0) -> bool:
+        return await check_async(self.channel, timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _call(self, method, request, timeout: float):
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise DependencyError(self.service, self.address, exc) from exc
+
+
+class ExecutorClient(_Client):
+    service = "executor"
+
+    def __init__(self, address: str, execute_timeout: float = 300.0):
+        super().__init__(address)
+        self._stub = executor_pb2_grpc.ExecutorStub(self.channel)
+        self._execute_timeout = execute_timeout
+        self.block_size = 16
+
+    async def describe(self, timeout: float = 3.0) -> ExecutorInfo:
+        reply = await self._call(self._stub.Describe, executor_pb2.DescribeRequest(), timeout)
+        self.block_size = reply.block_size
+        return ExecutorInfo(
+            model_name=reply.model_name, model_fingerprint=reply.model_fingerprint, dtype=reply.dtype,
+            device=reply.device, attention_backend=reply.attention_backend, block_size=reply.block_size,
+            num_blocks=reply.num_blocks, max_model_len=reply.max_model_len, vocab_size=reply.vocab_size,
+            eos_token_ids=tuple(reply.eos_token_ids),
+        )
+
+    async def execute(self, ready: list[ScheduledSeq]) -> ExecuteOutput:
+        copy_src: list[int] = []
+        copy_dst: list[int] = []
+        sequences = []
+        block_size = self.block_size
+        want_top = False
+        for entry in ready:
+            for src, dst in entry.copies:
+                copy_src.append(src)
+                copy_dst.append(dst)
+            end = entry.start_position + entry.num_tokens
+            table = entry.seq.block_table[: math.ceil(end / block_size)]
+            sequence = executor_pb2.ExecuteSequence(
+                seq_id=entry.seq_id, token_ids=entry.compute_token_ids(),
+                start_position=entry.start_position, block_table=table, sample=entry.sample,
+            )
+            if entry.sample:
+                _fill_sampling(sequence.sampling, entry)
+                want_top = want_top or bool(entry.seq.request.options.logprobs)
+            sequences.append(sequence)
+        request = executor_pb2.ExecuteRequest(copy_src=copy_src, copy_dst=copy_dst, sequences=sequences)
+        reply = await self._call(self._stub.Execute, request, self._execute_timeout)
+        logprobs = list(reply.sampled_logprobs)
+        sampled = []
+        for i, token_id in enumerate(reply.sampled_token_ids):
+            top = None
+            if want_top and i < len(reply.top_logprobs):
+                alt = reply.top_logprobs[i]
+                top = list(zip(alt.token_ids, alt.logprobs))
+            sampled.append(SampledToken(token_id, logprobs[i] if i < len(logprobs) else None, top))
+        timings = reply.timings
+        return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0)
+
+
+def _fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq) -> None:
+    seq = entry.seq
+    options = seq.request.options
+    params.temperature = options.temperature
+    params.top_k = options.top_k
+    params.top_p = options.top_p
+    if options.seed is not None:  # each choice draws its own stream
+        params.seed = (options.seed + seq.index) % (1 << 64)
+    if options.logprobs:
+        params.top_logprobs = options.logprobs
+    if options.min_tokens:
+        params.suppressed_token_ids.extend(suppressed_token_ids(seq))
+
+
+class KVManagerClient(_Client):
+    service = "kvmanager"
+
+    def __init__(self, address: str, timeout: float = 10.0):
+        super().__init__(address)
+        self._stub = kvmanager_pb2_grpc.KVManagerStub(self.channel)
+        self._timeout = timeout
+
+    async def register_pool(self, pool_id: str, info: ExecutorInfo, enable_prefix_caching: bool,
+                            kv_allocation: str) -> bool:
+        request = kvmanager_pb2.RegisterPoolRequest(
+            pool_id=pool_id, num_blocks=info.num_blocks, block_size=info.block_size,
+            model_fingerprint=info.model_fingerprint, enable_prefix_caching=enable_prefix_caching,
+            allocation_policy=POLICIES[kv_allocation], max_model_len=info.max_model_len,
+        )
+        return (await self._call(self._stub.RegisterPool, request, self._timeout)).created
+
+    async def open_session(self, pool_id: str, ttl_ms: int, client_name: str) -> tuple[str, int]:
+        request = kvmanager_pb2.OpenSessionRequest(pool_id=pool_id, ttl_ms=ttl_ms, client_name=client_name)
+        reply = await self._call(self._stub.OpenSession, request, self._timeout)
+        return reply.session_id, reply.ttl_ms
+
+    async def renew_session(self, session_id: str) -> int:
+        request = kvmanager_pb2.RenewSessionRequest(session_id=session_id)
+        return (await self._call(self._stub.RenewSession, request, self._timeout)).expires_in_ms
+
+    async def close_session(self, session_id: str, timeout: float | None = None) -> int:
+        request = kvmanager_pb2.CloseSessionRequest(session_id=session_id)
+        reply = await self._call(self._stub.CloseSession, request, timeout or self._timeout)
+        return reply.num_sequences_freed
+
+    async def allocate(self, pool_id: str, session_id: str, free_seq_ids: list[int],
+                       plan: list[ScheduledSeq], prefix_caching: bool) -> tuple[list[AllocationResult], float]:
+        sequences = [
+            kvmanager_pb2.SequenceAllocation(
+                seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens,
+                enable_prefix_caching=prefix_caching and entry.seq.request.options.enable_prefix_caching,
+                cache_salt=entry.seq.request.options.cache_salt,
+            )
+            for entry in plan
+        ]
+        request = kvmanager_pb2.AllocateRequest(
+            pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences)
+        reply = await self._call(self._stub.Allocate, request, self._timeout)
+        results = [
+            AllocationResult(
+                ok=r.status == OK, num_cached_tokens=r.num_cached_tokens, start_position=r.start_position,
+                num_tokens=r.num_tokens, block_table_offset=r.block_table_offset,
+                block_table=list(r.block_table), copy_src=list(r.copy_src), copy_dst=list(r.copy_dst),
+            )
+            for r in reply.results
+        ]
+        return results, reply.kv_cache_usage
+
+    async def fork(self, pool_id: str, session_id: str, parent: int, children: list[int]) -> list[int]:
+        request = kvmanager_pb2.ForkRequest(
+            pool_id=pool_id, session_id=session_id, parent_seq_id=parent, child_seq_ids=children)
+        return list((await self._call(self._stub.Fork, request, self._timeout)).block_table)
+
+    async def free(self, pool_id: str, session_id: str, seq_ids: list[int]) -> int:
+        request = kvmanager_pb2.FreeRequest(pool_id=pool_id, session_id=session_id, seq_ids=seq_ids)
+        return (await self._call(self._stub.Free, request, self._timeout)).num_blocks_freed
+
+    async def get_stats(self, pool_id: str, timeout: float = 1.0) -> kvmanager_pb2.PoolStats:
+        return await self._call(self._stub.GetStats, kvmanager_pb2.GetStatsRequest(pool_id=pool_id), timeout)
+
+    async def reset_prefix_cache(self, pool_id: str) -> int:
+        request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
+        return (await self._call(self._stub.ResetPrefixCache, request, self._timeout)).num_blocks_cleared

@@ -1,0 +1,433 @@
+"""The step loop: one batched kvmanager Allocate and one executor Execute per step.
+
+``Engine`` owns the scheduler, the connection to kvmanager (pool + session with a
+renewed lease) and to the executor, and the per-request output queues that the
+HTTP and gRPC front ends read. All scheduler state changes happen on the step
+loop; ``submit`` and ``abort`` only leave notes in an inbox.
+
+When a dependency fails, every live request fails with UNAVAILABLE and the
+reason; the session is closed (freeing every block) and set up again — pool,
+prefix-cache reset, session — on the next request, so the gateway recovers
+without a restart.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.clients import DependencyError, ExecutorClient, ExecutorInfo, KVManagerClient
+from gateway.detokenizer import ModelTokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.scheduler import Scheduler, SchedulerConfig
+from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
+from kvserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from kvserve.logs import get_logger
+
+log = get_logger("gateway.engine")
+
+
+class RequestTooLarge(ResourceExhausted):
+    """A request that can never fit in the KV cache (HTTP 400, gRPC RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kvmanager_address: str = "localhost:50052"
+    executor_address: str = "localhost:50053"
+    pool_id: str = ""
+    kv_allocation: str = "paged"
+    enable_prefix_caching: bool = True
+    session_ttl_ms: int = 10_000
+    max_queue_len: int = 1024
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def effective_pool_id(self) -> str:
+        return self.pool_id or f"executor@{self.executor_address}"
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """What a front end reads: the request's outputs, one per step, the last with ``finished``."""
+
+    request: GenerationRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            output: RequestOutput = await self.queue.get()
+            if output.error is not None:
+                raise output.error
+            yield output
+            if output.finished:
+                return
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tokenizer: ModelTokenizer, metrics: GatewayMetrics):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.kvmanager = KVManagerClient(config.kvmanager_address)
+        self.executor = ExecutorClient(config.executor_address)
+        self.info: ExecutorInfo | None = None
+        seq_prefix = random.getrandbits(30) << 32
+        self._seq_counter = iter(range(seq_prefix + 1, seq_prefix + (1 << 32)))
+        self.scheduler = Scheduler(config.scheduler, lambda: next(self._seq_counter))
+        self._session_id: str | None = None
+        self._connection_lost: str | None = None
+        self._connect_lock = asyncio.Lock()
+        self._step_lock = asyncio.Lock()
+        self._inbox: list[tuple[GenerationRequest, object]] = []
+        self._aborts: set[str] = set()
+        self._live: dict[str, RequestStream] = {}
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._accepting = True
+        self._tasks: list[asyncio.Task] = []
+        self._reported = (0, 0, 0)
+
+    # --- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._loop(), name="engine-loop"))
+        self._tasks.append(asyncio.create_task(self._renew_session_loop(), name="session-renewal"))
+        for client in (self.kvmanager, self.executor):
+            self._tasks.append(asyncio.create_task(self._watch_channel(client), name=f"watch-{client.service}"))
+        try:
+            await self.ensure_connected()
+        except Unavailable as exc:
+            log.warning("dependencies_unavailable_at_start", reason=str(exc))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops accepting, aborts everything in flight, frees its blocks, closes the session."""
+        self._accepting = False
+        for request_id in list(self._live):
+            self.abort(request_id)
+        self._wakeup.set()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("shutdown_not_idle", live=len(self._live))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_session(timeout=2.0)
+        await self.kvmanager.close()
+        await self.executor.close()
+
+    # --- requests ----------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.metrics.model_name
+
+    async def submit(self, prompt_token_ids: list[int], options: SamplingOptions,
+                     request_id: str | None = None) -> RequestStream:
+        """Validates and queues a request; raises InvalidArgument, ResourceExhausted or Unavailable."""
+        if not self._accepting:
+            raise Unavailable("gateway is shutting down")
+        await self.ensure_connected()
+        info = self.info
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._live:
+            raise AlreadyExists(f"request_id {request_id!r} is already live")
+        self._validate(prompt_token_ids, options, info)
+        queued = self.scheduler.num_waiting_requests + len(self._inbox)
+        if queued >= self.config.max_queue_len:
+            raise ResourceExhausted(f"queue full: {queued} requests waiting (max_queue_len "
+                                    f"{self.config.max_queue_len}); retry later")
+        eos = frozenset(info.eos_token_ids) or frozenset(self.tokenizer.eos_token_ids)
+        request = GenerationRequest(request_id, list(prompt_token_ids), options, eos, info.max_model_len)
+        request.max_stop_len = max((len(s) for s in options.stop), default=0)
+        stream = RequestStream(request)
+        request.sink = stream.queue.put_nowait
+        self._live[request_id] = stream
+        self._inbox.append((request, lambda: self.tokenizer.detokenizer(
+            prompt_token_ids, options.skip_special_tokens)))
+        self._idle.clear()
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Asks the loop to abort; blocks are freed at the next step. False when not live."""
+        if request_id not in self._live:
+            return False
+        self._aborts.add(request_id)
+        self._idle.clear()
+        self._wakeup.set()
+        return True
+
+    def _validate(self, prompt: list[int], options: SamplingOptions, info: ExecutorInfo) -> None:
+        if not prompt:
+            raise InvalidArgument("prompt: empty (at least one token is needed)")
+        bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
+        length, limit = len(prompt), info.max_model_len
+        if length >= limit:
+            raise InvalidArgument(f"prompt is too long: {length} tokens, but max_model_len is {limit} "
+                                  f"(prompt + output), leaving no room to generate")
+        if options.max_tokens is None or options.max_tokens == 0:
+            options.max_tokens = limit - length
+        elif length + options.max_tokens > limit:
+            raise InvalidArgument(f"prompt ({length} tokens) + max_tokens ({options.max_tokens}) exceeds "
+                                  f"max_model_len {limit}")
+        if options.n > self.config.scheduler.max_num_seqs:
+            raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {self.config.scheduler.max_num_seqs}")
+        usable = (info.num_blocks - 1) * info.block_size
+        needed = limit if self.config.kv_allocation == "reserve" else length + 1
+        if needed > usable:
+            raise RequestTooLarge(f"request needs {needed} KV slots but the executor's cache has {usable} "
+                                  f"({info.num_blocks - 1} blocks of {info.block_size}); it can never fit")
+        bad_stop = next((t for t in options.stop_token_ids if t < 0 or t >= info.vocab_size), None)
+        if bad_stop is not None:
+            raise InvalidArgument(f"stop_token_ids: {bad_stop} is outside [0, {info.vocab_size})")
+
+    # --- connection ---------------------------------------------------------------
+
+    async def ensure_connected(self, *, in_step: bool = False) -> None:
+        """Sets up pool and session when there is none; raises Unavailable with the reason."""
+        if self._session_id is not None and self._connection_lost is None:
+            return
+        async with self._connect_lock:
+            if self._connection_lost is not None:
+                if in_step:
+                    self._reset_connection(self._connection_lost)
+                else:
+                    async with self._step_lock:
+                        if self._connection_lost is not None:
+                            self._reset_connection(self._connection_lost)
+            if self._session_id is not None:
+                return
+            try:
+                info = await self.executor.describe()
+                pool_id = self.config.effective_pool_id
+                await self.kvmanager.register_pool(pool_id, info, self.config.enable_prefix_caching,
+                                                   self.config.kv_allocation)
+                await self._reset_prefix_cache(pool_id)
+                session_id, ttl = await self.kvmanager.open_session(
+                    pool_id, self.config.session_ttl_ms, f"gateway@{os.getpid()}")
+            except DependencyError as exc:
+                raise Unavailable(f"cannot serve: {exc}") from exc
+            self.info = info
+            self._session_id = session_id
+            self._connection_lost = None
+            log.info("connected", pool_id=pool_id, session_id=session_id, num_blocks=info.num_blocks,
+                     block_size=info.block_size, max_model_len=info.max_model_len, model=info.model_name)
+
+    async def _reset_prefix_cache(self, pool_id: str) -> None:
+        """Cached hashes may describe KV of an executor that has since restarted: drop them."""
+        try:
+            await self.kvmanager.reset_prefix_cache(pool_id)
+        except DependencyError as exc:
+            if exc.status is not grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("prefix_cache_not_reset", reason=str(exc))
+
+    def _reset_connection(self, reason: str) -> None:
+        """Fails every live request with UNAVAILABLE and forgets the session."""
+        error = Unavailable(reason)
+        for request, _ in self._inbox:
+            request.sink(RequestOutput(request.request_id, [], finished=True, error=error))
+            self._live.pop(request.request_id, None)
+        self._inbox.clear()
+        self.scheduler.fail_all(error)
+        self.scheduler.take_pending_frees()
+        self.scheduler.take_pending_forks()
+        self._deliver(self.scheduler.take_outputs())
+        session_id, self._session_id = self._session_id, None
+        self._connection_lost = None
+        if session_id is not None:
+            asyncio.get_running_loop().create_task(self._close_session_id(session_id))
+        log.warning("connection_reset", reason=reason)
+
+    async def _close_session(self, timeout: float) -> None:
+        session_id, self._session_id = self._session_id, None
+        if session_id is not None:
+            await self._close_session_id(session_id, timeout)
+
+    async def _close_session_id(self, session_id: str, timeout: float = 2.0) -> None:
+        try:
+            await self.kvmanager.close_session(session_id, timeout=timeout)
+        except DependencyError as exc:
+            log.info("close_session_failed", reason=str(exc))
+
+    async def _renew_session_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.config.session_ttl_ms / 3000.0, 0.05))
+            session_id = self._session_id
+            if session_id is None:
+                continue
+            try:
+                await self.kvmanager.renew_session(session_id)
+            except DependencyError as exc:
+                if self._session_id == session_id:
+                    self._connection_lost = f"kvmanager session lost: {exc}"
+                    self._wakeup.set()
+
+    async def _watch_channel(self, client) -> None:
+        """A broken connection (process restarted or gone) means the session or KV content is lost."""
+        channel = client.channel
+        state = channel.get_state(try_to_connect=False)
+        while True:
+            await channel.wait_for_state_change(state)
+            new_state = channel.get_state(try_to_connect=False)
+            if state is grpc.ChannelConnectivity.READY and new_state in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE) \
+                    and self._session_id is not None:
+                self._connection_lost = f"{client.service} at {client.address}: connection lost"
+                self._wakeup.set()
+            state = new_state
+
+    # --- the loop -------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._inbox or self._aborts or self.scheduler.has_work() or self._connection_lost:
+                async with self._step_lock:
+                    try:
+                        await self._step()
+                    except Unavailable as exc:
+                        self._reset_connection(str(exc))
+                    except Exception as exc:  # noqa: BLE001 — a bug must not kill the loop
+                        log.error("step_failed", error=repr(exc), exc_info=exc)
+                        self._reset_connection(f"internal error in the gateway step: {exc!r}")
+                await asyncio.sleep(0)  # let streams flush and requests arrive
+            await self._flush_frees()
+            self._publish_queue()
+            self._idle.set()
+
+    async def _step(self) -> None:
+        started = time.perf_counter()
+        if self._connection_lost is not None:
+            raise Unavailable(self._connection_lost)
+        scheduler = self.scheduler
+        for request, make_decoder in self._inbox:
+            scheduler.add_request(request, make_decoder)
+        self._inbox.clear()
+        for request_id in self._aborts:
+            scheduler.abort_request(request_id)
+        self._aborts.clear()
+        if not scheduler.has_work():
+            self._deliver(scheduler.take_outputs())
+            return
+        if self._session_id is None:
+            await self.ensure_connected(in_step=True)
+        pool_id, session_id = self.config.effective_pool_id, self._session_id
+        kv_s = 0.0
+        for request in scheduler.take_pending_forks():
+            t0 = time.perf_counter()
+            children = [seq.seq_id for seq in request.sequences[1:]]
+            table = await self.kvmanager.fork(pool_id, session_id, request.sequences[0].seq_id, children)
+            kv_s += time.perf_counter() - t0
+            scheduler.complete_fork(request, table)
+        plan = scheduler.schedule()
+        ready, usage = [], None
+        preemptions = scheduler.counters.num_preemptions
+        while plan:
+            t0 = time.perf_counter()
+            results, usage = await self.kvmanager.allocate(
+                pool_id, session_id, scheduler.take_pending_frees(), plan, self.config.enable_prefix_caching)
+            kv_s += time.perf_counter() - t0
+            verdict = scheduler.apply_allocation(plan, results)
+            ready = scheduler.prune(ready + verdict.ready)
+            plan = verdict.retry
+        executor_s = forward_s = total_s = 0.0
+        if ready:
+            t0 = time.perf_counter()
+            result = await self.executor.execute(ready)
+            executor_s = time.perf_counter() - t0
+            forward_s, total_s = result.forward_s, result.total_s
+            scheduler.apply_samples(ready, result.sampled)
+        self._deliver(scheduler.take_outputs())
+        self.metrics.on_preemptions(scheduler.counters.num_preemptions - preemptions)
+        self._publish_prefix_counters()
+        self._publish_queue()
+        self.metrics.on_step(step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
+                             forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
+
+    async def _flush_frees(self) -> None:
+        """Idle: free what finished in the last step (nothing else will carry it)."""
+        frees = self.scheduler.take_pending_frees()
+        if not frees or self._session_id is None:
+            return
+        try:
+            await self.kvmanager.free(self.config.effective_pool_id, self._session_id, frees)
+        except DependencyError as exc:
+            log.warning("free_failed", reason=str(exc), seq_ids=len(frees))
+            self._connection_lost = f"free failed: {exc}"
+
+    # --- outputs and metrics ----------------------------------------------------------
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            stream = self._live.get(output.request_id)
+            if stream is None:
+                continue
+            request = stream.request
+            new_tokens = sum(len(c.token_ids) for c in output.choices)
+            if new_tokens:
+                self.metrics.on_tokens(new_tokens)
+                if request.last_emit_time is None:
+                    self.metrics.on_first_token(now - request.arrival_time)
+                else:
+                    per_choice = max(1, new_tokens // max(1, len(output.choices)))
+                    self.metrics.on_inter_token((now - request.last_emit_time) / per_choice)
+                request.last_emit_time = now
+            if output.finished:
+                self._live.pop(output.request_id, None)
+                reason = next((c.finish_reason.value for c in output.choices if c.finish_reason), "error")
+                self.metrics.on_request_finished(prompt_tokens=request.num_prompt_tokens,
+                                                 e2e_s=now - request.arrival_time, reason=reason)
+            request.sink(output)
+
+    def _publish_prefix_counters(self) -> None:
+        counters = self.scheduler.counters
+        queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
+        previous_queries, previous_hits, _ = self._reported
+        self.metrics.on_prefix_lookup(queries - previous_queries, hits - previous_hits)
+        self._reported = (queries, hits, 0)
+
+    def _publish_queue(self) -> None:
+        running = {seq.request.request_id for seq in self.scheduler.running}
+        self.metrics.set_queue(len(running), self.scheduler.num_waiting_requests + len(self._inbox),
+                               len(self.scheduler.running))
+
+    # --- introspection --------------------------------------------------------------
+
+    async def dependency_health(self) -> dict[str, bool]:
+        kv, ex = await asyncio.gather(self.kvmanager.healthy(), self.executor.healthy())
+        self.metrics.on_dependency("kvmanager", kv)
+        self.metrics.on_dependency("executor", ex)
+        return {"kvmanager": kv, "executor": ex}
+
+    async def refresh_pool_stats(self):
+        """Reads kvmanager's pool stats into the metrics; None when unreachable."""
+        try:
+            stats = await self.kvmanager.get_stats(self.config.effective_pool_id)
+        except DependencyError:
+            return None
+        self.metrics.on_pool_stats(stats)
+        return stats
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.info.max_model_len if self.info else None

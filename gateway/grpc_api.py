@@ -1,0 +1,88 @@
+"""gRPC ``kvserve.v1.Gateway``: protobuf ⇄ domain, nothing else."""
+from __future__ import annotations
+
+from gateway.detokenizer import ModelTokenizer
+from gateway.engine import Engine
+from gateway.params import build_options
+from gateway.sequence import FinishReason, RequestOutput
+from kvserve.errors import InvalidArgument, Unavailable
+from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+FINISH = {
+    None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gateway_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gateway_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: gateway_pb2.FINISH_REASON_ABORT,
+}
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, describe_batching: dict):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._batching = describe_batching
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context):
+        engine = self._engine
+        if request.model and request.model != engine.model_name:
+            raise InvalidArgument(f"model: {request.model!r} does not exist; this server serves "
+                                  f"{engine.model_name!r}")
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            prompt_ids = self._tokenizer.encode(request.text, add_special_tokens=True)
+        elif kind == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+        else:
+            raise InvalidArgument("prompt: set text or token_ids")
+        p = request.params
+        options = build_options(
+            max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, n=p.n or 1,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,
+            default_temperature=0.0,
+        )
+        stream = await engine.submit(prompt_ids, options, request.request_id or None)
+        finished = False
+        try:
+            async for output in stream:
+                for message in _messages(output):
+                    yield message
+                finished = output.finished
+        finally:
+            if not finished:  # cancelled by the client
+                engine.abort(stream.request_id)
+
+    async def Abort(self, request: gateway_pb2.AbortRequest, context):
+        return gateway_pb2.AbortResponse(aborted=self._engine.abort(request.request_id))
+
+    async def GetModelInfo(self, request: gateway_pb2.GetModelInfoRequest, context):
+        engine = self._engine
+        await engine.ensure_connected()
+        info = engine.info
+        if info is None:
+            raise Unavailable("executor not described yet")
+        return gateway_pb2.ModelInfo(
+            model_name=engine.model_name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            block_size=info.block_size, num_blocks=info.num_blocks, dtype=info.dtype, device=info.device,
+            attention_backend=info.attention_backend, **self._batching,
+        )
+
+
+def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:
+    messages = []
+    for delta in output.choices:
+        stop_reason = "" if delta.stop_reason is None else str(delta.stop_reason)
+        messages.append(gateway_pb2.GenerateResponse(
+            request_id=output.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text,
+            finish_reason=FINISH[delta.finish_reason], logprobs=delta.logprobs, stop_reason=stop_reason,
+        ))
+    if output.finished:
+        if not messages:
+            messages.append(gateway_pb2.GenerateResponse(request_id=output.request_id))
+        messages[-1].usage.CopyFrom(gateway_pb2.Usage(
+            prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens,
+            cached_tokens=output.cached_tokens))
+    return messages

@@ -1,0 +1,196 @@
+"""OpenAI-compatible HTTP API (FastAPI): thin routes over the engine.
+
+Routes convert JSON ⇄ domain objects only; errors use OpenAI's error JSON
+(``{"error": {"message", "type", "param", "code"}}``) with the HTTP status of
+the domain error.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.detokenizer import ModelTokenizer
+from gateway.engine import Engine, RequestStream, RequestTooLarge
+from gateway.openai_protocol import (
+    ChatCompletionBody, ChoiceAccumulator, CompletionBody, ResponseFormatter, message_dicts,
+)
+from gateway.params import build_options
+from kvserve.errors import InvalidArgument, KVServeError
+from kvserve.logs import get_logger
+
+log = get_logger("gateway.http")
+
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+}
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def error_for(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, RequestTooLarge):
+        return 400, "invalid_request_error"
+    if isinstance(exc, KVServeError):
+        return HTTP_STATUS.get(exc.code, (500, "internal_error"))
+    return 500, "internal_error"
+
+
+def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
+    app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
+    served_name = engine.model_name
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = f"body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
+        return error_response(400, f"{where}: {message}" if where else message, "invalid_request_error", where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+    @app.exception_handler(KVServeError)
+    async def _domain(request: Request, exc: KVServeError):
+        status, kind = error_for(exc)
+        return error_response(status, str(exc), kind)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.error("http_internal_error", error=repr(exc), exc_info=exc)
+        return error_response(500, f"internal error: {exc!r}", "internal_error")
+
+    def check_model(name: str | None) -> None:
+        if name and name != served_name:
+            raise InvalidArgument(f"model: {name!r} does not exist; this server serves {served_name!r}")
+
+    @app.get("/v1/models")
+    async def models():
+        entry = {"id": served_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+                 "root": served_name, "parent": None, "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [entry]}
+
+    @app.get("/health")
+    async def health():
+        status = await engine.dependency_health()
+        ok = all(status.values())
+        body = {"status": "ok" if ok else "unavailable",
+                **{name: "SERVING" if up else "UNREACHABLE" for name, up in status.items()}}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(engine.refresh_pool_stats(), 1.0)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        check_model(body.model)
+        if body.echo:
+            raise InvalidArgument("echo: not supported")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidArgument("prompt: batched prompts are not supported; send one request per prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            prompt_ids = list(prompt)
+        return await _generate("completion", body, prompt_ids, body.logprobs, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionBody, request: Request):
+        check_model(body.model)
+        if not body.messages:
+            raise InvalidArgument("messages: at least one message is needed")
+        text = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await _generate("chat", body, prompt_ids, logprobs, request)
+
+    async def _generate(kind: str, body, prompt_ids: list[int], logprobs: int | None, request: Request):
+        options = build_options(
+            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
+            skip_special_tokens=body.skip_special_tokens,
+        )
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        stream = await engine.submit(prompt_ids, options, f"{prefix}-{uuid.uuid4().hex}")
+        formatter = ResponseFormatter(kind, stream.request_id, served_name, tokenizer,
+                                      logprobs is not None, options.n)
+        if body.stream:
+            return StreamingResponse(_sse(stream, formatter, body.include_usage), media_type="text/event-stream")
+        return await _collect(stream, formatter, options.n, request)
+
+    async def _sse(stream: RequestStream, formatter: ResponseFormatter, include_usage: bool):
+        finished = False
+        try:
+            async for output in stream:
+                for chunk in formatter.chunks(output):
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                if output.finished:
+                    finished = True
+                    if include_usage:
+                        yield f"data: {json.dumps(formatter.usage_chunk(output))}\n\n"
+            yield "data: [DONE]\n\n"
+        except KVServeError as exc:
+            finished = True
+            status, kind = error_for(exc)
+            error = {"error": {"message": str(exc), "type": kind, "param": None, "code": status}}
+            yield f"data: {json.dumps(error)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away mid-stream
+                engine.abort(stream.request_id)
+
+    async def _collect(stream: RequestStream, formatter: ResponseFormatter, n: int, request: Request):
+        choices = [ChoiceAccumulator() for _ in range(n)]
+
+        async def drain():
+            last = None
+            async for output in stream:
+                for delta in output.choices:
+                    choices[delta.index].add(delta)
+                last = output
+            return last
+
+        task = asyncio.ensure_future(drain())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    engine.abort(stream.request_id)
+            last = task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                engine.abort(stream.request_id)
+        return JSONResponse(formatter.response(choices, last))
+
+    return app

@@ -1,0 +1,121 @@
+"""Prometheus metrics: vLLM's names (label ``model_name``) plus kvserve's own, per app registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STEP_PHASES = ("step", "scheduler", "kvmanager_rpc", "executor_rpc", "executor_forward", "executor_total")
+
+
+class GatewayMetrics:
+    """Everything /metrics shows; the engine and the API layers call the ``on_*`` hooks."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.num_requests_running = Gauge("vllm:num_requests_running", "Requests in the running set", labels, registry=r)
+        self.num_requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", labels, registry=r)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage (0..1)", labels, registry=r)
+        self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", labels, registry=r)
+        self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from cache", labels, registry=r)
+        self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute)", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests", labels + ["finished_reason"],
+                                       registry=r)
+        self.step_rpc = Histogram("kvserve:step_rpc_seconds", "Per-step RPC time seen by the gateway",
+                                  labels + ["service"], buckets=RPC_BUCKETS, registry=r)
+        self.step_seconds = Histogram("kvserve:step_seconds", "Whole scheduler step", labels,
+                                      buckets=RPC_BUCKETS + (5.0, 10.0), registry=r)
+        self.step_time = Counter("kvserve:step_time_seconds", "Step time by phase (executor_* measured inside "
+                                 "the executor)", labels + ["phase"], registry=r)
+        self.steps = Counter("kvserve:steps", "Scheduler steps run", labels, registry=r)
+        self.step_running_seqs = Counter("kvserve:step_running_seqs", "Sum over steps of sequences run",
+                                         labels, registry=r)
+        self.running_peak = Gauge("kvserve:num_requests_running_peak", "Most requests running at once",
+                                  labels, registry=r)
+        self.running_seqs = Gauge("kvserve:num_sequences_running", "Sequences in the running set", labels, registry=r)
+        self.stored_tokens = Gauge("kvserve:kv_stored_tokens", "Tokens whose KV is stored (kvmanager)", labels,
+                                   registry=r)
+        self.allocated_slots = Gauge("kvserve:kv_allocated_slots", "Slots in blocks held (kvmanager)", labels,
+                                     registry=r)
+        self.used_blocks = Gauge("kvserve:kv_used_blocks", "Blocks in use (kvmanager)", labels, registry=r)
+        self.dependency_up = Gauge("kvserve:dependency_up", "Whether kvmanager/executor answer health checks",
+                                   labels + ["service"], registry=r)
+        self.model_name = model_name
+        self._peak = 0
+        self._m = {name: metric.labels(model_name) for name, metric in self.__dict__.items()
+                   if hasattr(metric, "labels") and name not in ("step_rpc", "step_time", "request_success",
+                                                                 "dependency_up")}
+        self._phase = {phase: self.step_time.labels(model_name, phase) for phase in STEP_PHASES}
+        self._rpc = {svc: self.step_rpc.labels(model_name, svc) for svc in ("kvmanager", "executor")}
+
+    def set_queue(self, running_requests: int, waiting_requests: int, running_seqs: int) -> None:
+        self._m["num_requests_running"].set(running_requests)
+        self._m["num_requests_waiting"].set(waiting_requests)
+        self._m["running_seqs"].set(running_seqs)
+        if running_requests > self._peak:
+            self._peak = running_requests
+            self._m["running_peak"].set(running_requests)
+
+    def on_step(self, *, step_s: float, kvmanager_s: float, executor_s: float, forward_s: float,
+                executor_total_s: float, num_seqs: int, kv_usage: float | None) -> None:
+        self._m["steps"].inc()
+        self._m["step_running_seqs"].inc(num_seqs)
+        self._m["step_seconds"].observe(step_s)
+        self._rpc["kvmanager"].observe(kvmanager_s)
+        if executor_s:
+            self._rpc["executor"].observe(executor_s)
+        self._phase["step"].inc(step_s)
+        self._phase["scheduler"].inc(max(0.0, step_s - kvmanager_s - executor_s))
+        self._phase["kvmanager_rpc"].inc(kvmanager_s)
+        self._phase["executor_rpc"].inc(executor_s)
+        self._phase["executor_forward"].inc(forward_s)
+        self._phase["executor_total"].inc(executor_total_s)
+        if kv_usage is not None:
+            self._m["kv_cache_usage"].set(kv_usage)
+
+    def on_prefix_lookup(self, queries: int, hits: int) -> None:
+        if queries:
+            self._m["prefix_cache_queries"].inc(queries)
+        if hits:
+            self._m["prefix_cache_hits"].inc(hits)
+
+    def on_preemptions(self, count: int) -> None:
+        if count:
+            self._m["num_preemptions"].inc(count)
+
+    def on_tokens(self, count: int) -> None:
+        self._m["generation_tokens"].inc(count)
+
+    def on_first_token(self, seconds: float) -> None:
+        self._m["ttft"].observe(seconds)
+
+    def on_inter_token(self, seconds: float) -> None:
+        self._m["itl"].observe(seconds)
+
+    def on_request_finished(self, *, prompt_tokens: int, e2e_s: float, reason: str) -> None:
+        self._m["prompt_tokens"].inc(prompt_tokens)
+        self._m["e2e"].observe(e2e_s)
+        self.request_success.labels(self.model_name, reason).inc()
+
+    def on_pool_stats(self, stats) -> None:
+        self._m["kv_cache_usage"].set(stats.usage)
+        self._m["stored_tokens"].set(stats.num_stored_tokens)
+        self._m["allocated_slots"].set(stats.num_allocated_slots)
+        self._m["used_blocks"].set(stats.num_used_blocks)
+
+    def on_dependency(self, service: str, up: bool) -> None:
+        self.dependency_up.labels(self.model_name, service).set(1 if up else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
