@@ -1,0 +1,61 @@
+// One source, two toolchains: the few names that differ between CUDA (nvcc) and
+// MUSA (mcc, torch_musa). Everything else in csrc/ is plain CUDA-compatible C++
+// that both compilers accept, so the CUDA build exercises the same kernel code
+// that runs on Moore Threads GPUs.
+//
+// Selection: mcc defines __MUSACC__ when compiling device code; the host-only
+// binding (bindings.cpp) is compiled by the host compiler, so the build script
+// also passes -DKVSERVE_USE_MUSA to every translation unit on MUSA.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__MUSACC__) || defined(KVSERVE_USE_MUSA)
+#define KVSERVE_MUSA 1
+#include <musa_runtime.h>
+#include <musa_fp16.h>
+typedef musaStream_t kvStream_t;
+typedef musaError_t kvError_t;
+#define kvSuccess musaSuccess
+#define kvGetLastError musaGetLastError
+#define kvGetErrorString musaGetErrorString
+#else
+#define KVSERVE_MUSA 0
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+typedef cudaStream_t kvStream_t;
+typedef cudaError_t kvError_t;
+#define kvSuccess cudaSuccess
+#define kvGetLastError cudaGetLastError
+#define kvGetErrorString cudaGetErrorString
+#endif
+
+// Warp width. NVIDIA and the MUSA architectures we target (mp_22 = S4000,
+// mp_31 = S5000) schedule 32-wide warps; the older mp_21 (S80/S3000) used
+// 128-wide ones. The kernels only use KV_WARP_SIZE through the helpers below
+// and size their reductions from it, so a wider warp only changes this line.
+#if KVSERVE_MUSA && defined(__MUSA_ARCH__) && (__MUSA_ARCH__ < 220)
+#define KV_WARP_SIZE 128
+#else
+#define KV_WARP_SIZE 32
+#endif
+
+#if defined(__CUDACC__) || defined(__MUSACC__)
+#define KV_DEVICE __device__ __forceinline__
+
+// Butterfly exchange within a warp. Both toolchains provide the *_sync form
+// with a lane mask; a full mask means "every lane participates".
+KV_DEVICE float kv_shfl_xor(float v, int lane_mask) {
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask, KV_WARP_SIZE);
+}
+
+// fp16 <-> fp32 on raw 16-bit storage. The kernels keep 16-bit elements as
+// uint16_t so that fp16 and bf16 share one code path; only these two helpers
+// touch the vendor half type (cuda_fp16.h / musa_fp16.h expose the same names).
+KV_DEVICE float kv_half_bits_to_float(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
+KV_DEVICE uint16_t kv_float_to_half_bits(float f) {
+  return __half_as_ushort(__float2half_rn(f));
+}
+#endif  // device compilers
