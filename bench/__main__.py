@@ -1,0 +1,178 @@
+"""``python -m bench`` (``kvserve bench``): benchmark kvserve on ShareGPT.
+
+Two modes:
+  python -m bench --base-url http://127.0.0.1:8000 ...   measure a running server
+  python -m bench --sweep seed-table ...                 start the four seed-table
+      configurations in turn at one KV budget, plus the peers, and print the table
+Both write ``results.json``, ``table.md`` and ``bench.png`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from kvserve.paths import default_model_dir
+
+from bench import report
+from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
+
+# The measured default workload (docs/benchmarks.md): scaled down from the seed's
+# (ShareGPT, ~512 in / ~256 out, concurrency 32) to fit a 2-core CPU in 15 minutes.
+DEFAULTS = dict(num_prompts=64, max_input_len=256, max_output_len=256, system_prompt_len=128, concurrency=32)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("what to measure")
+    target.add_argument("--sweep", choices=["seed-table"], help="start the stack per configuration")
+    target.add_argument("--base-url", help="a running gateway's HTTP address, e.g. http://127.0.0.1:8000")
+    target.add_argument("--grpc-address", default="", help="send requests over gRPC to this gateway instead")
+    target.add_argument("--name", default="kvserve", help="row name when measuring a running server")
+    target.add_argument("--configs", default="baseline,continuous,paged,prefix",
+                        help="seed-table rows to run (comma-separated slugs)")
+    target.add_argument("--peers", default="transformers,llama-cpp",
+                        help="peer rows for the sweep: transformers, llama-cpp, or none")
+    work = p.add_argument_group("workload (ShareGPT V3)")
+    work.add_argument("--model-dir", type=Path, default=None, help="tokenizer and model (default: embedded)")
+    work.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
+    work.add_argument("--max-input-len", type=int, default=DEFAULTS["max_input_len"],
+                      help="drop user turns longer than this (tokens)")
+    work.add_argument("--max-output-len", type=int, default=DEFAULTS["max_output_len"],
+                      help="drop reference answers longer than this (tokens)")
+    work.add_argument("--system-prompt-len", type=int, default=DEFAULTS["system_prompt_len"],
+                      help="shared system prompt in front of every request (tokens; 0 = none)")
+    work.add_argument("--seed", type=int, default=0)
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help=f"closed loop of N clients (default {DEFAULTS['concurrency']} unless --request-rate)")
+    load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
+    engine = p.add_argument_group("engine limits (sweep)")
+    engine.add_argument("--baseline-seqs", type=int, default=12,
+                        help="the KV budget holds this many max_model_len reservations")
+    engine.add_argument("--num-blocks", type=int, default=None, help="override the computed KV budget")
+    engine.add_argument("--max-model-len", type=int, default=None, help="default: longest request, rounded up")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--dtype", default="bfloat16")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench/results"))
+    out.add_argument("--from-json", type=Path, help="re-render table and plot from a results.json")
+    out.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
+    out.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row | None) -> None:
+    """Terminal table, ratios, details; results.json, table.md, bench.png."""
+    lines = report.table_lines(rows)
+    if baseline is not None:
+        lines += ["", *report.ratio_lines(rows, baseline)]
+    lines += ["", *report.detail_lines(rows)]
+    for row in rows:
+        for note in row.notes + row.errors:
+            lines.append(f"- {row.name}: {note}")
+    for note in meta.get("notes", []):
+        lines.append(f"- {note}")
+    text = "\n".join(lines)
+    print("\n" + text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report.write_json(out_dir / "results.json", rows, meta)
+    (out_dir / "table.md").write_text(text + "\n")
+    workload = meta.get("workload", {})
+    title = (f"kvserve on ShareGPT: {workload.get('num_prompts')} prompts, mean in "
+             f"{workload.get('mean_input_len', 0):.0f} / out {workload.get('mean_output_len', 0):.0f} tokens, "
+             f"concurrency {meta.get('concurrency')}")
+    report.write_plot(out_dir / "bench.png", rows, title)
+    print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.md'}, {out_dir / 'bench.png'}")
+
+
+def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
+    from bench.sweep import SEED_TABLE, plan_budget, run_seed_table
+
+    wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
+    configs = tuple(c for c in SEED_TABLE if c.slug in wanted)
+    budget = plan_budget(requests, block_size=args.block_size, baseline_seqs=args.baseline_seqs,
+                         max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         dtype=args.dtype)
+    meta["budget"] = vars(budget)
+    print(f"KV budget: {budget.num_blocks} blocks x {budget.block_size} tokens = "
+          f"{budget.num_blocks * budget.block_size} slots = {args.baseline_seqs} x max_model_len "
+          f"{budget.max_model_len}; max_num_seqs {budget.max_num_seqs}")
+    rows, details = run_seed_table(requests, budget, args.model_dir, args.out, concurrency=args.concurrency,
+                                   request_rate=args.request_rate, seed=args.seed, configs=configs,
+                                   progress=not args.no_progress, metrics_interval=args.metrics_interval)
+    meta["runs"] = details
+    peers = {s.strip() for s in args.peers.split(",")} - {"none", ""}
+    if "transformers" in peers:
+        from bench.hf_peer import run_transformers_peer
+
+        print("== peer: transformers static batching")
+        rows.append(run_transformers_peer(args.model_dir, requests, args.concurrency or len(requests),
+                                          dtype=args.dtype, progress=not args.no_progress))
+    if "llama-cpp" in peers:
+        from bench.llamacpp_peer import run_llamacpp_peer
+
+        print("== peer: llama-cpp-python server")
+        result = run_llamacpp_peer(requests, args.concurrency or len(requests), budget.max_model_len,
+                                   args.out / "logs", progress=not args.no_progress)
+        if isinstance(result, str):
+            meta.setdefault("notes", []).append(result)
+            print(f"   {result}")
+        else:
+            rows.append(result)
+    baseline = next((r for r in rows if r.name == SEED_TABLE[0].name and r.completed), None)
+    return rows, baseline
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.from_json:
+        rows, meta = report.load_json(args.from_json)
+        baseline = rows[0] if rows and rows[0].name.startswith("baseline") else None
+        emit(rows, meta, args.out, baseline)
+        return 0
+    if not args.sweep and not args.base_url:
+        build_parser().error("give --base-url (a running server) or --sweep seed-table")
+    if args.concurrency is None and args.request_rate is None:
+        args.concurrency = DEFAULTS["concurrency"]
+    args.model_dir = args.model_dir or default_model_dir()
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(args.model_dir)
+    system_prompt = make_system_prompt(tokenizer, args.system_prompt_len)
+    requests = sample_requests(tokenizer, args.num_prompts, seed=args.seed, max_input_len=args.max_input_len,
+                               max_output_len=args.max_output_len, system_prompt=system_prompt)
+    from bench.sweep import machine_description
+
+    meta = {"command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "workload": describe(requests), "concurrency": args.concurrency, "request_rate": args.request_rate,
+            "seed": args.seed, "system_prompt_len": args.system_prompt_len, "machine": machine_description(),
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    w = meta["workload"]
+    print(f"workload: {w['num_prompts']} ShareGPT prompts, mean input {w['mean_input_len']:.0f} tokens "
+          f"(system prompt {args.system_prompt_len}), mean output {w['mean_output_len']:.0f} tokens "
+          f"({w['total_output_tokens']} in all); loaded in {time.perf_counter() - started:.1f} s")
+    if args.sweep:
+        rows, baseline = run_sweep(args, requests, meta)
+    else:
+        from bench.runner import measure_async, model_info_async
+
+        if args.grpc_address:
+            meta["model_info"] = asyncio.run(model_info_async(args.grpc_address))
+        rows = [asyncio.run(measure_async(args.name, requests, base_url=args.base_url.rstrip("/"),
+                                          grpc_address=args.grpc_address, concurrency=args.concurrency,
+                                          request_rate=args.request_rate, seed=args.seed,
+                                          metrics_interval=args.metrics_interval, progress=not args.no_progress))]
+        baseline = None
+    meta["wall_s"] = time.perf_counter() - started
+    emit(rows, meta, args.out, baseline)
+    return 0 if all(r.completed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""Sends the workload to a running server and times every request.
+
+Two transports with the same result type: OpenAI-compatible HTTP streaming
+(``/v1/completions``, the default, also what the llama.cpp peer speaks) and
+kvserve's gRPC ``Gateway.Generate``. Load is either a closed loop of
+``concurrency`` clients (each sends its next request when the previous one
+ends) or an open loop of Poisson arrivals at ``request_rate`` requests/s.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.workload import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    """What one request measured, times in seconds since the run started."""
+
+    prompt_len: int
+    expected_output_len: int
+    sent_at: float = 0.0
+    ttft: float = 0.0  # first output chunk minus send time
+    e2e: float = 0.0  # last byte minus send time
+    itl: list[float] = field(default_factory=list)  # gaps between output chunks
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    ok: bool = False
+    error: str = ""
+
+
+async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model ``/v1/models`` lists (the OpenAI APIs need a name)."""
+    reply = await client.get(f"{base_url}/v1/models")
+    reply.raise_for_status()
+    return reply.json()["data"][0]["id"]
+
+
+def completion_body(request: BenchRequest, model: str) -> dict:
+    """A greedy, fixed-length streaming completion request."""
+    return {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "min_tokens": request.output_len,  # servers without ignore_eos still run to length
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def usage_of(chunk: dict) -> tuple[int, int] | None:
+    """(completion_tokens, cached prompt tokens) from a chunk that carries usage."""
+    usage = chunk.get("usage")
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("completion_tokens") or 0), int(details.get("cached_tokens") or 0)
+
+
+async def send_http(client: httpx.AsyncClient, base_url: str, model: str, request: BenchRequest,
+                    t0: float) -> RequestResult:
+    """One streaming ``/v1/completions`` request; SSE chunks with text are output chunks."""
+    result = RequestResult(request.prompt_len, request.output_len)
+    start = time.perf_counter()
+    result.sent_at = start - t0
+    last = start
+    chunks = 0
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions",
+                                 json=completion_body(request, model)) as reply:
+            if reply.status_code != 200:
+                body = (await reply.aread()).decode(errors="replace")
+                result.error = f"HTTP {reply.status_code}: {body[:300]}"
+                return result
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                usage = usage_of(chunk)
+                if usage is not None:
+                    result.output_tokens, result.cached_tokens = usage
+                choices = chunk.get("choices") or []
+                if choices and choices[0].get("text"):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+        result.e2e = time.perf_counter() - start
+        if result.output_tokens == 0:
+            result.output_tokens = chunks  # no usage block: one token per chunk
+        result.ok = chunks > 0
+        if not result.ok:
+            result.error = "no output"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+class GrpcSender:
+    """``Gateway.Generate`` over one shared ``grpc.aio`` channel (the gRPC transport)."""
+
+    def __init__(self, address: str):
+        import grpc
+
+        from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
+
+        self._pb = gateway_pb2
+        self._grpc = grpc
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    async def send(self, request: BenchRequest, t0: float) -> RequestResult:
+        result = RequestResult(request.prompt_len, request.output_len)
+        params = self._pb.GenerationParams(max_tokens=request.output_len, min_tokens=request.output_len,
+                                           ignore_eos=True, temperature=0.0)
+        start = time.perf_counter()
+        result.sent_at = start - t0
+        last = start
+        tokens = 0
+        try:
+            async for reply in self.stub.Generate(self._pb.GenerateRequest(text=request.prompt, params=params)):
+                if reply.token_ids:
+                    now = time.perf_counter()
+                    if tokens == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    tokens += len(reply.token_ids)
+                if reply.HasField("usage"):
+                    result.output_tokens = reply.usage.completion_tokens
+                    result.cached_tokens = reply.usage.cached_tokens
+            result.e2e = time.perf_counter() - start
+            result.output_tokens = result.output_tokens or tokens
+            result.ok = tokens > 0
+        except self._grpc.RpcError as exc:
+            result.error = f"gRPC {exc.code().name}: {exc.details()}"
+        return result
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def run_load(requests: list[BenchRequest], *, base_url: str = "", grpc_address: str = "",
+                   concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
+                   progress: bool = True, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+    """Sends every request once; returns (results in workload order, wall time in s).
+
+    Exactly one of ``concurrency`` (closed loop) or ``request_rate`` (Poisson) is used;
+    with neither, all requests are sent at once. ``grpc_address`` selects gRPC.
+    """
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress, leave=False)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits)
+    grpc_sender = GrpcSender(grpc_address) if grpc_address else None
+    results: list[RequestResult | None] = [None] * len(requests)
+    try:
+        model = "" if grpc_sender else await fetch_model_name(http, base_url)
+        t0 = time.perf_counter()
+
+        async def one(index: int) -> None:
+            request = requests[index]
+            if grpc_sender:
+                results[index] = await grpc_sender.send(request, t0)
+            else:
+                results[index] = await send_http(http, base_url, model, request, t0)
+            bar.update(1)
+
+        if request_rate:
+            rng = random.Random(seed)
+            tasks = []
+            for index in range(len(requests)):
+                tasks.append(asyncio.create_task(one(index)))
+                await asyncio.sleep(rng.expovariate(request_rate))
+            await asyncio.gather(*tasks)
+        else:
+            width = concurrency or len(requests)
+            queue = iter(range(len(requests)))
+
+            async def worker() -> None:
+                for index in queue:  # a shared iterator: each index is taken once
+                    await one(index)
+
+            await asyncio.gather(*(worker() for _ in range(min(width, len(requests)))))
+        wall = time.perf_counter() - t0
+    finally:
+        bar.close()
+        await http.aclose()
+        if grpc_sender:
+            await grpc_sender.close()
+    return [r for r in results if r is not None], wall

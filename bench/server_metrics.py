@@ -1,0 +1,184 @@
+"""Samples the server's Prometheus ``/metrics`` during a run.
+
+Gauges (running requests, KV usage, stored tokens vs allocated slots) are
+sampled every ``interval`` seconds to get peaks and time averages; counters
+(prefix-cache queries and hits, preemptions) are read as end minus start.
+Metric names are vLLM's where vLLM has one; the KV-utilization pair is kvserve's
+own, and a few spellings are accepted so the tool survives a rename.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+RUNNING = ("vllm:num_requests_running",)
+WAITING = ("vllm:num_requests_waiting",)
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# Tokens whose K/V are held in the cache (each physical slot counted once) and
+# slots handed out to sequences (used blocks x block size, reserved or not).
+KV_STORED = ("kvserve:kv_stored_tokens", "kvserve:kv_cache_stored_tokens", "kvserve:kv_tokens_stored")
+KV_ALLOCATED = ("kvserve:kv_allocated_slots", "kvserve:kv_cache_allocated_slots", "kvserve:kv_slots_allocated")
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
+GENERATION_TOKENS = ("vllm:generation_tokens_total", "vllm:generation_tokens")
+COUNTERS = {"prefix_cache_queries": PREFIX_QUERIES, "prefix_cache_hits": PREFIX_HITS,
+            "preemptions": PREEMPTIONS, "prompt_tokens": PROMPT_TOKENS,
+            "generation_tokens": GENERATION_TOKENS}
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name → value, summed over label sets (one model, one engine: sums are totals).
+
+    Histogram series keep their ``_bucket``/``_sum``/``_count`` suffixes, so they
+    never collide with the gauges and counters read here.
+    """
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        name, _labels, raw = match.groups()
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if math.isnan(value):
+            continue
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def pick(values: dict[str, float], names: tuple[str, ...]) -> float | None:
+    """The first of ``names`` present in ``values``."""
+    for name in names:
+        if name in values:
+            return values[name]
+    return None
+
+
+@dataclass
+class MetricSample:
+    t: float  # seconds since the run started
+    running: float | None
+    waiting: float | None
+    kv_usage: float | None  # fraction of KV blocks in use, 0..1
+    kv_stored: float | None
+    kv_allocated: float | None
+
+
+def sample_from(values: dict[str, float], t: float) -> MetricSample:
+    usage = pick(values, KV_USAGE)
+    if usage is not None and usage > 1.0:
+        usage /= 100.0  # some servers export a percentage
+    return MetricSample(t, pick(values, RUNNING), pick(values, WAITING), usage,
+                        pick(values, KV_STORED), pick(values, KV_ALLOCATED))
+
+
+@dataclass
+class ServerMetrics:
+    """What the sampler saw over one run."""
+
+    samples: list[MetricSample] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)  # end - start
+    available: bool = False
+
+    def peak_running(self) -> int | None:
+        running = [s.running for s in self.samples if s.running is not None]
+        return int(max(running)) if running else None
+
+    def mean_kv_usage(self) -> float | None:
+        usage = [s.kv_usage for s in self.samples if s.kv_usage is not None and (s.running or 0) > 0]
+        return sum(usage) / len(usage) if usage else None
+
+    def peak_kv_usage(self) -> float | None:
+        usage = [s.kv_usage for s in self.samples if s.kv_usage is not None]
+        return max(usage) if usage else None
+
+    def kv_utilization(self) -> float | None:
+        """Tokens stored / slots allocated, summed over samples (a time-weighted ratio)."""
+        pairs = [(s.kv_stored, s.kv_allocated) for s in self.samples
+                 if s.kv_stored is not None and s.kv_allocated]
+        allocated = sum(a for _, a in pairs)
+        return sum(st for st, _ in pairs) / allocated if allocated else None
+
+    def prefix_hit_rate(self) -> float | None:
+        queries = self.counters.get("prefix_cache_queries")
+        return self.counters.get("prefix_cache_hits", 0.0) / queries if queries else None
+
+    def to_json(self) -> dict:
+        return {
+            "available": self.available,
+            "counters": self.counters,
+            "samples": [vars(s) for s in self.samples],
+        }
+
+
+class MetricsSampler:
+    """Polls ``{base_url}/metrics`` in the background between ``start()`` and ``stop()``."""
+
+    def __init__(self, base_url: str, interval: float = 0.25):
+        self.url = f"{base_url}/metrics"
+        self.interval = interval
+        self.result = ServerMetrics()
+        self._task: asyncio.Task | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._first: dict[str, float] | None = None
+        self._last: dict[str, float] | None = None
+        self._t0 = 0.0
+
+    async def _scrape(self) -> dict[str, float] | None:
+        try:
+            reply = await self._client.get(self.url)
+            reply.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return parse_prometheus(reply.text)
+
+    async def _record(self) -> None:
+        values = await self._scrape()
+        if values is None:
+            return
+        self.result.available = True
+        if self._first is None:
+            self._first = values
+        self._last = values
+        self.result.samples.append(sample_from(values, time.perf_counter() - self._t0))
+
+    async def _loop(self) -> None:
+        while True:
+            await self._record()
+            await asyncio.sleep(self.interval)
+
+    async def start(self, t0: float | None = None) -> None:
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self._client = httpx.AsyncClient(timeout=5.0)
+        await self._record()  # the counters' starting point
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> ServerMetrics:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client:
+            await self._record()  # the counters' end point
+            await self._client.aclose()
+        if self._first is not None and self._last is not None:
+            for key, names in COUNTERS.items():
+                end, begin = pick(self._last, names), pick(self._first, names)
+                if end is not None:
+                    self.result.counters[key] = end - (begin or 0.0)
+        return self.result

@@ -1,0 +1,167 @@
+"""``--sweep seed-table``: the four configurations of the seed's table, one KV budget, one workload.
+
+Each configuration gets a fresh stack (kvmanager + executor + gateway, started
+with ``kvserve.launcher``) so no cache or allocator state leaks between rows.
+The KV budget is fixed for all four: ``--num-blocks`` such that reserving
+``max_model_len`` per request (the baseline) fits ``baseline_seqs`` requests.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.launcher import StackConfig, start_stack
+
+from bench.report import Row
+from bench.runner import measure, model_info
+from bench.workload import BenchRequest
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One row of the seed table: how the gateway is told to batch and allocate."""
+
+    name: str
+    slug: str
+    batching: str  # continuous | static
+    kv_allocation: str  # paged | reserve
+    prefix_caching: bool
+
+    def gateway_args(self) -> list[str]:
+        return ["--batching", self.batching, "--kv-allocation", self.kv_allocation,
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+
+
+SEED_TABLE = (
+    SweepConfig("baseline (static batching, contiguous reservation)", "baseline", "static", "reserve", False),
+    SweepConfig("+ continuous batching", "continuous", "continuous", "reserve", False),
+    SweepConfig("+ PagedAttention (block 16)", "paged", "continuous", "paged", False),
+    SweepConfig("+ prefix caching (shared system prompt)", "prefix", "continuous", "paged", True),
+)
+
+
+@dataclass
+class Budget:
+    """The fixed engine limits every configuration runs with."""
+
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    dtype: str = "bfloat16"
+    extra_executor_args: list[str] = field(default_factory=list)
+    extra_gateway_args: list[str] = field(default_factory=list)
+
+    def executor_args(self) -> list[str]:
+        return ["--num-blocks", str(self.num_blocks), "--block-size", str(self.block_size),
+                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype, *self.extra_executor_args]
+
+    def gateway_args(self) -> list[str]:
+        return ["--max-num-seqs", str(self.max_num_seqs),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens), *self.extra_gateway_args]
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_budget(requests: list[BenchRequest], *, block_size: int = 16, baseline_seqs: int = 12,
+                max_model_len: int | None = None, num_blocks: int | None = None, max_num_seqs: int = 64,
+                max_num_batched_tokens: int | None = None, dtype: str = "bfloat16") -> Budget:
+    """Limits from the workload: ``max_model_len`` fits its longest request, and the block
+    budget holds exactly ``baseline_seqs`` full-length reservations."""
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    # +8: the server's tokenization of system prompt + user turn may differ by a token or two
+    max_model_len = max_model_len or round_up(longest + 8, block_size)
+    num_blocks = num_blocks or baseline_seqs * (max_model_len // block_size + (max_model_len % block_size > 0))
+    # a whole prompt fits one step, so prefill chunking does not differ between rows
+    max_num_batched_tokens = max_num_batched_tokens or max(2048, max_model_len)
+    return Budget(max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, dtype)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_env() -> dict[str, str]:
+    """This environment without ``KVSERVE_*`` flag variables, so only the sweep's flags apply."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
+
+
+def check_applied(config: SweepConfig, info: dict) -> list[str]:
+    """Where the running gateway's ModelInfo disagrees with the configuration asked for."""
+    if "error" in info:
+        return [f"could not verify the configuration: {info['error']}"]
+    wanted = {"batching": config.batching, "kv_allocation": config.kv_allocation,
+              "enable_prefix_caching": config.prefix_caching}
+    return [f"asked {key}={value!r}, gateway reports {info.get(key)!r}"
+            for key, value in wanted.items() if key in info and info[key] != value]
+
+
+def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget, model_dir: Path,
+               log_dir: Path, *, concurrency: int | None, request_rate: float | None, seed: int,
+               progress: bool, metrics_interval: float, startup_timeout: float = 300.0) -> tuple[Row, dict]:
+    """Starts a stack with ``config``, measures the workload on it, stops it."""
+    stack_config = StackConfig(
+        model_dir=Path(model_dir), kvmanager_port=_free_port(), executor_port=_free_port(),
+        gateway_port=_free_port(), http_port=_free_port(), executor_args=budget.executor_args(),
+        gateway_args=[*budget.gateway_args(), *config.gateway_args()], log_dir=log_dir / config.slug,
+        env=service_env(), timeout=startup_timeout,
+    )
+    stack_config.log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    stack = start_stack(stack_config)
+    startup_s = time.perf_counter() - started
+    try:
+        info = model_info(stack.grpc_address)
+        row = measure(config.name, requests, base_url=stack.http_url, concurrency=concurrency,
+                      request_rate=request_rate, seed=seed, progress=progress, metrics_interval=metrics_interval)
+    finally:
+        stack.stop()
+    row.notes.extend(check_applied(config, info))
+    return row, {"config": vars(config), "model_info": info, "startup_s": startup_s}
+
+
+def run_seed_table(requests: list[BenchRequest], budget: Budget, model_dir: Path, out_dir: Path, *,
+                   concurrency: int | None, request_rate: float | None = None, seed: int = 0,
+                   configs: tuple[SweepConfig, ...] = SEED_TABLE, progress: bool = True,
+                   metrics_interval: float = 0.25, log=print) -> tuple[list[Row], list[dict]]:
+    """Runs each configuration in turn; a configuration that fails to start becomes a failed row."""
+    rows, details = [], []
+    for config in configs:
+        log(f"== {config.name}: starting kvmanager, executor, gateway ({' '.join(config.gateway_args())})")
+        try:
+            row, detail = run_config(config, requests, budget, model_dir, out_dir / "logs",
+                                     concurrency=concurrency, request_rate=request_rate, seed=seed,
+                                     progress=progress, metrics_interval=metrics_interval)
+        except Exception as exc:  # one broken configuration must not lose the other rows
+            row = Row(name=config.name, failed=len(requests), errors=[f"{type(exc).__name__}: {exc}"[:2000]])
+            detail = {"config": vars(config), "error": row.errors[0]}
+        log(f"   {row.completed} done, {row.failed} failed, {row.output_throughput:.1f} output tok/s, "
+            f"TTFT P99 {row.ttft_ms.get('p99') or float('nan'):.0f} ms, {row.duration_s:.0f} s")
+        rows.append(row)
+        details.append(detail)
+    return rows, details
+
+
+def machine_description() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "platform": platform.platform()}

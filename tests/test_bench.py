@@ -1,0 +1,179 @@
+"""The benchmark tool: ShareGPT loading, metrics parsing, reporting, the HF peer's bookkeeping."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from bench import report
+from bench.client import RequestResult, usage_of
+from bench.hf_peer import batch_kv_slots, left_padded
+from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus, sample_from
+from bench.sweep import SEED_TABLE, check_applied, plan_budget
+from bench.workload import (BenchRequest, first_exchange, iter_records, load_pairs, load_tokenizer,
+                            make_system_prompt, parse_sharegpt, sample_requests, sharegpt_path)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """The real ShareGPT file's pairs, through a fresh cache (so the parse path runs too)."""
+    return load_pairs(cache=tmp_path_factory.mktemp("bench-cache") / "pairs.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return load_tokenizer(default_model_dir)
+
+
+def test_iter_records_drops_a_truncated_tail():
+    text = '[{"a": 1}, {"a": 2},\n {"a": 3, "b": "cut off he'
+    assert [r["a"] for r in iter_records(text)] == [1, 2]
+    assert [r["a"] for r in iter_records('[ {"a": 1} , {"a": 2} ]')] == [1, 2]
+
+
+def test_first_exchange_takes_the_first_human_turn_and_its_answer():
+    record = {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "Q"},
+                                {"from": "gpt", "value": "A"}, {"from": "human", "value": "Q2"}]}
+    assert first_exchange(record) == ("Q", "A")
+    assert first_exchange({"conversations": [{"from": "human", "value": "alone"}]}) is None
+
+
+def test_real_sharegpt_file_has_17671_complete_conversations(tmp_path):
+    records, pairs = parse_sharegpt(sharegpt_path())
+    assert records == 17671
+    assert 17000 < len(pairs) <= records
+    cached = load_pairs(cache=tmp_path / "c.json")
+    assert len(cached) == len(pairs) and json.loads((tmp_path / "c.json").read_text())["records"] == records
+    assert load_pairs(cache=tmp_path / "c.json")[:3] == cached[:3]  # the cache round-trips
+
+
+def test_sampling_is_seeded_and_filtered_like_vllm(pairs, tokenizer):
+    a = sample_requests(tokenizer, 50, seed=1, max_input_len=256, max_output_len=128, pairs=pairs)
+    b = sample_requests(tokenizer, 50, seed=1, max_input_len=256, max_output_len=128, pairs=pairs)
+    c = sample_requests(tokenizer, 50, seed=2, max_input_len=256, max_output_len=128, pairs=pairs)
+    assert a == b and a != c and len(a) == 50
+    assert all(4 <= r.prompt_len <= 256 and 4 <= r.output_len <= 128 for r in a)
+    for r in a[:5]:
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=False).ids) == r.prompt_len
+
+
+def test_system_prompt_is_shared_and_counted(pairs, tokenizer):
+    system = make_system_prompt(tokenizer, 64)
+    assert 64 <= len(tokenizer.encode(system, add_special_tokens=False).ids) <= 66
+    plain = sample_requests(tokenizer, 10, seed=3, pairs=pairs)
+    with_system = sample_requests(tokenizer, 10, seed=3, system_prompt=system, pairs=pairs)
+    system_len = len(tokenizer.encode(system, add_special_tokens=False).ids)
+    for p, s in zip(plain, with_system):
+        assert s.prompt.startswith(system) and s.prompt_len == p.prompt_len + system_len
+    assert make_system_prompt(tokenizer, 0) == ""
+
+
+PROMETHEUS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 3.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:prefix_cache_queries_total{model_name="m"} 1000.0
+vllm:prefix_cache_hits_total{model_name="m"} 600.0
+vllm:num_preemptions_total{model_name="m"} 2.0
+kvserve:kv_stored_tokens 970
+kvserve:kv_allocated_slots 1000
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{model_name="m"} 9.0
+weird_metric NaN
+"""
+
+
+def test_parse_prometheus_reads_vllm_and_kvserve_names():
+    values = parse_prometheus(PROMETHEUS)
+    assert values["vllm:num_requests_running"] == 7.0
+    assert values["vllm:time_to_first_token_seconds_count"] == 9.0
+    assert "weird_metric" not in values
+    sample = sample_from(values, 1.5)
+    assert (sample.running, sample.waiting, sample.kv_usage) == (7.0, 3.0, 0.5)
+    assert (sample.kv_stored, sample.kv_allocated) == (970, 1000)
+    assert sample_from({"vllm:kv_cache_usage_perc": 50.0}, 0).kv_usage == 0.5  # percent form
+
+
+def test_server_metrics_peaks_and_time_weighted_utilization():
+    metrics = ServerMetrics(available=True, counters={"prefix_cache_queries": 100, "prefix_cache_hits": 80})
+    for t, running, stored, allocated in ((0, 0, 0, 0), (1, 4, 90, 100), (2, 9, 380, 400)):
+        metrics.samples.append(sample_from({"vllm:num_requests_running": running, "kvserve:kv_stored_tokens": stored,
+                                            "kvserve:kv_allocated_slots": allocated,
+                                            "vllm:kv_cache_usage_perc": allocated / 1000}, t))
+    assert metrics.peak_running() == 9
+    assert metrics.kv_utilization() == pytest.approx(470 / 500)
+    assert metrics.prefix_hit_rate() == 0.8
+    assert metrics.mean_kv_usage() == pytest.approx(0.25)
+
+
+def _result(sent, ttft, e2e, tokens, ok=True):
+    return RequestResult(10, tokens, sent_at=sent, ttft=ttft, e2e=e2e, itl=[0.01] * (tokens - 1),
+                         output_tokens=tokens, ok=ok)
+
+
+def test_summarize_computes_throughput_percentiles_and_concurrency():
+    results = [_result(0, 0.1, 1.0, 10), _result(0, 0.2, 2.0, 20), _result(0.5, 0.1, 0.5, 5),
+               RequestResult(10, 5, error="HTTP 500: boom")]
+    row = report.summarize("x", results, wall_s=2.0)
+    assert (row.completed, row.failed, row.output_tokens) == (3, 1, 35)
+    assert row.output_throughput == 17.5
+    assert row.ttft_ms["p99"] == pytest.approx(199, abs=1)
+    assert row.max_concurrency == 3 and row.errors == ["HTTP 500: boom"]
+
+
+def test_internal_fragmentation_counts_last_block_slots():
+    assert report.internal_fragmentation([16, 32], 16) == 0.0
+    assert report.internal_fragmentation([17], 16) == pytest.approx(15 / 32)
+
+
+def test_usage_of_reads_cached_tokens():
+    chunk = {"usage": {"completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 64}}}
+    assert usage_of(chunk) == (9, 64) and usage_of({"choices": []}) is None
+
+
+def test_table_json_and_plot_are_written(tmp_path):
+    base = report.summarize("baseline (static)", [_result(0, 1.0, 3.0, 10)], 3.0)
+    fast = report.summarize("+ prefix", [_result(0, 0.1, 1.0, 10)], 1.0)
+    fast.kv_utilization, fast.kv_usage_series = 0.97, [(0, 0.1), (0.5, 0.6), (1.0, 0.2)]
+    lines = report.table_lines([base, fast])
+    assert lines[0] == "| " + " | ".join(report.TABLE_COLUMNS) + " |"
+    assert "| + prefix | 1 | 10.0 | 100 ms | 97.0% |" in lines
+    assert report.ratio_lines([fast], base) == ["+ prefix: throughput 3.00x baseline, TTFT P99 +90% lower"]
+    report.write_json(tmp_path / "r.json", [base, fast], {"k": 1})
+    rows, meta = report.load_json(tmp_path / "r.json")
+    assert meta == {"k": 1} and rows[1].kv_utilization == 0.97
+    report.write_plot(tmp_path / "p.png", [base, fast], "title")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hf_peer_padding_and_kv_bookkeeping():
+    ids, mask = left_padded([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    stored, allocated = batch_kv_slots([3, 1], [2, 1])
+    # step 0: 2x3 slots hold 3+1; step 1: 2x4 slots hold (3+1)+(1+1)
+    assert (stored, allocated) == (4 + 6, 6 + 8)
+
+
+def test_budget_fits_baseline_seqs_full_reservations():
+    requests = [BenchRequest("p", 100, 50), BenchRequest("q", 300, 190)]
+    budget = plan_budget(requests, block_size=16, baseline_seqs=12)
+    assert budget.max_model_len == 512 and budget.num_blocks == 12 * 32
+    assert "--num-blocks" in budget.executor_args() and "--max-num-seqs" in budget.gateway_args()
+    assert SEED_TABLE[0].gateway_args() == ["--batching", "static", "--kv-allocation", "reserve",
+                                            "--no-enable-prefix-caching"]
+    info = {"batching": "continuous", "kv_allocation": "reserve", "enable_prefix_caching": False}
+    assert check_applied(SEED_TABLE[1], info) == []
+    assert check_applied(SEED_TABLE[0], info) == ["asked batching='static', gateway reports 'continuous'"]
+
+
+def test_sampler_tolerates_an_unreachable_server():
+    async def sample_nothing():
+        sampler = MetricsSampler("http://127.0.0.1:9", interval=0.01)
+        await sampler.start()
+        return await sampler.stop()
+
+    metrics = asyncio.run(sample_nothing())
+    assert not metrics.available and metrics.samples == []
