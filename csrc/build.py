@@ -1,0 +1,171 @@
+"""Builds the kvserve kernels as a torch extension, on CUDA or on MUSA.
+
+    from csrc.build import load          # or: python csrc/build.py [--device musa]
+    ops = load()                         # ops.paged_attention / reshape_and_cache / copy_blocks
+
+CUDA: ``torch.utils.cpp_extension.load`` (JIT, ninja), for the archs of the local
+GPUs (or ``TORCH_CUDA_ARCH_LIST``). MUSA: ``torch_musa.utils.musa_extension.load``
+with mcc; torch_musa compiles only ``.mu`` files as device code, so the ``.cu``
+sources are mirrored byte-for-byte as ``.mu`` into the build directory first —
+that copy is the whole MUSA port. Builds are cached under
+``$KVSERVE_EXTENSIONS_DIR`` (default ``$TORCH_EXTENSIONS_DIR/kvserve`` or
+``~/.cache/kvserve/torch_extensions``) and rebuilt when a source changes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).resolve().parent
+BINDING = "bindings.cpp"
+# One translation unit per dtype so they compile in parallel (MAX_JOBS).
+KERNEL_UNITS = ["cache_kernels.cu", "attention_f32.cu", "attention_f16.cu", "attention_bf16.cu"]
+HEADERS = ["compat.h", "kernels.h", "dtype.cuh", "attention_impl.cuh"]
+
+# Device-compiler flags shared by the CUDA build and the compile check
+# (tests/test_csrc_compile.py). torch adds the -D__CUDA_NO_HALF_* guards
+# itself; the kernels never rely on the operators they disable.
+NVCC_FLAGS = ["-O3", "-std=c++17"]
+NVCC_WARNING_FLAGS = ["-Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror"]
+TORCH_CUDA_DEFINES = [
+    "-D__CUDA_NO_HALF_OPERATORS__",
+    "-D__CUDA_NO_HALF_CONVERSIONS__",
+    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-D__CUDA_NO_HALF2_OPERATORS__",
+]
+# mcc: -O3, MTGPU target, and the GPU generation (mp_31 = S5000, mp_22 = S4000).
+# torch_musa's ninja rule adds "-x musa" for .mu sources itself.
+MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
+
+_MODULES: dict[str, ModuleType] = {}
+
+
+def build_root() -> Path:
+    """Where compiled extensions are cached."""
+    if os.environ.get("KVSERVE_EXTENSIONS_DIR"):
+        return Path(os.environ["KVSERVE_EXTENSIONS_DIR"])
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "kvserve"
+    return Path.home() / ".cache" / "kvserve" / "torch_extensions"
+
+
+def detect_device_type() -> str:
+    """``musa`` when torch_musa sees a device, else ``cuda``."""
+    try:
+        import torch_musa  # noqa: F401  (registers torch.musa)
+        import torch
+
+        if torch.musa.is_available():
+            return "musa"
+    except ImportError:
+        pass
+    return "cuda"
+
+
+def musa_arch() -> str:
+    """``mp_XY`` for mcc's --offload-arch: $KVSERVE_MUSA_ARCH, else the device's capability."""
+    if os.environ.get("KVSERVE_MUSA_ARCH"):
+        return os.environ["KVSERVE_MUSA_ARCH"]
+    import torch
+
+    major, minor = torch.musa.get_device_capability()
+    return f"mp_{major}{minor}"
+
+
+def load(device_type: str | None = None, verbose: bool = False) -> ModuleType:
+    """Builds (first call, cached on disk) and imports the extension for ``cuda`` or ``musa``."""
+    device_type = device_type or detect_device_type()
+    if device_type not in _MODULES:
+        if device_type == "cuda":
+            _MODULES[device_type] = _load_cuda(verbose)
+        elif device_type == "musa":
+            _MODULES[device_type] = _load_musa(verbose)
+        else:
+            raise ValueError(f"kvserve kernels build for cuda or musa, not {device_type!r}")
+    return _MODULES[device_type]
+
+
+def _load_cuda(verbose: bool) -> ModuleType:
+    from torch.utils.cpp_extension import load as torch_load
+
+    build_dir = build_root() / "cuda"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return torch_load(
+        name="kvserve_kernels",
+        sources=[str(CSRC / s) for s in [BINDING, *KERNEL_UNITS]],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3"],
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def stage_musa_sources(dest: Path) -> list[str]:
+    """Mirrors csrc into ``dest`` with ``.cu`` renamed ``.mu``; returns the sources to build."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in HEADERS + [BINDING]:
+        _copy_if_changed(CSRC / name, dest / name)
+    sources = [str(dest / BINDING)]
+    for name in KERNEL_UNITS:
+        target = dest / (Path(name).stem + ".mu")
+        _copy_if_changed(CSRC / name, target)
+        sources.append(str(target))
+    return sources
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    # Unchanged mtimes keep ninja from rebuilding on every process start.
+    if not dst.exists() or dst.read_bytes() != src.read_bytes():
+        shutil.copyfile(src, dst)
+
+
+def _load_musa(verbose: bool) -> ModuleType:
+    import torch_musa  # noqa: F401
+    from torch_musa.utils.musa_extension import load as musa_load
+
+    root = build_root() / "musa"
+    sources = stage_musa_sources(root / "src")
+    build_dir = root / "build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return musa_load(
+        name="kvserve_kernels_musa",
+        sources=sources,
+        extra_cflags=["-O3", "-DKVSERVE_USE_MUSA"],
+        extra_musa_cflags=MUSA_FLAGS + [f"--offload-arch={musa_arch()}"],
+        extra_include_paths=[str(root / "src")],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def musa_setup_extension(name: str = "kvserve_kernels_musa"):
+    """Install-time alternative for a setup.py on MUSA:
+    ``setup(ext_modules=[musa_setup_extension()], cmdclass={"build_ext": BuildExtension})``."""
+    from torch_musa.utils.musa_extension import MUSAExtension
+
+    staged = stage_musa_sources(CSRC / "build_musa_src")
+    return MUSAExtension(
+        name=name,
+        sources=staged,
+        include_dirs=[str(CSRC / "build_musa_src")],
+        extra_compile_args={"cxx": ["-O3", "-DKVSERVE_USE_MUSA"], "mcc": MUSA_FLAGS + [f"--offload-arch={musa_arch()}"]},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["auto", "cuda", "musa"], default="auto")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    module = load(None if args.device == "auto" else args.device, verbose=args.verbose)
+    print(module.__file__)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
