@@ -24,16 +24,12 @@ import grpc
 from gateway.clients import DependencyError, ExecutorClient, ExecutorInfo, KVManagerClient
 from gateway.detokenizer import ModelTokenizer
 from gateway.metrics import GatewayMetrics
-from gateway.scheduler import Scheduler, SchedulerConfig
+from gateway.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
 from kvserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from kvserve.logs import get_logger
 
 log = get_logger("gateway.engine")
-
-
-class RequestTooLarge(ResourceExhausted):
-    """A request that can never fit in the KV cache (HTTP 400, gRPC RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ from gateway.stopping import append_token, finish_with, take_delta
 from kvserve.errors import InvalidArgument, ResourceExhausted
 
 
+class RequestTooLarge(ResourceExhausted):
+    """A request that can never fit in the KV cache (HTTP 400, gRPC RESOURCE_EXHAUSTED)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -331,7 +335,7 @@ class Scheduler:
 
     def _fail_cannot_fit(self, seq: Sequence, entry: ScheduledSeq) -> None:
         needed = seq.num_computed + entry.num_new_tokens
-        self.fail_request(seq.request, ResourceExhausted(
+        self.fail_request(seq.request, RequestTooLarge(
             f"request {seq.request.request_id} cannot fit in the KV cache even alone "
             f"({needed} tokens of sequence {seq.index} need more blocks than the pool has free)"))
 
