@@ -251,12 +251,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   // Merge the BC blocks that were in flight side by side (deterministic order).
   if constexpr (BC > 1) {
     for (int s2 = 0; s2 < BC; ++s2) {
+      // Unrolled with constant indices so acc stays in registers.
       if (v_active && sub == 0 && slot == s2)
-        for (int g = 0; g < ng; ++g) o_s[g][d0] = (s2 == 0 ? 0.f : o_s[g][d0]) + acc[g][0];
+#pragma unroll
+        for (int g = 0; g < kMaxG; ++g)
+          if (g < ng) o_s[g][d0] = (s2 == 0 ? 0.f : o_s[g][d0]) + acc[g][0];
       __syncthreads();
     }
     if (v_active && sub == 0 && slot == 0)
-      for (int g = 0; g < ng; ++g) acc[g][0] = o_s[g][d0];
+#pragma unroll
+      for (int g = 0; g < kMaxG; ++g)
+        if (g < ng) acc[g][0] = o_s[g][d0];
   }
   if (!(v_active && sub == 0 && slot == 0)) return;
 
