@@ -271,7 +271,8 @@ def test_full_queue_is_429(stack, start_service, tiny_model_dir):
     url = f"http://127.0.0.1:{http_port}/v1/completions"
     body = {"prompt": "Long", "max_tokens": 1500, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url, json=body, timeout=30) as running:
-        next(line for line in running.iter_lines() if line.startswith("data:"))
+        running_lines = running.iter_lines()  # keep a reference: closing it would disconnect
+        next(line for line in running_lines if line.startswith("data:"))
         with httpx.stream("POST", url, json=body, timeout=30) as queued:
             assert queued.status_code == 200
             assert wait_for(lambda: _metric_at(http_port, "vllm:num_requests_waiting") == 1, 10)
