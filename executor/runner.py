@@ -217,15 +217,13 @@ class ModelRunner:
                                      torch.tensor(copy_dst, dtype=torch.long, device=self.device))
         t_forward = time.perf_counter()
         hidden = self.model(token_ids, positions, kv_caches, meta, self.backend)
-        sample_rows = [i for i, s in enumerate(sequences) if s.sample]
         if self.device.type != "cpu":
             synchronize(self.device)
         t_sample = time.perf_counter()
+        sample_rows = [i for i, s in enumerate(sequences) if s.sample]
         result = None
         if sample_rows:
-            ends = list(itertools.accumulate(meta.query_lens_cpu))  # one past each sequence's last token
-            last_tokens = torch.tensor([ends[i] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, last_tokens))
+            logits = self._last_token_logits(hidden, meta, sample_rows)
             params = [sequences[i].sampling for i in sample_rows]
             next_positions = [meta.seq_lens_cpu[i] for i in sample_rows]
             result = sample(logits, params, next_positions, self.generator)
@@ -240,6 +238,21 @@ class ModelRunner:
             sample_ms=(end - t_sample) * 1e3,
             total_ms=(end - start) * 1e3,
         )
+
+    def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+        # hidden: [num_tokens, hidden] → logits [len(rows), vocab] float32 at each row's last token
+        ends = list(itertools.accumulate(meta.query_lens_cpu))
+        last_tokens = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, last_tokens))
+
+    @torch.inference_mode()
+    def forward_logits(self, sequences: list[SequenceInput]) -> torch.Tensor:
+        """Runs a validated step (writing KV like ``execute``) and returns the float32 logits
+        [num_seqs, vocab] after each sequence's last token, unsampled: for comparisons and debugging."""
+        self.validate(sequences, [], [])
+        token_ids, positions, meta = self._prepare(sequences)
+        hidden = self.model(token_ids, positions, self.kv_caches, meta, self.backend)
+        return self._last_token_logits(hidden, meta, list(range(len(sequences)))).cpu()
 
     def _prepare(self, sequences: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)."""

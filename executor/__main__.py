@@ -1,0 +1,90 @@
+"""``python -m executor``: serve ``kvserve.v1.Executor`` for one model on one device."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from executor.prepare_model import is_complete
+from executor.model import UnsupportedModel
+from executor.runner import ModelRunner, RunnerOptions
+from executor.service import ExecutorServicer
+from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.errors import StartupError
+from kvserve.logs import configure_logging, get_logger
+from kvserve.paths import default_model_dir
+from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.v1 import executor_pb2, executor_pb2_grpc
+
+DEFAULT_PORT = 50053
+SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
+log = get_logger("executor")
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(prog="python -m executor", description=__doc__.splitlines()[0].strip("`: "))
+    add_server_flags(parser, default_port=DEFAULT_PORT)
+    parser.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face model directory")
+    parser.add_argument("--served-model-name", default=None, help="model name to report (default: the directory name)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
+                        help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda", "musa"],
+                        help="auto: the native kernels on cuda/musa, torch on the cpu")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides the memory flags)")
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (all layers, K and V)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on a device: fraction of its memory for weights, activations and KV")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (default and cap: the model's max_position_embeddings)")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generator unseeded sampling uses")
+    return parser
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """A missing or half-written model directory is a one-line start-up error, never a traceback."""
+    if not (model_dir / "config.json").is_file():
+        hint = " (run `kvserve prepare-model`)" if model_dir == default_model_dir() else ""
+        raise StartupError(f"model directory {model_dir} is missing or has no config.json{hint}")
+    if (model_dir / "kvserve-manifest.json").exists() and not is_complete(model_dir, verify_digests=False):
+        raise StartupError(f"model directory {model_dir} is incomplete (run `kvserve prepare-model --force`)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+
+    async def serve() -> None:
+        check_model_dir(args.model)
+        options = RunnerOptions(
+            model_dir=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+            block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+            served_model_name=args.served_model_name, seed=args.seed,
+        )
+        try:
+            runner = ModelRunner(options)
+        except (UnsupportedModel, ValueError, ImportError, OSError) as exc:
+            raise StartupError(str(exc)) from exc
+        servicer = ExecutorServicer(runner)
+        server = GrpcServer("executor", args.host, args.port,
+                            [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)])
+        await server.start()
+        log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
+                 attention_backend=runner.info.attention_backend, torch_threads=torch.get_num_threads())
+        sig = await wait_for_shutdown_signal()
+        log.info("shutting_down", signal=sig.name)
+        await server.stop(args.shutdown_grace)
+        servicer.close()
+
+    return run_service("executor", serve)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

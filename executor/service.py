@@ -1,0 +1,76 @@
+"""The ``kvserve.v1.Executor`` servicer: protobuf ⇄ domain, nothing else.
+
+Steps run in one worker thread, so the event loop keeps answering health checks
+during a long forward pass and two steps never run at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from executor.runner import ModelRunner, SequenceInput, StepOutput
+from executor.sampling import SamplingParams
+from kvserve.v1 import executor_pb2, executor_pb2_grpc
+
+
+def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
+    sampling = None
+    if seq.sample:
+        s = seq.sampling
+        sampling = SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed if s.HasField("seed") else None,
+            top_logprobs=s.top_logprobs,
+            suppressed_token_ids=tuple(s.suppressed_token_ids),
+        )
+    return SequenceInput(
+        seq_id=seq.seq_id,
+        token_ids=list(seq.token_ids),
+        start_position=seq.start_position,
+        block_table=list(seq.block_table),
+        sample=seq.sample,
+        sampling=sampling or SamplingParams(),
+    )
+
+
+def response_from_step(out: StepOutput, total_ms: float) -> executor_pb2.ExecuteResponse:
+    reply = executor_pb2.ExecuteResponse(
+        sampled_token_ids=out.sampled_token_ids,
+        sampled_logprobs=out.sampled_logprobs,
+        num_tokens=out.num_tokens,
+        timings=executor_pb2.StepTimings(copy_ms=out.copy_ms, forward_ms=out.forward_ms,
+                                         sample_ms=out.sample_ms, total_ms=total_ms),
+    )
+    if out.top_logprobs is not None and any(ids for ids, _ in out.top_logprobs):
+        reply.top_logprobs.extend(executor_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in out.top_logprobs)
+    return reply
+
+
+class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-step")
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    async def Describe(self, request, context):
+        info = self.runner.info
+        return executor_pb2.DescribeResponse(
+            model_name=info.model_name, model_fingerprint=info.model_fingerprint, architecture=info.architecture,
+            dtype=info.dtype, device=info.device, attention_backend=info.attention_backend,
+            block_size=info.block_size, num_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+            num_layers=info.num_layers, model_path=info.model_path,
+        )
+
+    async def Execute(self, request, context):
+        start = time.perf_counter()
+        sequences = [sequence_from_proto(s) for s in request.sequences]
+        copy_src, copy_dst = list(request.copy_src), list(request.copy_dst)
+        loop = asyncio.get_running_loop()
+        out = await loop.run_in_executor(self._worker, self.runner.execute, sequences, copy_src, copy_dst)
+        return response_from_step(out, (time.perf_counter() - start) * 1e3)
