@@ -32,7 +32,15 @@ def check_invariants(pool: KVPool) -> None:
         assert seq.num_computed <= len(seq.token_ids)
         assert seq.num_computed <= len(seq.block_table) * bs
 
+    filled: Counter[int] = Counter()  # slots of each block below some holder's num_computed
+    for seq in pool.sequences.values():
+        for i, block in enumerate(seq.block_table):
+            n = min(bs, max(0, seq.num_computed - i * bs))
+            filled[block.block_id] = max(filled[block.block_id], n)
+
     for block in bp.blocks[1:]:
+        if block.ref_cnt:
+            assert block.num_tokens == filled[block.block_id], block
         assert block.ref_cnt >= 0
         assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
         assert (block.ref_cnt == 0) == (block.block_id in in_queue), block

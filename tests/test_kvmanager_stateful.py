@@ -1,0 +1,167 @@
+"""Hypothesis stateful test: random allocate / append / fork / free / expire on
+small pools, with the invariants and a shadow executor checked after every step.
+
+The shadow executor replays every result on a fake KV cache (token id per slot),
+so a wrong block id, a missed copy-on-write or a bad prefix hit shows up as a
+sequence reading another token than its own.
+"""
+from __future__ import annotations
+
+import copy
+
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvmanager.manager import KVManager
+from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
+from tests.kvmanager_support import ShadowExecutor, check_invariants
+
+# Prompts are a shared system prompt (or none) plus a tail over a 3-letter
+# alphabet, so prefix hits and identical blocks computed twice are common.
+SYSTEM_PROMPTS = [[], [7] * 8, list(range(10, 22)), list(range(10, 18)) + [5, 5]]
+tokens = st.builds(lambda head, tail: head + tail, st.sampled_from(SYSTEM_PROMPTS),
+                   st.lists(st.integers(0, 2), max_size=12))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class KVManagerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4, 8]),
+        num_blocks=st.integers(2, 40),
+        prefix_caching=st.booleans(),
+        reserve=st.booleans(),
+        max_model_len=st.integers(1, 40),
+    )
+    def setup(self, block_size, num_blocks, prefix_caching, reserve, max_model_len):
+        self.clock = FakeClock()
+        self.manager = KVManager(default_session_ttl_ms=1000, clock=self.clock)
+        policy = AllocationPolicy.RESERVE if reserve else AllocationPolicy.PAGED
+        self.manager.register_pool(PoolConfig("p", num_blocks, block_size, "fp", prefix_caching,
+                                              policy, max_model_len))
+        self.pool = self.manager.pools["p"]
+        self.shadow = ShadowExecutor(num_blocks, block_size)
+        # Session 0 is short-lived (the one "expire" kills); session 1 lives long.
+        self.sessions = [self.manager.open_session("p", ttl_ms=1000).session_id,
+                         self.manager.open_session("p", ttl_ms=10**7).session_id]
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _owned(self, who: int) -> list[int]:
+        return sorted(self.pool.session_seq_ids.get(self.sessions[who], ()))
+
+    def _allocate(self, who: int, free: list[int], requests: list[Req]) -> None:
+        snapshot = {r.seq_id: copy.copy(self.pool.sequences.get(r.seq_id)) for r in requests}
+        before = {r.seq_id: (list(s.token_ids), s.num_computed, [b.block_id for b in s.block_table])
+                  for r in requests if (s := self.pool.sequences.get(r.seq_id)) is not None}
+        for seq_id in free:
+            self.shadow.free(seq_id)
+        results, _ = self.manager.allocate("p", self.sessions[who], free, requests)
+        assert [r.seq_id for r in results] == [r.seq_id for r in requests]
+        for request, result in zip(requests, results):
+            seq = self.pool.sequences.get(request.seq_id)
+            if result.ok:
+                event("ok") if not result.num_cached_tokens else event("prefix hit")
+                if result.copy_src:
+                    event("copy-on-write")
+                assert result.num_cached_tokens % self.pool.block_size == 0
+                assert len(seq.token_ids) == 0 or result.num_cached_tokens < len(seq.token_ids) or \
+                    result.num_cached_tokens == 0
+                continue
+            event("no room")
+            if snapshot[request.seq_id] is None or request.seq_id in free:
+                assert seq is None, "a new sequence with no room must not exist"
+            else:  # no room: exactly as before
+                assert (list(seq.token_ids), seq.num_computed,
+                        [b.block_id for b in seq.block_table]) == before[request.seq_id]
+        self.shadow.step({r.seq_id: r.token_ids for r in requests}, results)
+
+    @rule(who=st.integers(0, 1), prompt=tokens, chunk=st.integers(0, 30), salt=st.sampled_from(["", "", "s"]),
+          caching=st.booleans())
+    def admit(self, who, prompt, chunk, salt, caching):
+        self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt)])
+
+    @rule(who=st.integers(0, 1), data=st.data())
+    def step_batch(self, who, data):
+        """One scheduler step over some of the session's sequences, maybe with frees."""
+        owned = self._owned(who)
+        chosen = data.draw(st.lists(st.sampled_from(owned), unique=True) if owned else st.just([]))
+        free = data.draw(st.lists(st.sampled_from(owned), unique=True, max_size=2) if owned else st.just([]))
+        free = [s for s in free if s not in chosen] + [self._new_id() + 1000]  # unknown ids are ignored
+        requests = [Req(s, data.draw(st.lists(st.integers(0, 2), max_size=3)), data.draw(st.integers(0, 9)))
+                    for s in chosen]
+        if data.draw(st.booleans()):
+            requests.append(Req(self._new_id(), data.draw(tokens), data.draw(st.integers(0, 30))))
+        self._allocate(who, free, requests)
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data(), num_children=st.integers(1, 3))
+    def fork(self, data, num_children):
+        parent = data.draw(st.sampled_from(sorted(self.pool.sequences)))
+        owner = self.sessions.index(self.pool.sequences[parent].session_id)
+        children = [self._new_id() for _ in range(num_children)]
+        table = self.manager.fork("p", self.sessions[owner], parent, children)
+        self.shadow.fork(parent, children, table)
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_ids = data.draw(st.lists(st.sampled_from(sorted(self.pool.sequences)), min_size=1, max_size=3,
+                                     unique=True))
+        by_session: dict[str, list[int]] = {}
+        for s in seq_ids:
+            by_session.setdefault(self.pool.sequences[s].session_id, []).append(s)
+        for session_id, ids in by_session.items():
+            self.manager.free("p", session_id, ids)
+            for s in ids:
+                self.shadow.free(s)
+
+    @rule()
+    def expire_short_session(self):
+        self.manager.renew_session(self.sessions[1])
+        doomed = set(self._owned(0))
+        self.clock.now += 1.5
+        assert self.manager.reap_expired() == 1
+        for s in doomed:
+            self.shadow.free(s)
+        assert not doomed & set(self.pool.sequences)
+        self.sessions[0] = self.manager.open_session("p", ttl_ms=1000).session_id
+
+    @precondition(lambda self: self.pool.block_pool.num_used_blocks == 0)
+    @rule()
+    def reset_prefix_cache(self):
+        self.manager.reset_prefix_cache("p")
+        assert not self.pool.block_pool.cached_blocks
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "pool"):
+            return
+        check_invariants(self.pool)
+        self.shadow.check(self.pool)
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for session_id in self.sessions:
+            self.manager.close_session(session_id)
+        check_invariants(self.pool)
+        stats = self.manager.stats("p")
+        assert stats.num_used_blocks == 0 and stats.num_sequences == 0 and stats.num_stored_tokens == 0
+        assert stats.num_free_blocks == stats.num_blocks - 1
+
+
+KVManagerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+)
+test_kvmanager_state_machine = KVManagerMachine.TestCase
