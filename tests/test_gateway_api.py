@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
@@ -286,3 +289,24 @@ def _metric_at(http_port: int, name: str) -> float:
     text = httpx.get(f"http://127.0.0.1:{http_port}/metrics").text
     line = next(line for line in text.splitlines() if line.startswith(name + "{"))
     return float(line.rsplit(" ", 1)[1])
+
+
+NODE_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "node"
+
+
+def test_node_grpc_client_streams_a_generation(stack):
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        pytest.skip("node/npm not installed")
+    if not (NODE_EXAMPLE / "node_modules" / "@grpc" / "grpc-js").exists():
+        installed = subprocess.run([npm, "install", "--no-audit", "--no-fund"], cwd=NODE_EXAMPLE,
+                                   capture_output=True, text=True, timeout=300)
+        if installed.returncode != 0:
+            pytest.skip(f"npm install failed (offline?): {installed.stderr[-500:]}")
+    run = subprocess.run([node, "generate.js", "--address", stack.grpc_address, "--max-tokens", "7",
+                          "Hello from Node"], cwd=NODE_EXAMPLE, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["num_tokens"] >= 1 and summary["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert summary["usage"]["completion_tokens"] == summary["num_tokens"]
+    assert summary["text"].strip() in run.stderr
