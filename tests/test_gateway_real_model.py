@@ -1,0 +1,42 @@
+"""The gateway on the real default model (SmolLM2-135M-Instruct): answers make sense, streaming agrees."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import start_stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def client(default_model_dir, tmp_path_factory):
+    stack = start_stack(default_model_dir, tmp_path_factory.mktemp("gateway-real"))
+    yield openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert stack.stop()["gateway"] == 0
+
+
+def test_chat_answers_and_stream_matches(client):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer and whole.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in chunks:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == answer
+    assert usage.prompt_tokens_details.cached_tokens > 0  # the same chat prompt again
+
+
+def test_completion_with_stop_string(client):
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0,
+                                      stop=[" 7"])
+    assert reply.choices[0].finish_reason == "stop"
+    assert " 7" not in reply.choices[0].text and "5" in reply.choices[0].text
