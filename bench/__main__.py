@@ -73,6 +73,9 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row
     if baseline is not None:
         lines += ["", *report.ratio_lines(rows, baseline)]
     lines += ["", *report.detail_lines(rows)]
+    profile = report.profile_lines(rows)
+    if profile:
+        lines += ["", "where the engine's time goes (gateway step counters):", *profile]
     for row in rows:
         for note in row.notes + row.errors:
             lines.append(f"- {row.name}: {note}")

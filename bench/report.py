@@ -38,6 +38,7 @@ class Row:
     cached_prompt_tokens: int = 0
     preemptions: float | None = None
     kv_usage_series: list = field(default_factory=list)  # [(t, fraction of blocks in use)]
+    profile: dict = field(default_factory=dict)  # scheduler steps and where their time went
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)
 
@@ -101,7 +102,22 @@ def summarize(name: str, results: list[RequestResult], wall_s: float,
         row.prefix_cache_hit_rate = metrics.prefix_hit_rate()
         row.preemptions = metrics.counters.get("preemptions")
         row.kv_usage_series = [(s.t, s.kv_usage) for s in metrics.samples if s.kv_usage is not None]
+        row.profile = step_profile(metrics, wall_s)
     return row
+
+
+def step_profile(metrics: ServerMetrics, wall_s: float) -> dict:
+    """Steps run, sequences per step, and step time split by phase (the gateway's counters)."""
+    steps = metrics.counters.get("steps") or 0.0
+    phases = metrics.step_time_by_phase
+    profile = {"steps": int(steps), "prefill_tokens": metrics.counters.get("prompt_tokens"),
+               "step_time_by_phase_s": phases}
+    if steps:
+        profile["mean_seqs_per_step"] = (metrics.counters.get("step_seqs") or 0.0) / steps
+        profile["mean_step_ms"] = 1000.0 * phases.get("step", 0.0) / steps
+    if wall_s and "step" in phases:
+        profile["busy_fraction"] = phases["step"] / wall_s  # the rest: engine idle or between steps
+    return profile
 
 
 def _pct(value: float | None) -> str:
@@ -144,8 +160,27 @@ def ratio_lines(rows: list[Row], baseline: Row) -> list[str]:
         speedup = row.output_throughput / baseline.output_throughput if baseline.output_throughput else float("nan")
         p99 = row.ttft_ms.get("p99")
         reduction = (1 - p99 / base_p99) if (p99 is not None and base_p99) else float("nan")
-        lines.append(f"{row.name}: throughput {speedup:.2f}x baseline, TTFT P99 {100 * reduction:+.0f}% lower"
-                     if reduction == reduction else f"{row.name}: throughput {speedup:.2f}x baseline")
+        line = f"{row.name}: throughput {speedup:.2f}x baseline"
+        if reduction == reduction:  # not NaN
+            line += (f", TTFT P99 {100 * reduction:.0f}% lower" if reduction >= 0
+                     else f", TTFT P99 {-100 * reduction:.0f}% higher")
+        lines.append(line)
+    return lines
+
+
+def profile_lines(rows: list[Row]) -> list[str]:
+    """Per configuration: steps, batch size, mean step time and its split by phase."""
+    lines = []
+    for r in rows:
+        p = r.profile
+        if not p.get("steps"):
+            continue
+        phases = p.get("step_time_by_phase_s", {})
+        total = phases.get("step") or 0.0
+        split = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in phases.items() if k != "step" and total)
+        lines.append(f"- {r.name}: {p['steps']} steps, {p.get('mean_seqs_per_step', 0):.1f} seqs/step, "
+                     f"{p.get('mean_step_ms', 0):.0f} ms/step, engine busy {100 * p.get('busy_fraction', 0):.0f}% "
+                     f"of the run; step time: {split}")
     return lines
 
 

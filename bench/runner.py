@@ -19,7 +19,7 @@ async def measure_async(name: str, requests: list[BenchRequest], *, base_url: st
     if warmup:
         # First calls pay one-time costs (allocator growth, lazy imports); keep them out of the numbers.
         await run_load([WARMUP_REQUEST] * warmup, base_url=base_url, grpc_address=grpc_address,
-                       concurrency=warmup, progress=False)
+                       concurrency=1, progress=False)  # one at a time: the peak gauge stays at 1
     sampler = MetricsSampler(base_url, interval=metrics_interval)
     await sampler.start(time.perf_counter())
     try:

@@ -28,9 +28,14 @@ PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
 PREEMPTIONS = ("vllm:num_preemptions_total", "vllm:num_preemptions")
 PROMPT_TOKENS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens")
 GENERATION_TOKENS = ("vllm:generation_tokens_total", "vllm:generation_tokens")
+RUNNING_PEAK = ("kvserve:num_requests_running_peak",)  # high-water mark kept by the gateway
+STEPS = ("kvserve:steps_total", "kvserve:steps")
+STEP_SEQS = ("kvserve:step_running_seqs_total", "kvserve:step_running_seqs")
 COUNTERS = {"prefix_cache_queries": PREFIX_QUERIES, "prefix_cache_hits": PREFIX_HITS,
             "preemptions": PREEMPTIONS, "prompt_tokens": PROMPT_TOKENS,
-            "generation_tokens": GENERATION_TOKENS}
+            "generation_tokens": GENERATION_TOKENS, "steps": STEPS, "step_seqs": STEP_SEQS}
+# Where a scheduler step's time goes, by phase (the gateway's own profile).
+STEP_TIME = ("kvserve:step_time_seconds_total", "kvserve:step_time_seconds")
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -57,6 +62,24 @@ def parse_prometheus(text: str) -> dict[str, float]:
             continue
         values[name] = values.get(name, 0.0) + value
     return values
+
+
+def parse_labeled(text: str, names: tuple[str, ...], label: str) -> dict[str, float]:
+    """``label`` value → value for the first of ``names`` found (e.g. step time by phase)."""
+    found: dict[str, dict[str, float]] = {}
+    pattern = re.compile(label + r'="([^"]*)"')
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or match.group(1) not in names or not match.group(2):
+            continue
+        key = pattern.search(match.group(2))
+        if key:
+            per = found.setdefault(match.group(1), {})
+            per[key.group(1)] = per.get(key.group(1), 0.0) + float(match.group(3))
+    for name in names:
+        if name in found:
+            return found[name]
+    return {}
 
 
 def pick(values: dict[str, float], names: tuple[str, ...]) -> float | None:
@@ -91,10 +114,14 @@ class ServerMetrics:
 
     samples: list[MetricSample] = field(default_factory=list)
     counters: dict[str, float] = field(default_factory=dict)  # end - start
+    step_time_by_phase: dict[str, float] = field(default_factory=dict)  # seconds, end - start
+    running_high_water: float | None = None  # the gateway's own peak gauge at the end
     available: bool = False
 
     def peak_running(self) -> int | None:
         running = [s.running for s in self.samples if s.running is not None]
+        if self.running_high_water is not None:
+            running.append(self.running_high_water)
         return int(max(running)) if running else None
 
     def mean_kv_usage(self) -> float | None:
@@ -120,6 +147,8 @@ class ServerMetrics:
         return {
             "available": self.available,
             "counters": self.counters,
+            "step_time_by_phase": self.step_time_by_phase,
+            "running_high_water": self.running_high_water,
             "samples": [vars(s) for s in self.samples],
         }
 
@@ -135,24 +164,26 @@ class MetricsSampler:
         self._client: httpx.AsyncClient | None = None
         self._first: dict[str, float] | None = None
         self._last: dict[str, float] | None = None
+        self._first_text = self._last_text = ""
         self._t0 = 0.0
 
-    async def _scrape(self) -> dict[str, float] | None:
+    async def _scrape(self) -> str | None:
         try:
             reply = await self._client.get(self.url)
             reply.raise_for_status()
         except httpx.HTTPError:
             return None
-        return parse_prometheus(reply.text)
+        return reply.text
 
     async def _record(self) -> None:
-        values = await self._scrape()
-        if values is None:
+        text = await self._scrape()
+        if text is None:
             return
+        values = parse_prometheus(text)
         self.result.available = True
         if self._first is None:
-            self._first = values
-        self._last = values
+            self._first, self._first_text = values, text
+        self._last, self._last_text = values, text
         self.result.samples.append(sample_from(values, time.perf_counter() - self._t0))
 
     async def _loop(self) -> None:
@@ -181,4 +212,9 @@ class MetricsSampler:
                 end, begin = pick(self._last, names), pick(self._first, names)
                 if end is not None:
                     self.result.counters[key] = end - (begin or 0.0)
+            begin_phases = parse_labeled(self._first_text, STEP_TIME, "phase")
+            self.result.step_time_by_phase = {
+                phase: seconds - begin_phases.get(phase, 0.0)
+                for phase, seconds in parse_labeled(self._last_text, STEP_TIME, "phase").items()}
+            self.result.running_high_water = pick(self._last, RUNNING_PEAK)
         return self.result

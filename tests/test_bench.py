@@ -141,7 +141,7 @@ def test_table_json_and_plot_are_written(tmp_path):
     lines = report.table_lines([base, fast])
     assert lines[0] == "| " + " | ".join(report.TABLE_COLUMNS) + " |"
     assert "| + prefix | 1 | 10.0 | 100 ms | 97.0% |" in lines
-    assert report.ratio_lines([fast], base) == ["+ prefix: throughput 3.00x baseline, TTFT P99 +90% lower"]
+    assert report.ratio_lines([fast], base) == ["+ prefix: throughput 3.00x baseline, TTFT P99 90% lower"]
     report.write_json(tmp_path / "r.json", [base, fast], {"k": 1})
     rows, meta = report.load_json(tmp_path / "r.json")
     assert meta == {"k": 1} and rows[1].kv_utilization == 0.97
@@ -177,3 +177,29 @@ def test_sampler_tolerates_an_unreachable_server():
 
     metrics = asyncio.run(sample_nothing())
     assert not metrics.available and metrics.samples == []
+
+
+def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
+    """Two seed-table rows and the transformers peer on a few prompts, each against a real stack."""
+    from bench.__main__ import main
+
+    out = tmp_path / "results"
+    code = main(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "transformers,llama-cpp",
+                 "--model-dir", str(tiny_model_dir), "--num-prompts", "6", "--max-input-len", "48",
+                 "--max-output-len", "24", "--system-prompt-len", "40", "--concurrency", "4",
+                 "--baseline-seqs", "2", "--dtype", "float32", "--metrics-interval", "0.05",
+                 "--no-progress", "--out", str(out)])
+    printed = capsys.readouterr().out
+    rows, meta = report.load_json(out / "results.json")
+    assert code == 0, printed
+    assert [r.name for r in rows][:2] == [SEED_TABLE[0].name, SEED_TABLE[3].name]
+    baseline, prefix, peer = rows[0], rows[1], rows[2]
+    for row in (baseline, prefix, peer):
+        assert row.completed == 6 and row.failed == 0, row.errors
+        assert row.output_tokens == meta["workload"]["total_output_tokens"]
+    assert baseline.max_concurrency <= 2  # the budget holds two reservations
+    assert prefix.kv_utilization is not None and 0 < prefix.kv_utilization <= 1
+    assert prefix.prefix_cache_hit_rate and prefix.prefix_cache_hit_rate > 0
+    assert prefix.cached_prompt_tokens > 0
+    assert all(run["model_info"]["batching"] == run["config"]["batching"] for run in meta["runs"])
+    assert "throughput" in printed and (out / "bench.png").exists() and (out / "table.md").exists()
