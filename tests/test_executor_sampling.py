@@ -1,0 +1,123 @@
+"""Sampling semantics on synthetic logits (fast), and seeded reproducibility through the runner."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.sampling import SamplingParams, sample, seed_for
+from kvserve.errors import InvalidArgument
+
+VOCAB = 1000
+
+
+def logits(rows: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def draw(x: torch.Tensor, params, positions=None, gen_seed: int = 0):
+    positions = positions or list(range(len(params)))
+    return sample(x, params, positions, torch.Generator().manual_seed(gen_seed))
+
+
+def test_greedy_is_argmax_with_its_logprob():
+    x = logits()
+    out = draw(x, [SamplingParams()] * 8)
+    assert out.token_ids == x.argmax(-1).tolist()
+    expected = x.log_softmax(-1).max(-1).values
+    assert out.logprobs == pytest.approx(expected.tolist(), abs=1e-5)
+    assert out.top_logprobs is None
+
+
+def test_top_k_one_equals_greedy():
+    x = logits(32)
+    params = [SamplingParams(temperature=1.3, top_k=1)] * 32
+    assert draw(x, params, gen_seed=5).token_ids == x.argmax(-1).tolist()
+
+
+def test_seed_reproducible_independent_of_batch():
+    x = logits(4)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    other = SamplingParams(temperature=1.0)
+    alone = draw(x[2:3], [seeded], positions=[17], gen_seed=1).token_ids[0]
+    in_batch = draw(x, [other, other, seeded, other], positions=[3, 4, 17, 9], gen_seed=99).token_ids[2]
+    assert alone == in_batch
+    # Different positions or seeds give different draws (a flat distribution makes collisions rare).
+    flat = torch.zeros(1, VOCAB)
+    tokens = {draw(flat, [SamplingParams(temperature=1.0, seed=7)], positions=[p]).token_ids[0] for p in range(20)}
+    assert len(tokens) >= 15
+    assert seed_for(7, 0) != seed_for(8, 0) != seed_for(7, 1)
+
+
+def test_unseeded_draws_vary_and_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3))
+    x = probs.clamp_min(1e-30).log().expand(4000, VOCAB)
+    out = draw(x, [SamplingParams(temperature=1.0)] * 4000)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=3)[:3].float() / 4000
+    assert counts.tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4))
+    x = probs.clamp_min(1e-30).log().expand(500, VOCAB)
+    tokens = set(draw(x, [SamplingParams(temperature=1.0, top_p=0.7)] * 500).token_ids)
+    assert tokens == {0, 1}
+    tokens = set(draw(x, [SamplingParams(temperature=1.0, top_k=3)] * 500).token_ids)
+    assert tokens == {0, 1, 2}
+
+
+def test_suppressed_ids_are_never_sampled():
+    x = logits(1).expand(300, VOCAB).clone()
+    top = x[0].topk(5).indices.tolist()
+    params = [SamplingParams(temperature=0.7, suppressed_token_ids=tuple(top))] * 299 + \
+             [SamplingParams(suppressed_token_ids=tuple(top))]
+    out = draw(x, params)
+    assert not set(out.token_ids) & set(top)
+    assert out.token_ids[-1] == x[0].topk(6).indices[5].item()  # greedy takes the best one left
+
+
+def test_logprobs_and_top_logprobs_are_consistent():
+    x = logits(3)
+    params = [SamplingParams(temperature=0.5, top_logprobs=4, seed=1), SamplingParams(),
+              SamplingParams(top_logprobs=2)]
+    out = draw(x, params)
+    scaled = torch.stack([x[0] / 0.5, x[1], x[2]]).log_softmax(-1)
+    for row, token in enumerate(out.token_ids):
+        assert out.logprobs[row] == pytest.approx(scaled[row, token].item(), abs=1e-5)
+        assert out.logprobs[row] <= 0
+    ids, lps = out.top_logprobs[0]
+    assert len(ids) == 4 and lps == sorted(lps, reverse=True)
+    assert ids == scaled[0].topk(4).indices.tolist()
+    assert math.fsum(math.exp(v) for v in scaled[0].tolist()) == pytest.approx(1.0, abs=1e-4)
+    assert out.top_logprobs[1] == ([], [])
+    assert out.top_logprobs[2][0] == [out.token_ids[2], scaled[2].topk(2).indices[1].item()]
+
+
+@pytest.mark.parametrize("params,field", [
+    (SamplingParams(temperature=-1.0), "temperature"),
+    (SamplingParams(temperature=float("nan")), "temperature"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(top_logprobs=1000), "top_logprobs"),
+    (SamplingParams(suppressed_token_ids=(VOCAB,)), "suppressed_token_ids[0]"),
+])
+def test_bad_sampling_params_name_the_field(params, field):
+    with pytest.raises(InvalidArgument, match=field.replace("[", r"\[").replace("]", r"\]")):
+        params.validate("sampling", VOCAB)
+
+
+def test_runner_seeded_sampling_is_reproducible(tiny_model_dir):
+    runner = ModelRunner(RunnerOptions(tiny_model_dir, dtype="float32", num_blocks=32))
+    prompt = list(range(100, 120))
+    seeded = SamplingParams(temperature=1.0, seed=42, top_p=0.9)
+
+    def one(seq_first: bool, extra: int) -> int:
+        seqs = [SequenceInput(1, prompt, 0, [1, 2], sample=True, sampling=seeded)]
+        others = [SequenceInput(2, list(range(5, 5 + extra)), 0, [3, 4, 5, 6], sample=True,
+                                sampling=SamplingParams(temperature=1.0))]
+        batch = seqs + others if seq_first else others + seqs
+        out = runner.execute(batch)
+        return out.sampled_token_ids[0 if seq_first else 1]
+
+    assert len({one(True, 3), one(False, 40), one(True, 17)}) == 1

@@ -1,0 +1,124 @@
+"""``python -m executor`` as a real process over gRPC: Describe, Execute, bad input, shutdown."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from executor.loader import model_fingerprint
+from kvserve.v1 import executor_pb2 as pb
+from kvserve.v1 import executor_pb2_grpc
+from tests.conftest import REPO_ROOT, free_port, service_env
+
+NUM_BLOCKS = 24
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture
+def tiny_executor(start_service, tiny_model_dir):
+    service = start_service("executor", "--model", str(tiny_model_dir), "--num-blocks", str(NUM_BLOCKS),
+                            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
+    channel = grpc.insecure_channel(service.address)
+    yield service, executor_pb2_grpc.ExecutorStub(channel)
+    channel.close()
+
+
+def seq(tokens, start, table, sample=True, **sampling):
+    return pb.ExecuteSequence(seq_id=len(tokens), token_ids=tokens, start_position=start, block_table=table,
+                              sample=sample, sampling=pb.SamplingParams(**sampling))
+
+
+def test_describe_and_clean_shutdown(tiny_executor, tiny_model_dir):
+    service, stub = tiny_executor
+    info = stub.Describe(pb.DescribeRequest(), timeout=10)
+    assert info.architecture == "LlamaForCausalLM" and info.model_name == tiny_model_dir.name
+    assert info.model_fingerprint == model_fingerprint(tiny_model_dir) and len(info.model_fingerprint) == 64
+    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+    assert (info.block_size, info.num_blocks, info.max_model_len) == (16, NUM_BLOCKS, MAX_MODEL_LEN)
+    assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2] and info.num_layers == 2
+    assert info.kv_bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
+    logs = service.logs()
+    assert f"PagedAttention enabled, block_size=16, num_gpu_blocks={NUM_BLOCKS}" in logs
+    assert f"Maximum concurrency for {MAX_MODEL_LEN} tokens per request: 2.88x" in logs
+    assert service.stop() == 0
+
+
+BAD_REQUESTS = {
+    "empty batch": (pb.ExecuteRequest(), "sequences"),
+    "empty token_ids": (pb.ExecuteRequest(sequences=[seq([], 0, [1])]), "sequences[0] (seq_id 0).token_ids"),
+    "token outside vocab": (pb.ExecuteRequest(sequences=[seq([5, 49152], 0, [1])]), "token_ids[1]"),
+    "block id outside range": (pb.ExecuteRequest(sequences=[seq([5] * 20, 0, [1, NUM_BLOCKS])]), "block_table[1]"),
+    "block table too short": (pb.ExecuteRequest(sequences=[seq([5] * 20, 0, [1])]), "block_table"),
+    "position beyond max_model_len": (pb.ExecuteRequest(sequences=[seq([5], MAX_MODEL_LEN, list(range(1, 10)))]),
+                                      "start_position"),
+    "copy dst repeated": (pb.ExecuteRequest(copy_src=[1, 2], copy_dst=[3, 3], sequences=[seq([5], 0, [4])]),
+                          "copy_dst[1]"),
+    "copy dst is a source": (pb.ExecuteRequest(copy_src=[1, 2], copy_dst=[2, 3], sequences=[seq([5], 0, [4])]),
+                             "copy_dst[0]"),
+    "copy block outside range": (pb.ExecuteRequest(copy_src=[NUM_BLOCKS], copy_dst=[3], sequences=[seq([5], 0, [4])]),
+                                 "copy_src[0]"),
+    "copy lengths differ": (pb.ExecuteRequest(copy_src=[1], copy_dst=[], sequences=[seq([5], 0, [4])]), "copy_dst"),
+    "bad sampling": (pb.ExecuteRequest(sequences=[seq([5], 0, [4], top_p=2.0)]), "sampling.top_p"),
+}
+
+
+def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
+    _, stub = tiny_executor
+    prompt = list(range(300, 340))  # 40 tokens: blocks 1-3 for A, 4-6 for its twin B
+    first = stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
+    assert first.sampled_token_ids[0] == first.sampled_token_ids[1] and first.num_tokens == 80
+    for name, (request, field) in BAD_REQUESTS.items():
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Execute(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert field in info.value.details(), (name, info.value.details())
+    # Rejected batches that would have overwritten A's KV: a sequence writing garbage into
+    # A's blocks next to a bad one, and copies into A's blocks with an overlap.
+    garbage = seq(list(range(1000, 1040)), 0, [1, 2, 3])
+    for request in (pb.ExecuteRequest(sequences=[garbage, seq([5, 49152], 0, [7])]),
+                    pb.ExecuteRequest(sequences=[garbage, seq([5], MAX_MODEL_LEN, [7])]),
+                    pb.ExecuteRequest(copy_src=[7, 8], copy_dst=[1, 1], sequences=[garbage])):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Execute(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # A and its twin still agree on the next token and its log-probabilities.
+    token = first.sampled_token_ids[0]
+    after = stub.Execute(pb.ExecuteRequest(sequences=[seq([token], 40, [1, 2, 3], top_logprobs=5),
+                                                      seq([token], 40, [4, 5, 6], top_logprobs=5)]))
+    assert after.sampled_token_ids[0] == after.sampled_token_ids[1]
+    assert after.top_logprobs[0] == after.top_logprobs[1]
+    assert after.timings.total_ms > 0 and after.timings.forward_ms > 0
+
+
+def test_missing_model_dir_is_one_line_error(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "executor", "--model", str(tmp_path / "nope"), "--port", str(free_port())],
+        cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "executor: error:" in proc.stderr and "nope" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_default_model_answers_paris(start_service, default_model_dir):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    service = start_service("executor", "--model", str(default_model_dir), "--num-blocks", "64")
+    stub = executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(service.address))
+    assert stub.Describe(pb.DescribeRequest()).dtype == "bfloat16"  # auto on the CPU
+    chat = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = chat.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+    tokens, table, position, generated = list(prompt), list(range(1, 9)), 0, []
+    while len(generated) < 24:
+        out = stub.Execute(pb.ExecuteRequest(sequences=[seq(tokens, position, table)]), timeout=60)
+        position += len(tokens)
+        tokens = [out.sampled_token_ids[0]]
+        if tokens[0] == 2:
+            break
+        generated.append(tokens[0])
+    text = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).decode(generated)
+    assert "Paris" in text, text
