@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
 template <typename Dt>
 __global__ void __launch_bounds__(kThreads) paged_attention_reduce_kernel(const PagedAttentionParams p) {
   using S = typename Dt::storage;
-  extern __shared__ float w_s[];
+  KV_DYNAMIC_SHARED(float, w_s);
   __shared__ float red[kWarps];
   const int head = blockIdx.x, seq = blockIdx.y;
   const int hs = p.head_size;
@@ -332,11 +332,11 @@ const char* launch(const PagedAttentionParams& p, kvStream_t stream) {
   const int slices = (group + kMaxG - 1) / kMaxG;
   const bool v2 = p.partition_size > 0;
   const dim3 grid(p.num_kv_heads * slices, p.num_seqs, v2 ? p.max_num_partitions : 1);
-  paged_attention_kernel<Dt, HEAD, BLOCK><<<grid, kThreads, 0, stream>>>(p);
+  KV_LAUNCH((paged_attention_kernel<Dt, HEAD, BLOCK>), grid, kThreads, 0, stream, p);
   if (v2) {
     const dim3 rgrid(p.num_heads, p.num_seqs);
     const size_t shm = static_cast<size_t>(p.max_num_partitions) * sizeof(float);
-    paged_attention_reduce_kernel<Dt><<<rgrid, kThreads, shm, stream>>>(p);
+    KV_LAUNCH(paged_attention_reduce_kernel<Dt>, rgrid, kThreads, shm, stream, p);
   }
   const kvError_t err = kvGetLastError();
   return err == kvSuccess ? nullptr : kvGetErrorString(err);

@@ -65,12 +65,12 @@ const char* reshape_and_cache_launch(const void* key, const void* value, void* k
   if (num_tokens == 0) return nullptr;
   const int threads = num_kv_heads * head_size < 512 ? num_kv_heads * head_size : 512;
   if (elem_bytes == 2) {
-    reshape_and_cache_kernel<uint16_t><<<num_tokens, threads, 0, stream>>>(
+    KV_LAUNCH(reshape_and_cache_kernel<uint16_t>, num_tokens, threads, 0, stream,
         static_cast<const uint16_t*>(key), static_cast<const uint16_t*>(value),
         static_cast<uint16_t*>(key_cache), static_cast<uint16_t*>(value_cache), slot_mapping,
         num_kv_heads, head_size, block_size, key_token_stride, value_token_stride);
   } else if (elem_bytes == 4) {
-    reshape_and_cache_kernel<uint32_t><<<num_tokens, threads, 0, stream>>>(
+    KV_LAUNCH(reshape_and_cache_kernel<uint32_t>, num_tokens, threads, 0, stream,
         static_cast<const uint32_t*>(key), static_cast<const uint32_t*>(value),
         static_cast<uint32_t*>(key_cache), static_cast<uint32_t*>(value_cache), slot_mapping,
         num_kv_heads, head_size, block_size, key_token_stride, value_token_stride);
@@ -87,8 +87,8 @@ const char* copy_blocks_launch(const int64_t* key_cache_ptrs, const int64_t* val
   if (bytes_per_block % 16 != 0) return "copy_blocks: block bytes must be a multiple of 16";
   if (num_pairs > 65535) return "copy_blocks: at most 65535 pairs per launch";
   const dim3 grid(num_layers, num_pairs);
-  copy_blocks_kernel<<<grid, 256, 0, stream>>>(key_cache_ptrs, value_cache_ptrs, block_mapping,
-                                               bytes_per_block / 16);
+  KV_LAUNCH(copy_blocks_kernel, grid, 256, 0, stream, key_cache_ptrs, value_cache_ptrs, block_mapping,
+            bytes_per_block / 16);
   return last_error();
 }
 

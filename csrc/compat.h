@@ -10,7 +10,12 @@
 
 #include <cstdint>
 
-#if defined(__MUSACC__) || defined(KVSERVE_USE_MUSA)
+#if defined(KVSERVE_EMULATION)
+// Test-only: a CPU emulation of the few device features the kernels use, so
+// their logic runs on machines without a GPU (tests/test_csrc_emulated.py).
+#define KVSERVE_MUSA 0
+#include "emulation/cpu_emu.h"
+#elif defined(__MUSACC__) || defined(KVSERVE_USE_MUSA)
 #define KVSERVE_MUSA 1
 #include <musa_runtime.h>
 #include <musa_fp16.h>
@@ -38,6 +43,13 @@ typedef cudaError_t kvError_t;
 #define KV_WARP_SIZE 128
 #else
 #define KV_WARP_SIZE 32
+#endif
+
+// Kernel launch and dynamic shared memory, spelled once so the emulation can
+// substitute them (nvcc and mcc both accept the triple-chevron syntax).
+#if !defined(KVSERVE_EMULATION)
+#define KV_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+#define KV_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 
 #if defined(__CUDACC__) || defined(__MUSACC__)
