@@ -9,7 +9,7 @@ the server maps them to status codes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
@@ -205,9 +205,10 @@ class KVManager:
     # -- sequences -------------------------------------------------------------
 
     def allocate(self, pool_id: str, session_id: str, free_seq_ids: Iterable[int],
-                 requests: list[AllocationRequest]) -> tuple[list[AllocationResult], float]:
+                 requests: Sequence[AllocationRequest]) -> tuple[list[AllocationResult], float]:
         """One scheduler step: piggybacked frees, then each sequence in order.
-        Returns the per-sequence results and the pool's usage afterwards."""
+        Returns the per-sequence results and the pool's usage afterwards.
+        ``requests`` may be any objects with ``AllocationRequest``'s attributes."""
         pool, session = self._pool_and_session(pool_id, session_id)
         sequences = pool.sequences
         to_free = []
@@ -218,25 +219,31 @@ class KVManager:
                     raise PermissionDenied(f"free_seq_ids: sequence {seq_id} belongs to another session")
                 to_free.append(seq_id)
         freeing = set(to_free)
-        seen = set()
+        seen: set[int] = set()
+        # (existing sequence or None, request): validated in full before any change.
+        plan = []
         for i, request in enumerate(requests):
             seq_id = request.seq_id
-            _check_seq_id(f"sequences[{i}].seq_id", seq_id)
-            if seq_id in seen:
+            if seq_id in seen or not 0 <= seq_id <= MAX_SEQ_ID:
+                _check_seq_id(f"sequences[{i}].seq_id", seq_id)
                 raise InvalidArgument(f"sequences[{i}].seq_id: {seq_id} appears twice in one step")
             seen.add(seq_id)
             tokens = request.token_ids
-            if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+            if len(tokens) and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
                 raise InvalidArgument(f"sequences[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
             if request.num_new_tokens < 0:
                 raise InvalidArgument(f"sequences[{i}].num_new_tokens: must be >= 0")
             seq = sequences.get(seq_id)
-            if seq is not None and seq.session_id != session_id and seq_id not in freeing:
+            if seq is not None and (freeing and seq_id in freeing):
+                seq = None  # freed first, then admitted afresh
+            elif seq is not None and seq.session_id != session_id:
                 raise PermissionDenied(f"sequences[{i}].seq_id: sequence {seq_id} belongs to another session")
+            plan.append((seq, tokens, request))
 
         for seq_id in dict.fromkeys(to_free):
             pool.free(seq_id)
-        results = [pool.allocate(session_id, request) for request in requests]
+        results = [pool.step(seq, tokens, request.num_new_tokens) if seq is not None
+                   else pool.admit(session_id, request) for seq, tokens, request in plan]
         self._publish(pool)
         return results, pool.block_pool.usage
 

@@ -17,6 +17,7 @@ Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 
 from kvmanager.block_pool import BlockPool, KVCacheBlock
@@ -44,7 +45,11 @@ class PoolConfig:
 
 @dataclass(slots=True)
 class AllocationRequest:
-    """One sequence's part of a step (see ``SequenceAllocation`` in the proto)."""
+    """One sequence's part of a step (see ``SequenceAllocation`` in the proto).
+
+    The domain only reads these attributes, so the service passes the protobuf
+    ``SequenceAllocation`` messages as they are (no copy on the hot path).
+    """
 
     seq_id: int
     token_ids: list[int] = field(default_factory=list)
@@ -62,9 +67,9 @@ class AllocationResult:
     start_position: int = 0
     num_tokens: int = 0
     block_table_offset: int = 0
-    block_table: list[int] = field(default_factory=list)
-    copy_src: list[int] = field(default_factory=list)
-    copy_dst: list[int] = field(default_factory=list)
+    block_table: Sequence_[int] = ()
+    copy_src: Sequence_[int] = ()
+    copy_dst: Sequence_[int] = ()
 
 
 class Sequence:
@@ -91,8 +96,8 @@ class Sequence:
         return child
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# Shared empty result fields: most decode steps add no block and copy nothing.
+_EMPTY: tuple = ()
 
 
 class KVPool:
@@ -120,7 +125,33 @@ class KVPool:
         """
         seq = self.sequences.get(request.seq_id)
         if seq is not None:
-            return self._schedule(seq, request.token_ids, request.num_new_tokens, [], is_new=False)
+            return self._schedule(seq, request.token_ids, request.num_new_tokens, _EMPTY, is_new=False)
+        return self.admit(session_id, request)
+
+    def step(self, seq: Sequence, new_token_ids: Sequence_[int], num_new_tokens: int) -> AllocationResult:
+        """One step of an existing sequence (the caller checked ownership)."""
+        start = seq.num_computed
+        if num_new_tokens == 1 and len(new_token_ids) == 1 and start == len(seq.token_ids):
+            # Fast path for the most common call of all, a decode step: one token
+            # into a block the sequence already holds alone. (_schedule does the
+            # same, with the general checks.)
+            table = seq.block_table
+            i = start // self.block_size
+            if i < len(table) and table[i].ref_cnt == 1:
+                block = table[i]
+                seq.token_ids.extend(new_token_ids)
+                filled = start + 1 - i * self.block_size
+                if filled > block.num_tokens:
+                    self.block_pool.num_stored_tokens += filled - block.num_tokens
+                    block.num_tokens = filled
+                seq.num_computed = start + 1
+                if filled == self.block_size and seq.prefix_caching:
+                    self._cache_full_blocks(seq, i + 1)
+                return AllocationResult(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
+        return self._schedule(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False)
+
+    def admit(self, session_id: str, request: AllocationRequest) -> AllocationResult:
+        """Creates a sequence (prefix-cache lookup first), or returns NO_ROOM and creates nothing."""
         prefix_caching = self.config.enable_prefix_caching and request.enable_prefix_caching
         seq = Sequence(request.seq_id, session_id, prefix_caching,
                        extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
@@ -157,38 +188,83 @@ class KVPool:
             hashes.append(parent)
         return hits, hashes
 
-    def _schedule(self, seq: Sequence, new_token_ids: list[int], num_new_tokens: int,
+    def _schedule(self, seq: Sequence, new_token_ids: Sequence_[int], num_new_tokens: int,
                   hit_blocks: list[KVCacheBlock], is_new: bool) -> AllocationResult:
+        # This runs once per sequence per scheduler step: plain locals, no helper
+        # calls on the common decode path (one token, no new block, no copy).
         bs = self.block_size
         pool = self.block_pool
         table = seq.block_table
+        old_len = len(table)
         start = seq.num_computed
-        num_known = len(seq.token_ids) + len(new_token_ids)
-        num_tokens = max(0, min(num_new_tokens, num_known - start))
+        num_tokens = len(seq.token_ids) + len(new_token_ids) - start  # >= 0: computed <= known
+        if num_new_tokens < num_tokens:
+            num_tokens = num_new_tokens
         end = start + num_tokens
 
         # Count every block this step needs before changing anything.
         required_slots = end
         if is_new and self.config.allocation_policy is AllocationPolicy.RESERVE:
             required_slots = max(end, self.config.max_model_len)
-        num_append = max(0, cdiv(required_slots, bs) - len(table))
-        cow_indices = []
-        if num_tokens:
-            for i in range(start // bs, min(len(table), (end - 1) // bs + 1)):
-                if table[i].ref_cnt > 1:
-                    cow_indices.append(i)
-        # Free hit blocks leave the queue when taken: they cannot also be evicted
-        # to make room for the same sequence.
-        num_available = pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_append + len(cow_indices) > num_available:
-            return AllocationResult(seq.seq_id, ok=False)
+        num_append = (required_slots + bs - 1) // bs - old_len
+        if num_append < 0:
+            num_append = 0
+        cow_indices = _EMPTY
+        first = start // bs
+        if num_tokens and first < old_len:  # the write starts in a block we hold
+            last = min(old_len - 1, (end - 1) // bs)
+            if first == last:
+                if table[first].ref_cnt > 1:
+                    cow_indices = [first]
+            else:
+                cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
+        num_needed = num_append + len(cow_indices)
+        if num_needed:
+            num_available = pool.free_queue.num_free_blocks
+            if hit_blocks:  # free hit blocks leave the queue when taken: they cannot
+                # also be evicted to make room for the same sequence
+                num_available -= sum(1 for b in hit_blocks if b.ref_cnt == 0)
+            if num_needed > num_available:
+                return AllocationResult(seq.seq_id, False)
 
         # Apply.
-        old_len = len(table)
         if hit_blocks:
             pool.touch(hit_blocks)
         seq.token_ids.extend(new_token_ids)
-        new_blocks = pool.get_new_blocks(num_append + len(cow_indices)) if num_append or cow_indices else []
+        copy_src = copy_dst = _EMPTY
+        if num_needed:
+            new_blocks = pool.get_new_blocks(num_needed)
+            if cow_indices:
+                copy_src, copy_dst = self._copy_on_write(table, cow_indices, new_blocks, start)
+            table.extend(new_blocks)
+        if num_tokens:  # the slots this step writes now hold (or are about to hold) KV
+            for i in range(start // bs, (end - 1) // bs + 1):
+                block = table[i]
+                filled = end - i * bs
+                if filled > bs:
+                    filled = bs
+                if filled > block.num_tokens:
+                    pool.num_stored_tokens += filled - block.num_tokens
+                    block.num_tokens = filled
+        seq.num_computed = end
+        if seq.prefix_caching and end // bs > len(seq.block_hashes):
+            self._cache_full_blocks(seq, end // bs)
+
+        if is_new:
+            offset = 0
+        elif cow_indices:
+            offset = min(cow_indices[0], old_len)
+        else:
+            offset = old_len
+        block_table = [b.block_id for b in table[offset:]] if offset < len(table) else _EMPTY
+        return AllocationResult(seq.seq_id, True, 0, start, num_tokens, offset, block_table, copy_src, copy_dst)
+
+    def _copy_on_write(self, table: list[KVCacheBlock], cow_indices: list[int],
+                       new_blocks: list[KVCacheBlock], start: int) -> tuple[list[int], list[int]]:
+        """Gives the sequence private blocks for the shared ones it is about to write
+        (taking them off the end of ``new_blocks``); returns the (src, dst) copies."""
+        bs = self.block_size
+        pool = self.block_pool
         copy_src: list[int] = []
         copy_dst: list[int] = []
         for i in cow_indices:
@@ -200,24 +276,7 @@ class KVPool:
             table[i] = private
             pool.free_blocks((shared,))  # refcount > 1: stays used by the others
         self.num_copies += len(copy_src)
-        table.extend(new_blocks)
-        for i in range(start // bs, cdiv(end, bs)):  # slots this step writes
-            block = table[i]
-            filled = min(bs, end - i * bs)
-            if filled > block.num_tokens:
-                pool.add_tokens(block, filled - block.num_tokens)
-        seq.num_computed = end
-        if seq.prefix_caching and end // bs > len(seq.block_hashes):
-            self._cache_full_blocks(seq, end // bs)
-
-        offset = min(cow_indices[0], old_len) if cow_indices else old_len
-        if is_new:
-            offset = 0
-        return AllocationResult(
-            seq.seq_id, ok=True, start_position=start, num_tokens=num_tokens,
-            block_table_offset=offset, block_table=[b.block_id for b in table[offset:]],
-            copy_src=copy_src, copy_dst=copy_dst,
-        )
+        return copy_src, copy_dst
 
     def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
         """Hashes the blocks this step filled and makes them findable; one

@@ -10,7 +10,7 @@ import asyncio
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvmanager.manager import KVManager
-from kvmanager.pool import AllocationRequest, PoolConfig
+from kvmanager.pool import PoolConfig
 from kvserve.errors import ResourceExhausted
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
@@ -61,23 +61,23 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
         return pb.CloseSessionResponse(num_sequences_freed=self.manager.close_session(request.session_id))
 
     async def Allocate(self, request, context):
-        requests = [
-            AllocationRequest(s.seq_id, list(s.token_ids), s.num_new_tokens,
-                              s.enable_prefix_caching, s.cache_salt, s.adapter_id)
-            for s in request.sequences
-        ]
+        # The SequenceAllocation messages go to the domain as they are: it reads
+        # the same attribute names as AllocationRequest's (no per-token copy).
         results, usage = self.manager.allocate(request.pool_id, request.session_id,
-                                               request.free_seq_ids, requests)
+                                               request.free_seq_ids, request.sequences)
         response = pb.AllocateResponse(kv_cache_usage=usage)
         add = response.results.add
         for r in results:
-            if r.ok:
+            if not r.ok:
+                add(seq_id=r.seq_id, status=_NO_ROOM)
+            elif r.block_table or r.copy_src or r.num_cached_tokens:
                 add(seq_id=r.seq_id, status=_OK, num_cached_tokens=r.num_cached_tokens,
                     start_position=r.start_position, num_tokens=r.num_tokens,
                     block_table_offset=r.block_table_offset, block_table=r.block_table,
                     copy_src=r.copy_src, copy_dst=r.copy_dst)
-            else:
-                add(seq_id=r.seq_id, status=_NO_ROOM)
+            else:  # the common decode step: nothing new in the table
+                add(seq_id=r.seq_id, status=_OK, start_position=r.start_position, num_tokens=r.num_tokens,
+                    block_table_offset=r.block_table_offset)
         return response
 
     async def Fork(self, request, context):

@@ -30,6 +30,8 @@ class Harness:
         for seq_id in free:
             self.shadow.free(seq_id) if seq_id in self.pool.sequences else None
         results, _ = self.manager.allocate("p", self.session, list(free), list(requests))
+        for r in results:  # empty fields are shared tuples; compare as lists
+            r.block_table, r.copy_src, r.copy_dst = list(r.block_table), list(r.copy_src), list(r.copy_dst)
         self.shadow.step({r.seq_id: r.token_ids for r in requests}, results)
         self.check()
         return results if len(results) != 1 else results[0]
