@@ -167,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.grpc_address:
             meta["model_info"] = asyncio.run(model_info_async(args.grpc_address))
+        kv_allocation = meta.get("model_info", {}).get("kv_allocation", "")
         rows = [asyncio.run(measure_async(args.name, requests, base_url=args.base_url.rstrip("/"),
                                           grpc_address=args.grpc_address, concurrency=args.concurrency,
                                           request_rate=args.request_rate, seed=args.seed,
-                                          metrics_interval=args.metrics_interval, progress=not args.no_progress))]
+                                          metrics_interval=args.metrics_interval, progress=not args.no_progress,
+                                          kv_allocation=kv_allocation))]
         baseline = None
     meta["wall_s"] = time.perf_counter() - started
     emit(rows, meta, args.out, baseline)

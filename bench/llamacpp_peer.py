@@ -69,9 +69,9 @@ def run_llamacpp_peer(requests: list[BenchRequest], concurrency: int, n_ctx: int
     port = _free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = (log_dir / "llama_cpp_server.log").open("wb")
-    # n_ctx is the whole context shared by all parallel sequences in llama.cpp
+    # llama-cpp-python's server runs one completion at a time, so one sequence's context is enough
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-           "--port", str(port), "--n_ctx", str(n_ctx * concurrency), "--n_threads", str(os.cpu_count() or 1)]
+           "--port", str(port), "--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count() or 1)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -31,7 +31,8 @@ class Row:
     e2e_ms: dict = field(default_factory=dict)
     max_concurrency: int | None = None  # peak running sequences
     kv_utilization: float | None = None  # tokens stored / slots allocated
-    internal_fragmentation: float | None = None  # slots in partly filled blocks / slots allocated
+    unused_kv_slots: float | None = None  # 1 - kv_utilization: allocated slots holding no token
+    internal_fragmentation: float | None = None  # paged rows: unused slots are all in partly filled last blocks
     kv_usage_mean: float | None = None  # fraction of the KV budget in use, while busy
     kv_usage_peak: float | None = None
     prefix_cache_hit_rate: float | None = None
@@ -140,13 +141,14 @@ def table_lines(rows: list[Row]) -> list[str]:
 def detail_lines(rows: list[Row]) -> list[str]:
     """The numbers behind the table: latencies, KV usage, cache hits, fragmentation."""
     head = ("configuration", "done/failed", "total tok/s", "TTFT mean", "ITL mean", "ITL P99", "E2E P99",
-            "KV usage mean/peak", "fragmentation", "prefix hits", "preemptions")
+            "KV blocks used mean/peak", "unused allocated slots", "internal fragmentation", "prefix hits",
+            "preemptions")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         usage = f"{_pct(r.kv_usage_mean)} / {_pct(r.kv_usage_peak)}"
         lines.append(f"| {r.name} | {r.completed}/{r.failed} | {r.total_throughput:.1f} | "
                      f"{_ms(r.ttft_ms.get('mean'))} | {_ms(r.itl_ms.get('mean'))} | {_ms(r.itl_ms.get('p99'))} | "
-                     f"{_ms(r.e2e_ms.get('p99'))} | {usage} | {_pct(r.internal_fragmentation)} | "
+                     f"{_ms(r.e2e_ms.get('p99'))} | {usage} | {_pct(r.unused_kv_slots)} | {_pct(r.internal_fragmentation)} | "
                      f"{_pct(r.prefix_cache_hit_rate)} | "
                      f"{'n/a' if r.preemptions is None else int(r.preemptions)} |")
     return lines

@@ -15,7 +15,8 @@ WARMUP_REQUEST = BenchRequest("Say hello to the benchmark in one short sentence.
 
 async def measure_async(name: str, requests: list[BenchRequest], *, base_url: str, grpc_address: str = "",
                         concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
-                        warmup: int = 2, metrics_interval: float = 0.25, progress: bool = True) -> Row:
+                        warmup: int = 2, metrics_interval: float = 0.25, progress: bool = True,
+                        kv_allocation: str = "") -> Row:
     if warmup:
         # First calls pay one-time costs (allocator growth, lazy imports); keep them out of the numbers.
         await run_load([WARMUP_REQUEST] * warmup, base_url=base_url, grpc_address=grpc_address,
@@ -35,9 +36,11 @@ async def measure_async(name: str, requests: list[BenchRequest], *, base_url: st
         row.notes.append("server exports no stored-token/allocated-slot gauges: KV utilization n/a")
     if row.kv_utilization is not None:
         # Slots allocated but holding no token. With on-demand paging only the last,
-        # partly filled block of a sequence has such slots: internal fragmentation.
-        # With reservation they are mostly reserved-but-unused slots.
-        row.internal_fragmentation = 1.0 - row.kv_utilization
+        # partly filled block of a sequence has such slots (internal fragmentation);
+        # with reservation they are mostly reserved for tokens not yet (or never) made.
+        row.unused_kv_slots = 1.0 - row.kv_utilization
+        if kv_allocation == "paged":
+            row.internal_fragmentation = row.unused_kv_slots
     return row
 
 

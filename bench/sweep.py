@@ -122,7 +122,8 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
     try:
         info = model_info(stack.grpc_address)
         row = measure(config.name, requests, base_url=stack.http_url, concurrency=concurrency,
-                      request_rate=request_rate, seed=seed, progress=progress, metrics_interval=metrics_interval)
+                      request_rate=request_rate, seed=seed, progress=progress, metrics_interval=metrics_interval,
+                      kv_allocation=config.kv_allocation)
     finally:
         stack.stop()
     row.notes.extend(check_applied(config, info))

@@ -199,6 +199,9 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
         assert row.output_tokens == meta["workload"]["total_output_tokens"]
     assert baseline.max_concurrency <= 2  # the budget holds two reservations
     assert prefix.kv_utilization is not None and 0 < prefix.kv_utilization <= 1
+    assert prefix.internal_fragmentation == pytest.approx(1 - prefix.kv_utilization)
+    assert baseline.internal_fragmentation is None and baseline.unused_kv_slots is not None
+    assert prefix.profile["steps"] > 0 and "executor_forward" in prefix.profile["step_time_by_phase_s"]
     assert prefix.prefix_cache_hit_rate and prefix.prefix_cache_hit_rate > 0
     assert prefix.cached_prompt_tokens > 0
     assert all(run["model_info"]["batching"] == run["config"]["batching"] for run in meta["runs"])
