@@ -24,9 +24,10 @@ import grpc
 from gateway.clients import DependencyError, ExecutorClient, ExecutorInfo, KVManagerClient
 from gateway.detokenizer import ModelTokenizer
 from gateway.metrics import GatewayMetrics
-from gateway.scheduler import RequestTooLarge, Scheduler, SchedulerConfig
+from gateway.params import validate_request
+from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
-from kvserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
+from kvserve.errors import AlreadyExists, ResourceExhausted, Unavailable
 from kvserve.logs import get_logger
 
 log = get_logger("gateway.engine")
@@ -142,7 +143,8 @@ class Engine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._live:
             raise AlreadyExists(f"request_id {request_id!r} is already live")
-        self._validate(prompt_token_ids, options, info)
+        validate_request(prompt_token_ids, options, info, max_num_seqs=self.config.scheduler.max_num_seqs,
+                         kv_allocation=self.config.kv_allocation)
         queued = self.scheduler.num_waiting_requests + len(self._inbox)
         if queued >= self.config.max_queue_len:
             raise ResourceExhausted(f"queue full: {queued} requests waiting (max_queue_len "
@@ -167,32 +169,6 @@ class Engine:
         self._idle.clear()
         self._wakeup.set()
         return True
-
-    def _validate(self, prompt: list[int], options: SamplingOptions, info: ExecutorInfo) -> None:
-        if not prompt:
-            raise InvalidArgument("prompt: empty (at least one token is needed)")
-        bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
-        length, limit = len(prompt), info.max_model_len
-        if length >= limit:
-            raise InvalidArgument(f"prompt is too long: {length} tokens, but max_model_len is {limit} "
-                                  f"(prompt + output), leaving no room to generate")
-        if options.max_tokens is None or options.max_tokens == 0:
-            options.max_tokens = limit - length
-        elif length + options.max_tokens > limit:
-            raise InvalidArgument(f"prompt ({length} tokens) + max_tokens ({options.max_tokens}) exceeds "
-                                  f"max_model_len {limit}")
-        if options.n > self.config.scheduler.max_num_seqs:
-            raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {self.config.scheduler.max_num_seqs}")
-        usable = (info.num_blocks - 1) * info.block_size
-        needed = limit if self.config.kv_allocation == "reserve" else length + 1
-        if needed > usable:
-            raise RequestTooLarge(f"request needs {needed} KV slots but the executor's cache has {usable} "
-                                  f"({info.num_blocks - 1} blocks of {info.block_size}); it can never fit")
-        bad_stop = next((t for t in options.stop_token_ids if t < 0 or t >= info.vocab_size), None)
-        if bad_stop is not None:
-            raise InvalidArgument(f"stop_token_ids: {bad_stop} is outside [0, {info.vocab_size})")
 
     # --- connection ---------------------------------------------------------------
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gateway.scheduler import RequestTooLarge
 from gateway.sequence import SamplingOptions
 from kvserve.errors import InvalidArgument
 
@@ -55,3 +56,32 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
         enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt or "",
         skip_special_tokens=skip_special_tokens,
     )
+
+
+def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_num_seqs: int,
+                     kv_allocation: str) -> None:
+    """Checks a request against the served model (``info``: executor Describe); fills in max_tokens."""
+    if not prompt:
+        raise InvalidArgument("prompt: empty (at least one token is needed)")
+    bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
+    length, limit = len(prompt), info.max_model_len
+    if length >= limit:
+        raise InvalidArgument(f"prompt is too long: {length} tokens, but max_model_len is {limit} "
+                              f"(prompt + output), leaving no room to generate")
+    if options.max_tokens is None or options.max_tokens == 0:
+        options.max_tokens = limit - length
+    elif length + options.max_tokens > limit:
+        raise InvalidArgument(f"prompt ({length} tokens) + max_tokens ({options.max_tokens}) exceeds "
+                              f"max_model_len {limit}")
+    if options.n > max_num_seqs:
+        raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {max_num_seqs}")
+    usable = (info.num_blocks - 1) * info.block_size
+    needed = limit if kv_allocation == "reserve" else length + 1
+    if needed > usable:
+        raise RequestTooLarge(f"request needs {needed} KV slots but the executor's cache has {usable} "
+                              f"({info.num_blocks - 1} blocks of {info.block_size}); it can never fit")
+    bad_stop = next((t for t in options.stop_token_ids if t < 0 or t >= info.vocab_size), None)
+    if bad_stop is not None:
+        raise InvalidArgument(f"stop_token_ids: {bad_stop} is outside [0, {info.vocab_size})")
