@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument("--executor-args", default="", help="more executor flags for every row (one string)")
+    engine.add_argument("--gateway-args", default="", help="more gateway flags for every row (one string)")
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("bench/results"))
     out.add_argument("--from-json", type=Path, help="re-render table and plot from a results.json")
@@ -103,6 +106,8 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          dtype=args.dtype)
+    budget.extra_executor_args = shlex.split(args.executor_args)
+    budget.extra_gateway_args = shlex.split(args.gateway_args)
     meta["budget"] = vars(budget)
     print(f"KV budget: {budget.num_blocks} blocks x {budget.block_size} tokens = "
           f"{budget.num_blocks * budget.block_size} slots = {args.baseline_seqs} x max_model_len "

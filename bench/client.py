@@ -56,13 +56,14 @@ def completion_body(request: BenchRequest, model: str) -> dict:
     }
 
 
-def usage_of(chunk: dict) -> tuple[int, int] | None:
-    """(completion_tokens, cached prompt tokens) from a chunk that carries usage."""
+def usage_of(chunk: dict) -> tuple[int, int, int] | None:
+    """(completion tokens, cached prompt tokens, prompt tokens) from a chunk that carries usage."""
     usage = chunk.get("usage")
     if not usage:
         return None
     details = usage.get("prompt_tokens_details") or {}
-    return int(usage.get("completion_tokens") or 0), int(details.get("cached_tokens") or 0)
+    return (int(usage.get("completion_tokens") or 0), int(details.get("cached_tokens") or 0),
+            int(usage.get("prompt_tokens") or 0))
 
 
 async def send_http(client: httpx.AsyncClient, base_url: str, model: str, request: BenchRequest,
@@ -89,7 +90,8 @@ async def send_http(client: httpx.AsyncClient, base_url: str, model: str, reques
                 chunk = json.loads(data)
                 usage = usage_of(chunk)
                 if usage is not None:
-                    result.output_tokens, result.cached_tokens = usage
+                    result.output_tokens, result.cached_tokens, prompt_tokens = usage
+                    result.prompt_len = prompt_tokens or result.prompt_len  # the server's count wins
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
                     now = time.perf_counter()
@@ -144,6 +146,7 @@ class GrpcSender:
                 if reply.HasField("usage"):
                     result.output_tokens = reply.usage.completion_tokens
                     result.cached_tokens = reply.usage.cached_tokens
+                    result.prompt_len = reply.usage.prompt_tokens or result.prompt_len
             result.e2e = time.perf_counter() - start
             result.output_tokens = result.output_tokens or tokens
             result.ok = tokens > 0

@@ -110,7 +110,10 @@ def run_transformers_peer(model_dir: Path, requests: list[BenchRequest], batch_s
                           dtype: str = "bfloat16", progress: bool = True) -> Row:
     """The peer's table row: same prompts, same output lengths, batches of ``batch_size``."""
     import torch
+    from transformers.utils import logging as hf_logging
 
+    if not progress:
+        hf_logging.disable_progress_bar()
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype)
     pad_id = model.config.pad_token_id

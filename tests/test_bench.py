@@ -130,8 +130,8 @@ def test_internal_fragmentation_counts_last_block_slots():
 
 
 def test_usage_of_reads_cached_tokens():
-    chunk = {"usage": {"completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 64}}}
-    assert usage_of(chunk) == (9, 64) and usage_of({"choices": []}) is None
+    chunk = {"usage": {"prompt_tokens": 80, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 64}}}
+    assert usage_of(chunk) == (9, 64, 80) and usage_of({"choices": []}) is None
 
 
 def test_table_json_and_plot_are_written(tmp_path):
