@@ -1,0 +1,63 @@
+"""Incremental detokenization and the chat template, with the default model's real tokenizer."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.detokenizer import ModelTokenizer
+
+TEXTS = [
+    "Hello world, how are you?",
+    " leading space and  double  spaces",
+    "ça va? déjà vu — naïve façade",
+    "日本語のテキストと中文字符",
+    "emoji 🎉🎉 and flags 🇫🇷 👩‍👩‍👧",
+    "code:\n\tdef f(x):\n\t\treturn x ** 2\n",
+    "<|im_end|> special in text",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir) -> ModelTokenizer:
+    return ModelTokenizer(default_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_deltas_equal_the_whole_decode_and_are_never_broken(tokenizer, text):
+    prompt = tokenizer.encode("Say this:")
+    ids = tokenizer.encode(text)
+    decoder = tokenizer.detokenizer(prompt)
+    deltas = [decoder.append(token_id) for token_id in ids] + [decoder.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_byte_tokens_of_one_character_wait_for_the_character(tokenizer):
+    ids = tokenizer.encode("🎉")
+    assert len(ids) > 1  # the emoji is split into byte tokens
+    decoder = tokenizer.detokenizer(tokenizer.encode("x"))
+    deltas = [decoder.append(t) for t in ids]
+    assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🎉"
+
+
+def test_invalid_bytes_are_eventually_emitted_not_held_forever(tokenizer):
+    lone_continuation = tokenizer.encode("é")[-1:]  # a continuation byte without its lead byte
+    decoder = tokenizer.detokenizer([])
+    out = "".join(decoder.append(t) for t in lone_continuation * 6) + decoder.flush()
+    assert out  # replacement characters, but the stream moves on
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    decoder = tokenizer.detokenizer(tokenizer.encode("a"))
+    im_end = tokenizer.encode("<|im_end|>")
+    assert [decoder.append(t) for t in im_end] == [""] * len(im_end)
+    assert decoder.append(tokenizer.encode(" ok")[0]) == " ok"
+
+
+def test_chat_template_renders_from_the_model_directory(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    with_system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+    assert 2 in tokenizer.eos_token_ids
