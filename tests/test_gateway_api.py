@@ -190,6 +190,15 @@ def test_logprobs_and_parallel_sampling(client, model_name):
     assert first.usage.completion_tokens == 24
 
 
+def test_chat_logprobs(client, model_name):
+    reply = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(item.top_logprobs) == 2 for item in content)
+    assert all(item.logprob <= 0 for item in content)
+
+
 def test_grpc_generate_model_info_and_abort(stack):
     with grpc.insecure_channel(stack.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
