@@ -133,6 +133,9 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
         return await _generate("chat", body, prompt_ids, logprobs, request)
 
     async def _generate(kind: str, body, prompt_ids: list[int], logprobs: int | None, request: Request):
+        unsupported = body.unsupported()
+        if unsupported:
+            raise InvalidArgument(f"{unsupported}: not supported by this server")
         options = build_options(
             max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,

@@ -33,6 +33,17 @@ class _GenerationBody(BaseModel):
     user: str | None = None
     cache_salt: str | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def unsupported(self) -> str | None:
+        """The first set parameter this server does not implement, if any."""
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            if value is not None and value != neutral:
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:

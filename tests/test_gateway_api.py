@@ -240,6 +240,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [5] * 5000}, "too long"),
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"max_tokens": 3}, "prompt"),
+    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": "hello"}, "messages"),
 ]
