@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -101,6 +102,22 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         return stream
 
 
+def _check_port_free(address: str) -> None:
+    """Fails early, in one line, where grpc would log a C-core error before failing."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if int(port) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # REUSEADDR: a port in TIME_WAIT is free; one with a listener still fails.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
+
+
 class GrpcServer:
     """A ``grpc.aio`` server with health, reflection and the error interceptor."""
 
@@ -122,6 +139,7 @@ class GrpcServer:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
+        _check_port_free(self.address)
         try:
             self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:
