@@ -74,8 +74,10 @@ class KVManagerMachine(RuleBasedStateMachine):
                 if result.copy_src:
                     event("copy-on-write")
                 assert result.num_cached_tokens % self.pool.block_size == 0
-                assert len(seq.token_ids) == 0 or result.num_cached_tokens < len(seq.token_ids) or \
-                    result.num_cached_tokens == 0
+                if result.num_cached_tokens:  # a hit leaves the last prompt token to compute
+                    assert snapshot[request.seq_id] is None and seq.prefix_caching
+                    assert result.num_cached_tokens <= len(request.token_ids) - 1
+                    assert result.start_position == result.num_cached_tokens
                 continue
             event("no room")
             if snapshot[request.seq_id] is None or request.seq_id in free:
@@ -102,6 +104,13 @@ class KVManagerMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):
             requests.append(Req(self._new_id(), data.draw(tokens), data.draw(st.integers(0, 30))))
         self._allocate(who, free, requests)
+
+    @rule(who=st.integers(0, 1), token=st.integers(0, 2))
+    def decode(self, who, token):
+        """The common step: one sampled token for every sequence of the session."""
+        # Siblings get different tokens, so that a write into a shared block shows.
+        requests = [Req(s, [(token + k) % 3], 1) for k, s in enumerate(self._owned(who))]
+        self._allocate(who, [], requests)
 
     @precondition(lambda self: self.pool.sequences)
     @rule(data=st.data(), num_children=st.integers(1, 3))
