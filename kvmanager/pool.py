@@ -139,7 +139,7 @@ class KVPool:
             i = start // self.block_size
             if i < len(table) and table[i].ref_cnt == 1:
                 block = table[i]
-                seq.token_ids.extend(new_token_ids)
+                seq.token_ids.append(new_token_ids[0])
                 filled = start + 1 - i * self.block_size
                 if filled > block.num_tokens:
                     self.block_pool.num_stored_tokens += filled - block.num_tokens
