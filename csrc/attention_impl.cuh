@@ -40,20 +40,26 @@ static_assert(kTile == kThreads, "the QK phase gives each thread one token of th
 // loads back to back (memory parallelism) without unbounded register use.
 __host__ __device__ constexpr int load_batch(int n) { return n % 8 == 0 ? 8 : n % 7 == 0 ? 7 : n % 6 == 0 ? 6 : n % 5 == 0 ? 5 : n % 4 == 0 ? 4 : n % 2 == 0 ? 2 : 1; }
 
+// Warp reductions of the first n entries of v. n must be the same on every lane
+// (it is CTA-uniform where used), so all lanes shuffle together.
+__host__ __device__ constexpr int pow2_at_most(int n) { return n >= 16 ? 16 : n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1; }
+
 template <int N>
-KV_DEVICE void warp_max(float (&v)[N]) {
+KV_DEVICE void warp_max(float (&v)[N], int n = N) {
 #pragma unroll
   for (int mask = KV_WARP_SIZE / 2; mask >= 1; mask /= 2)
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = fmaxf(v[i], kv_shfl_xor(v[i], mask));
+    for (int i = 0; i < N; ++i)
+      if (i < n) v[i] = fmaxf(v[i], kv_shfl_xor(v[i], mask));
 }
 
 template <int N>
-KV_DEVICE void warp_sum(float (&v)[N]) {
+KV_DEVICE void warp_sum(float (&v)[N], int n = N) {
 #pragma unroll
   for (int mask = KV_WARP_SIZE / 2; mask >= 1; mask /= 2)
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += kv_shfl_xor(v[i], mask);
+    for (int i = 0; i < N; ++i)
+      if (i < n) v[i] += kv_shfl_xor(v[i], mask);
 }
 
 // Block-wide reduction of one value; `red` holds kWarps floats. Ends with a
@@ -82,8 +88,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   constexpr int BC = ROWS >= HEAD ? ROWS / HEAD : 1;                  // blocks of a tile in flight
   constexpr int DPT = ROWS >= HEAD ? 1 : (HEAD + ROWS - 1) / ROWS;    // dims owned per thread
   constexpr int BPT = kTile / BLOCK;  // blocks per tile
+  constexpr int VB = pow2_at_most((16 / DPT) < (BPT / BC) ? (16 / DPT) : (BPT / BC));  // value blocks per load batch
   static_assert(HEAD % X == 0 && BLOCK % X == 0 && kTile % BLOCK == 0, "unsupported shape");
-  static_assert(CHUNKS % KB == 0 && BPT % BC == 0 && R <= KV_WARP_SIZE, "unsupported shape");
+  static_assert(CHUNKS % KB == 0 && BPT % BC == 0 && (BPT / BC) % VB == 0 && R <= KV_WARP_SIZE, "unsupported shape");
 
   __shared__ __align__(16) float q_s[kMaxG][HEAD];   // scaled queries of this CTA's heads
   __shared__ __align__(16) float p_s[kMaxG][kTile];  // softmax numerators of the tile
@@ -166,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
     float t[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) t[g] = s[g];
-    warp_max(t);
+    warp_max(t, ng);
     if (lane == 0)
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g) red_s[0][warp][g] = t[g];
@@ -174,6 +181,8 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
     float alpha[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) {
+      alpha[g] = 1.f;
+      if (g >= ng) continue;  // heads past this CTA's slice: nothing to track
       float tmax = red_s[0][0][g];
       for (int w = 1; w < kWarps; ++w) tmax = fmaxf(tmax, red_s[0][w][g]);
       const float m_new = fmaxf(m[g], tmax);
@@ -183,13 +192,14 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
       p_s[g][tid] = e;
       t[g] = e;
     }
-    warp_sum(t);
+    warp_sum(t, ng);
     if (lane == 0)
 #pragma unroll
       for (int g = 0; g < kMaxG; ++g) red_s[1][warp][g] = t[g];
     __syncthreads();  // p_s and the sums are visible from here on
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) {
+      if (g >= ng) continue;
       float tsum = red_s[1][0][g];
       for (int w = 1; w < kWarps; ++w) tsum += red_s[1][w][g];
       l[g] = l[g] * alpha[g] + tsum;
@@ -202,36 +212,52 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
     // p_s/red_s after its first barrier, which every thread reaches after
     // finishing here.)
     if (v_active) {
+      // Blocks are taken VB at a time: first every block id, then every value
+      // vector of the batch, then the math — so a thread has VB * DPT 16-byte
+      // loads in flight instead of one dependent load per step. Slices past
+      // the context load nothing (predicated to zero).
 #pragma unroll
-      for (int bi = 0; bi < BPT / BC; ++bi) {
-        const int b = bi * BC + slot;
-        const int blk_tok = tile + b * BLOCK;
-        if (blk_tok < end) {
-          const int64_t blk = bt[blk_tok / BLOCK];
-          const S* vp = v_base + blk * p.kv_block_stride + sub * X;
-          const int valid = end - (blk_tok + sub * X);  // tokens of this slice inside the context
+      for (int b0 = 0; b0 < BPT / BC; b0 += VB) {
+        int64_t blk[VB];
+#pragma unroll
+        for (int j = 0; j < VB; ++j) {
+          const int blk_tok = tile + ((b0 + j) * BC + slot) * BLOCK;
+          blk[j] = blk_tok < end ? bt[blk_tok / BLOCK] : -1;
+        }
+        uint4 vr[VB][DPT];
+#pragma unroll
+        for (int j = 0; j < VB; ++j)
+#pragma unroll
+          for (int k = 0; k < DPT; ++k) {
+            const int d = d0 + k * ROWS;
+            vr[j][k].x = vr[j][k].y = vr[j][k].z = vr[j][k].w = 0u;
+            if (blk[j] >= 0 && (DPT == 1 || d < HEAD))
+              vr[j][k] = *reinterpret_cast<const uint4*>(v_base + blk[j] * p.kv_block_stride + sub * X + d * BLOCK);
+          }
+#pragma unroll
+        for (int j = 0; j < VB; ++j) {
+          const int b = (b0 + j) * BC + slot;
+          const int valid = end - (tile + b * BLOCK + sub * X);  // tokens of this slice inside the context
+          if (blk[j] < 0) continue;
           float pr[kMaxG][X];
 #pragma unroll
           for (int g = 0; g < kMaxG; ++g)
 #pragma unroll
-            for (int e = 0; e < X; ++e) pr[g][e] = p_s[g][b * BLOCK + sub * X + e];
+            for (int e = 0; e < X; ++e) pr[g][e] = g < ng ? p_s[g][b * BLOCK + sub * X + e] : 0.f;
 #pragma unroll
           for (int k = 0; k < DPT; ++k) {
-            const int d = d0 + k * ROWS;
-            if (DPT == 1 || d < HEAD) {
-              float vf[X];
-              Dt::unpack(*reinterpret_cast<const uint4*>(vp + d * BLOCK), vf);
-              // Slots past the context may hold stale or never-written data (NaN
-              // bits): zero them, since 0 * NaN would poison the sum.
-              if (valid < X)
+            float vf[X];
+            Dt::unpack(vr[j][k], vf);
+            // Slots past the context may hold stale or never-written data (NaN
+            // bits): zero them, since 0 * NaN would poison the sum.
+            if (valid < X)
 #pragma unroll
-                for (int e = 0; e < X; ++e) vf[e] = e < valid ? vf[e] : 0.f;
+              for (int e = 0; e < X; ++e) vf[e] = e < valid ? vf[e] : 0.f;
 #pragma unroll
-              for (int g = 0; g < kMaxG; ++g) {
-                if (g < ng) {
+            for (int g = 0; g < kMaxG; ++g) {
+              if (g < ng) {
 #pragma unroll
-                  for (int e = 0; e < X; ++e) acc[g][k] = fmaf(pr[g][e], vf[e], acc[g][k]);
-                }
+                for (int e = 0; e < X; ++e) acc[g][k] = fmaf(pr[g][e], vf[e], acc[g][k]);
               }
             }
           }

@@ -35,14 +35,16 @@ typedef cudaError_t kvError_t;
 #define kvGetErrorString cudaGetErrorString
 #endif
 
-// Warp width. NVIDIA and the MUSA architectures we target (mp_22 = S4000,
-// mp_31 = S5000) schedule 32-wide warps; the older mp_21 (S80/S3000) used
-// 128-wide ones. The kernels only use KV_WARP_SIZE through the helpers below
-// and size their reductions from it, so a wider warp only changes this line.
-#if KVSERVE_MUSA && defined(__MUSA_ARCH__) && (__MUSA_ARCH__ < 220)
+// Warp width: 32 on NVIDIA and on MUSA mp_31 (S5000); 128 on MUSA up to
+// mp_22 (S4000, S80/S3000). The kernels size every reduction from it (with
+// 128-wide warps a 128-thread CTA is a single warp); tests/test_csrc_emulated.py
+// runs the kernels at both widths.
+#ifndef KV_WARP_SIZE
+#if KVSERVE_MUSA && defined(__MUSA_ARCH__) && (__MUSA_ARCH__ <= 220)
 #define KV_WARP_SIZE 128
 #else
 #define KV_WARP_SIZE 32
+#endif
 #endif
 
 // Kernel launch and dynamic shared memory, spelled once so the emulation can
@@ -55,11 +57,10 @@ typedef cudaError_t kvError_t;
 #if defined(__CUDACC__) || defined(__MUSACC__)
 #define KV_DEVICE __device__ __forceinline__
 
-// Butterfly exchange within a warp. Both toolchains provide the *_sync form
-// with a lane mask; a full mask means "every lane participates".
-KV_DEVICE float kv_shfl_xor(float v, int lane_mask) {
-  return __shfl_xor_sync(0xffffffffu, v, lane_mask, KV_WARP_SIZE);
-}
+// Butterfly exchange across the whole warp. Both toolchains provide the *_sync
+// form; MUSA keeps a 32-bit mask even for 128-wide warps, where the full mask
+// means "every lane participates", as on CUDA.
+KV_DEVICE float kv_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
 
 // fp16 <-> fp32 on raw 16-bit storage. The kernels keep 16-bit elements as
 // uint16_t so that fp16 and bf16 share one code path; only these two helpers

@@ -13,6 +13,7 @@ import hashlib
 import random
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,33 +28,51 @@ DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as tests/test_csrc_gpu.py
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
+def build_emulation(out: Path, warp_size: int) -> ctypes.CDLL:
+    """Compiles the kernel sources + emulation into a shared library (g++, -O1)."""
     sources = [CSRC / u for u in UNITS] + [CSRC / "emulation" / "emu_api.cpp"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.rglob("*")) if p.is_file())).hexdigest()[:16]
-    out = tmp_path_factory.mktemp("kvemu")
-    objs = []
-    procs = []
+    objs, procs = [], []
     for src in sources:
-        obj = out / (src.name + ".o")
+        obj = out / f"{src.name}.w{warp_size}.o"
         lang = ["-x", "c++"] if src.suffix == ".cu" else []
-        cmd = ["g++", "-std=c++20", "-O1", "-fPIC", "-Wno-unknown-pragmas", "-DKVSERVE_EMULATION", f"-I{CSRC}", *lang, "-c", str(src), "-o", str(obj)]
+        cmd = [
+            # Hidden, non-unique symbols: the 32- and 128-wide builds live in one
+            # process and must not share the kernels' static "__shared__" arrays.
+            "g++", "-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-fno-gnu-unique",
+            "-Wno-unknown-pragmas", "-DKVSERVE_EMULATION",
+            f"-DKV_WARP_SIZE={warp_size}", f"-I{CSRC}", *lang, "-c", str(src), "-o", str(obj),
+        ]  # fmt: skip
         procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         objs.append(str(obj))
     for cmd, proc in procs:
-        text, _ = proc.communicate(timeout=600)
+        text, _ = proc.communicate(timeout=900)
         if proc.returncode != 0:
             if "barrier" in text and "No such file" in text:
                 pytest.skip("g++ without C++20 <barrier>")
             raise AssertionError(f"$ {' '.join(cmd)}\n{text}")
-    lib_path = out / f"libkvemu_{digest}.so"
+    lib_path = out / f"libkvemu_w{warp_size}_{digest}.so"
     subprocess.run(["g++", "-shared", "-pthread", *objs, "-o", str(lib_path)], check=True, timeout=120)
     lib = ctypes.CDLL(str(lib_path))
     for fn in (lib.emu_paged_attention, lib.emu_reshape_and_cache, lib.emu_copy_blocks):
         fn.restype = ctypes.c_char_p
     return lib
+
+
+@pytest.fixture(scope="module")
+def emu_libs(tmp_path_factory):
+    """{32: lib, 128: lib}: NVIDIA / MUSA mp_31 warps, and MUSA mp_22 128-wide warps."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    out = tmp_path_factory.mktemp("kvemu")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        libs = dict(zip((32, 128), pool.map(lambda w: build_emulation(out, w), (32, 128))))
+    return libs
+
+
+@pytest.fixture(scope="module")
+def emu(emu_libs):
+    return emu_libs[32]
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -114,14 +133,14 @@ CASES = [
 
 @pytest.mark.parametrize("dtype,head_size,block_size,group", CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_emulated_paged_attention_v1_v2(emu, dtype, head_size, block_size, group):
-    lens = [1, block_size + 1, 129, 600]
+    lens = [1, block_size + 1, 129, 300]
     kv_heads = 2
     kc, vc, bt = nan_cache(lens, kv_heads, head_size, block_size, dtype, seed=head_size + block_size + group)
     qkv = torch.randn(len(lens), kv_heads * group + 2 * kv_heads, head_size).to(dtype)
     q = qkv[:, : kv_heads * group]  # strided, like a view into a fused qkv projection
     scale = head_size**-0.5
     want = ref.paged_decode_attention(q, kc, vc, bt, lens, scale)
-    for partition_size in (0, 256):
+    for partition_size in (0, 128):  # v1; v2 with up to 3 partitions
         got = emu_paged_attention(emu, q, kc, vc, bt, lens, scale, partition_size)
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype], msg=lambda m: f"partition {partition_size}: {m}")
 
@@ -162,3 +181,9 @@ def test_emulated_reshape_and_cache_and_copy_blocks_exact(emu, dtype):
     ref.copy_blocks(want, mapping[:, 0], mapping[:, 1])
     for (k, v), (k2, v2) in zip(layers, want):
         assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size,group", [CASES[0], CASES[1], CASES[3]], ids=lambda v: str(v).replace("torch.", ""))
+def test_emulated_128_wide_warps(emu_libs, dtype, head_size, block_size, group):
+    """MUSA mp_22 and older run 128-wide warps: the whole CTA is one warp."""
+    test_emulated_paged_attention_v1_v2(emu_libs[128], dtype, head_size, block_size, group)

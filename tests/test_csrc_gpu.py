@@ -1,6 +1,6 @@
-"""GPU: the csrc kernels vs the pure-torch reference (executor/attention/paged_reference.py).
+"""GPU (CUDA or MUSA): the csrc kernels vs the pure-torch reference (executor/attention/paged_reference.py).
 
-Skipped without a CUDA device. The first test builds the extension (JIT, cached).
+Skipped without a CUDA or MUSA device. The first test builds the extension (JIT, cached).
 
 Tolerances (kernel vs an fp32 reference rounded to the dtype; both read the same
 stored K/V, so the difference is fp32 summation order plus one output rounding):
@@ -20,12 +20,25 @@ import torch
 from executor.attention import paged_reference as ref
 from executor.attention.base import AttentionMetadata
 
+
+
+def _device() -> str | None:
+    """cuda, else musa (torch_musa), else None: the kernels are one source for both."""
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_musa  # noqa: F401
+
+        return "musa" if torch.musa.is_available() else None
+    except ImportError:
+        return None
+
+
+DEVICE = _device()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(DEVICE is None, reason="needs a CUDA or MUSA device"),
 ]
-
-DEVICE = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_SIZES = [64, 80, 96, 112, 128, 256]
 BLOCK_SIZES = [8, 16, 32]
@@ -37,7 +50,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 def ops():
     from executor.attention.native import load_ops
 
-    return load_ops("cuda")
+    return load_ops(DEVICE)
 
 
 def random_cache(lens, kv_heads, head_size, block_size, dtype, seed):

@@ -18,6 +18,10 @@
 #include <thread>
 #include <vector>
 
+#ifndef KV_WARP_SIZE
+#define KV_WARP_SIZE 32  // -DKV_WARP_SIZE=128 emulates MUSA mp_22 and older
+#endif
+
 #define __global__
 #define __device__
 #define __host__
@@ -80,8 +84,7 @@ inline dim3 g_block_dim, g_grid_dim;
 
 inline void __syncthreads() { kvemu::cta().block_barrier->arrive_and_wait(); }
 
-// Assumes 32-wide warps, as KV_WARP_SIZE does on the targets emulated here.
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int width) {
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int width = KV_WARP_SIZE) {
   auto& c = kvemu::cta();
   const unsigned t = threadIdx.x;
   const unsigned warp = t / width, lane = t % width;
@@ -140,7 +143,7 @@ inline uint16_t kv_float_to_half_bits(float f) {
 }
 
 #define KV_DEVICE inline
-inline float kv_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask, 32); }
+inline float kv_shfl_xor(float v, int lane_mask) { return __shfl_xor_sync(0xffffffffu, v, lane_mask); }
 
 namespace kvemu {
 
@@ -155,7 +158,9 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
         Cta& c = cta();
         c.block_barrier = std::make_unique<std::barrier<>>(n);
         c.warp_barriers.clear();
-        for (unsigned w = 0; w < (n + 31) / 32; ++w) c.warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, n - 32 * w)));
+        constexpr unsigned W = KV_WARP_SIZE;
+        for (unsigned w = 0; w < (n + W - 1) / W; ++w)
+          c.warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(W, n - W * w)));
         c.shuffle.assign(n, 0.f);
         c.dynamic_smem.assign(smem + 16, 0);
         std::vector<std::thread> threads;
@@ -168,7 +173,7 @@ inline void launch(dim3 grid, dim3 block, size_t smem, const std::function<void(
             // A thread that returns early must not leave others waiting: drop out
             // of every barrier it would have joined.
             c.block_barrier->arrive_and_drop();
-            c.warp_barriers[t / 32]->arrive_and_drop();
+            c.warp_barriers[t / KV_WARP_SIZE]->arrive_and_drop();
           });
         for (auto& th : threads) th.join();
       }

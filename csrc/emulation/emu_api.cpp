@@ -2,9 +2,12 @@
 // by tests/test_csrc_emulated.py). Build: see that test.
 #include "../kernels.h"
 
+// Built with -fvisibility=hidden: only these entry points are exported.
+#define KV_EMU_API __attribute__((visibility("default")))
+
 extern "C" {
 
-const char* emu_paged_attention(int dtype, void* out, const void* query, const void* key_cache,
+KV_EMU_API const char* emu_paged_attention(int dtype, void* out, const void* query, const void* key_cache,
                                 const void* value_cache, const int32_t* block_tables, const int32_t* seq_lens,
                                 float* exp_sums, float* max_logits, float* tmp_out, int num_seqs, int num_heads,
                                 int num_kv_heads, int head_size, int block_size, int max_blocks_per_seq,
@@ -36,7 +39,7 @@ const char* emu_paged_attention(int dtype, void* out, const void* query, const v
   return kvserve::paged_attention_launch(p, nullptr);
 }
 
-const char* emu_reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
+KV_EMU_API const char* emu_reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
                                   const int64_t* slot_mapping, int num_tokens, int num_kv_heads, int head_size,
                                   int block_size, int64_t key_stride, int64_t value_stride, int elem_bytes) {
   return kvserve::reshape_and_cache_launch(key, value, key_cache, value_cache, slot_mapping, num_tokens,
@@ -44,7 +47,7 @@ const char* emu_reshape_and_cache(const void* key, const void* value, void* key_
                                            elem_bytes, nullptr);
 }
 
-const char* emu_copy_blocks(const int64_t* key_ptrs, const int64_t* value_ptrs, const int64_t* mapping,
+KV_EMU_API const char* emu_copy_blocks(const int64_t* key_ptrs, const int64_t* value_ptrs, const int64_t* mapping,
                             int num_layers, int num_pairs, int64_t bytes_per_block) {
   return kvserve::copy_blocks_launch(key_ptrs, value_ptrs, mapping, num_layers, num_pairs, bytes_per_block,
                                      nullptr);
