@@ -5,7 +5,7 @@ Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 * a sequence owns a block table (append-only, except that copy-on-write replaces
   an entry), its known token ids, how many of them have KV (``num_computed``) and
   the chained hashes of its full computed blocks;
-* one ``allocate`` call appends the tokens produced since the last step, looks a
+* one step (``admit`` a new sequence, or ``step`` an existing one) appends the tokens produced since the last step, looks a
   *new* sequence up in the prefix cache, schedules
   ``min(num_new_tokens, known - computed)`` tokens from ``num_computed`` on, makes
   room for them, and caches the blocks those tokens fill. Blocks become findable
@@ -117,19 +117,9 @@ class KVPool:
 
     # -- allocate --------------------------------------------------------------
 
-    def allocate(self, session_id: str, request: AllocationRequest) -> AllocationResult:
-        """One step of one sequence; an unseen ``seq_id`` creates it.
-
-        The caller (``KVManager``) has validated the request and checked that an
-        existing sequence belongs to ``session_id``.
-        """
-        seq = self.sequences.get(request.seq_id)
-        if seq is not None:
-            return self._schedule(seq, request.token_ids, request.num_new_tokens, _EMPTY, is_new=False)
-        return self.admit(session_id, request)
-
     def step(self, seq: Sequence, new_token_ids: Sequence_[int], num_new_tokens: int) -> AllocationResult:
-        """One step of an existing sequence (the caller checked ownership)."""
+        """One step of an existing sequence. The caller (``KVManager.allocate``) has
+        validated the request and checked that the sequence is the caller's."""
         start = seq.num_computed
         if num_new_tokens == 1 and len(new_token_ids) == 1 and start == len(seq.token_ids):
             # Fast path for the most common call of all, a decode step: one token
@@ -174,7 +164,7 @@ class KVPool:
         """Longest run of consecutive cached full blocks, leaving at least the last
         prompt token to compute (a hit covers at most len(prompt) - 1 tokens)."""
         bs = self.block_size
-        max_hit_blocks = (len(prompt) - 1) // bs if prompt else 0
+        max_hit_blocks = max(0, (len(prompt) - 1) // bs)
         parent = self.root_hash
         hits: list[KVCacheBlock] = []
         hashes: list[bytes] = []

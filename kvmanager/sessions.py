@@ -25,9 +25,6 @@ class Session:
     client_name: str
     expires_at: float  # clock() seconds
 
-    def expires_in_ms(self, now: float) -> int:
-        return max(0, int((self.expires_at - now) * 1000))
-
 
 class SessionRegistry:
     """Live sessions by id, and a heap of (deadline, id) for cheap expiry."""
