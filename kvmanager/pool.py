@@ -5,8 +5,9 @@ Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 * a sequence owns a block table (append-only, except that copy-on-write replaces
   an entry), its known token ids, how many of them have KV (``num_computed``) and
   the chained hashes of its full computed blocks;
-* one step (``admit`` a new sequence, or ``step`` an existing one) appends the tokens produced since the last step, looks a
-  *new* sequence up in the prefix cache, schedules
+* one step (``admit`` a new sequence, ``step`` an existing one) appends the
+  tokens produced since the last step, looks a *new* sequence up in the prefix
+  cache, schedules
   ``min(num_new_tokens, known - computed)`` tokens from ``num_computed`` on, makes
   room for them, and caches the blocks those tokens fill. Blocks become findable
   in the step that computes them (as in vLLM: the executor writes a layer's K/V
