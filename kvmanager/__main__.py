@@ -42,7 +42,7 @@ async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
 
 
 async def serve(args) -> None:
-    manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms)
+    manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True)
     server = GrpcServer(PROG, args.host, args.port, [
         Service(SERVICE_NAME, KVManagerService(manager), kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
     ])

@@ -193,6 +193,13 @@ class BlockPool:
         self.cached_blocks[block_hash] = block
         return True
 
+    def unlink(self) -> None:
+        """Breaks the free queue's reference cycles, so that a dropped pool is freed
+        by reference counting alone (its blocks may be frozen out of the cyclic GC)."""
+        for block in self.blocks:
+            block.prev_free = block.next_free = None
+        self.free_queue = FreeBlockQueue(())
+
     def record_stored(self, event: BlockStored) -> None:
         self.events.stored(event)
 
