@@ -126,6 +126,26 @@ def test_fork_copy_on_write_and_free(stub, pool):
     assert freed.num_blocks_freed == 4 and stats(stub, pool).num_used_blocks == 0
 
 
+def test_eviction_order_and_hits_not_evicted_for_the_same_request(stub, pool):
+    t1 = list(allocate(stub, pool, seq(1, list(range(0, 12)))).results[0].block_table)
+    t2 = list(allocate(stub, pool, seq(2, list(range(100, 112)))).results[0].block_table)
+    t3 = list(allocate(stub, pool, seq(3, list(range(200, 212)))).results[0].block_table)
+    stub.Free(pb.FreeRequest(pool_id=pool[0], session_id=pool[1], seq_ids=[2]))
+    stub.Free(pb.FreeRequest(pool_id=pool[0], session_id=pool[1], seq_ids=[1, 3]))
+    # 10 usable blocks: 1 never used, then 2's tail first, then 1's and 3's.
+    r = allocate(stub, pool, seq(4, list(range(300, 316)))).results[0]
+    assert list(r.block_table) == [10] + t2[::-1]
+    assert stats(stub, pool).num_evictions == 3
+    # Hits on 1's two head blocks: 6 free blocks are left, 2 of them the hits,
+    # so a request needing 2 hits + 5 new blocks does not fit...
+    r = allocate(stub, pool, seq(5, list(range(0, 8)) + list(range(500, 520)))).results[0]
+    assert r.status == pb.ALLOCATION_STATUS_NO_ROOM
+    # ... and 2 hits + 4 new fits, evicting 1's tail and 3's blocks but not the hits.
+    r = allocate(stub, pool, seq(6, list(range(0, 8)) + list(range(500, 516)))).results[0]
+    assert r.num_cached_tokens == 8 and list(r.block_table) == t1[:2] + [t1[2]] + t3[::-1]
+    assert stats(stub, pool).num_free_blocks == 0 and stats(stub, pool).num_evictions == 7
+
+
 def test_no_room_is_a_result_not_an_error(stub, pool):
     big, small = allocate(stub, pool, seq(1, list(range(100, 145))), seq(2, [1, 2])).results
     assert big.status == pb.ALLOCATION_STATUS_NO_ROOM and small.status == pb.ALLOCATION_STATUS_OK

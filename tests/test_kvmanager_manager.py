@@ -256,3 +256,19 @@ def test_hashes_are_deterministic_across_processes():
            for seed in ("1", "2")}
     local = hash_key(block_key(root_hash("m"), extra_keys("s", "a"), [1, 2, 70000])).hex()
     assert out == {local}
+
+
+def test_freeze_gc_and_a_replaced_pool_is_unlinked():
+    import gc
+
+    manager = KVManager(freeze_gc=True)
+    try:
+        manager.register_pool(PoolConfig("p", 9, 4))
+        assert gc.get_freeze_count() > 0
+        old = manager.pools["p"].block_pool
+        manager.register_pool(PoolConfig("p", 17, 4))  # idle: replaced
+        # No reference cycles left: refcounting frees the old blocks although frozen.
+        assert all(b.prev_free is None and b.next_free is None for b in old.blocks)
+        check_invariants(manager.pools["p"])
+    finally:
+        gc.unfreeze()
