@@ -49,6 +49,7 @@ def run(cmd: list[str]) -> tuple[list[str], subprocess.CompletedProcess]:
     return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
 
 
+@pytest.mark.timeout(1800)  # a loaded 2-core CI box; nominally ~2 min
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_kernel_units_compile_sm80_sm90_werror(tmp_path):
     jobs = [nvcc_command(u, a, s, tmp_path) for u in csrc_build.KERNEL_UNITS for a, s in ARCHS]
@@ -68,6 +69,7 @@ def torch_include_flags() -> list[str]:
     return [f for p in include_paths() for f in ("-isystem", p)]
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="nvcc or g++ not installed")
 def test_binding_syntax_checks_against_torch_headers(tmp_path):
     pytest.importorskip("torch")

@@ -24,6 +24,7 @@ from executor.attention import paged_reference as ref
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 UNITS = ["cache_kernels.cu", "attention_f32.cu", "attention_f16.cu", "attention_bf16.cu"]
+pytestmark = pytest.mark.timeout(1800)  # the first test also builds the library (~1 min, more on a loaded box)
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as tests/test_csrc_gpu.py
 

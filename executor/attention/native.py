@@ -52,6 +52,11 @@ def _multiprocessor_count(device: torch.device) -> int:
         return 108
 
 
+def _packed_heads(t: torch.Tensor) -> torch.Tensor:
+    """t itself when [n, heads, d] has unit dim stride and packed heads, else a contiguous copy."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
 class NativeAttentionBackend(AttentionBackend):
     """The csrc kernels on a CUDA or MUSA device."""
 
@@ -92,6 +97,9 @@ class NativeAttentionBackend(AttentionBackend):
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         key_cache, value_cache = kv_cache
+        # The kernel takes any token stride but needs each token's heads packed
+        # ([.., kv_heads, head_size] with unit inner strides) and the cache dtype.
+        key, value = (_packed_heads(t).to(key_cache.dtype) for t in (key, value))
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.to(torch.int64))
 
     def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -151,8 +159,7 @@ class NativeAttentionBackend(AttentionBackend):
         [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32. partition_size: None picks
         v1/v2, 0 forces v1, >0 forces v2 with that partition."""
         key_cache, value_cache = kv_cache
-        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
-            query = query.contiguous()
+        query = _packed_heads(query)
         if partition_size is None:
             v2 = self.use_v2(query.shape[0], query.shape[1], key_cache.shape[1], max_seq_len)
             partition_size = self.PARTITION_SIZE if v2 else 0
