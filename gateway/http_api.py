@@ -11,6 +11,7 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, RequestStream
+from gateway.fanout import MergedStream
 from gateway.openai_protocol import (
     ChatCompletionBody, ChoiceAccumulator, CompletionBody, ResponseFormatter, message_dicts,
 )
@@ -30,6 +32,7 @@ from kvserve.logs import get_logger
 
 log = get_logger("gateway.http")
 
+MAX_PROMPTS_PER_REQUEST = 64
 HTTP_STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "NOT_FOUND": (404, "not_found_error"),
@@ -109,15 +112,13 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
         check_model(body.model)
         if body.echo:
             raise InvalidArgument("echo: not supported")
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument("prompt: batched prompts are not supported; send one request per prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            prompt_ids = list(prompt)
+        prompts = body.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
+        prompt_ids = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+                      for p in prompts]
         return await _generate("completion", body, prompt_ids, body.logprobs, request)
 
     @app.post("/v1/chat/completions")
@@ -130,9 +131,9 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _generate("chat", body, prompt_ids, logprobs, request)
+        return await _generate("chat", body, [prompt_ids], logprobs, request)
 
-    async def _generate(kind: str, body, prompt_ids: list[int], logprobs: int | None, request: Request):
+    async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request):
         unsupported = body.unsupported()
         if unsupported:
             raise InvalidArgument(f"{unsupported}: not supported by this server")
@@ -143,14 +144,30 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
             skip_special_tokens=body.skip_special_tokens,
         )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        stream = await engine.submit(prompt_ids, options, f"{prefix}-{uuid.uuid4().hex}")
-        formatter = ResponseFormatter(kind, stream.request_id, served_name, tokenizer,
-                                      logprobs is not None, options.n)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if len(prompts) == 1:
+            stream = await engine.submit(prompts[0], options, request_id)
+        else:
+            stream = MergedStream(request_id, [], options.n)
+            try:
+                for i, prompt_ids in enumerate(prompts):
+                    stream.streams.append(await engine.submit(prompt_ids, replace(options), f"{request_id}-{i}"))
+            except Exception:
+                stream.abort_all(engine.abort)
+                raise
+        num_choices = options.n * len(prompts)
+        formatter = ResponseFormatter(kind, request_id, served_name, tokenizer, logprobs is not None, num_choices)
         if body.stream:
             return StreamingResponse(_sse(stream, formatter, body.include_usage), media_type="text/event-stream")
-        return await _collect(stream, formatter, options.n, request)
+        return await _collect(stream, formatter, num_choices, request)
 
-    async def _sse(stream: RequestStream, formatter: ResponseFormatter, include_usage: bool):
+    def _abort(stream: RequestStream | MergedStream) -> None:
+        if isinstance(stream, MergedStream):
+            stream.abort_all(engine.abort)
+        else:
+            engine.abort(stream.request_id)
+
+    async def _sse(stream: RequestStream | MergedStream, formatter: ResponseFormatter, include_usage: bool):
         finished = False
         try:
             async for output in stream:
@@ -169,9 +186,9 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
-                engine.abort(stream.request_id)
+                _abort(stream)
 
-    async def _collect(stream: RequestStream, formatter: ResponseFormatter, n: int, request: Request):
+    async def _collect(stream: RequestStream | MergedStream, formatter: ResponseFormatter, n: int, request: Request):
         choices = [ChoiceAccumulator() for _ in range(n)]
 
         async def drain():
@@ -189,12 +206,12 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
                 if done:
                     break
                 if await request.is_disconnected():
-                    engine.abort(stream.request_id)
+                    _abort(stream)
             last = task.result()
         finally:
             if not task.done():
                 task.cancel()
-                engine.abort(stream.request_id)
+                _abort(stream)
         return JSONResponse(formatter.response(choices, last))
 
     return app

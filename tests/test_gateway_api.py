@@ -190,6 +190,23 @@ def test_logprobs_and_parallel_sampling(client, model_name):
     assert first.usage.completion_tokens == 24
 
 
+def test_batched_prompts_number_choices_prompt_major(client, model_name):
+    prompts = ["First prompt", "Second prompt here"]
+    kwargs = dict(model=model_name, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    singles = [client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts]
+    batched = client.completions.create(prompt=prompts, n=2, **kwargs)
+    texts = {c.index: c.text for c in batched.choices}
+    assert texts == {0: singles[0], 1: singles[0], 2: singles[1], 3: singles[1]}
+    assert batched.usage.completion_tokens == 20
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **kwargs))
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: singles[0], 1: singles[1]} and chunks[-1].usage.completion_tokens == 10
+
+
 def test_chat_logprobs(client, model_name):
     reply = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,

@@ -1,0 +1,62 @@
+"""Several prompts in one completion request: their streams merged into one.
+
+Choice ``j`` of prompt ``i`` becomes choice ``i * n + j`` (OpenAI's numbering);
+the merged request finishes when every prompt has, with usage summed.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+
+from gateway.engine import RequestStream
+from gateway.sequence import RequestOutput
+
+
+@dataclass
+class MergedStream:
+    """Async-iterable like ``RequestStream``: outputs of every prompt, choice indices shifted."""
+
+    request_id: str
+    streams: list[RequestStream]
+    n: int
+
+    def abort_all(self, abort: Callable[[str], bool]) -> None:
+        for stream in self.streams:
+            abort(stream.request_id)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(position: int, stream: RequestStream) -> None:
+            try:
+                async for output in stream:
+                    queue.put_nowait((position, output, None))
+            except Exception as exc:  # noqa: BLE001 — re-raised by the consumer
+                queue.put_nowait((position, None, exc))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        last: dict[int, RequestOutput] = {}
+        try:
+            while len(last) < len(self.streams):
+                position, output, error = await queue.get()
+                if error is not None:
+                    raise error
+                shift = position * self.n
+                if output.finished:
+                    last[position] = output
+                done = len(last) == len(self.streams)
+                yield RequestOutput(
+                    request_id=self.request_id,
+                    choices=[replace(c, index=c.index + shift) for c in output.choices],
+                    finished=done,
+                    prompt_tokens=sum(o.prompt_tokens for o in last.values()) if done else 0,
+                    completion_tokens=sum(o.completion_tokens for o in last.values()) if done else 0,
+                    cached_tokens=sum(o.cached_tokens for o in last.values()) if done else 0,
+                )
+        finally:
+            for task in tasks:
+                task.cancel()
