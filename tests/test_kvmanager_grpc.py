@@ -259,6 +259,10 @@ def test_bad_inputs_map_to_status_codes_naming_the_field(stub, pool):
         (lambda: stub.OpenSession(pb.OpenSessionRequest(pool_id="nope")), grpc.StatusCode.NOT_FOUND, "pool_id"),
         (lambda: stub.CloseSession(pb.CloseSessionRequest(session_id="nope")), grpc.StatusCode.NOT_FOUND,
          "session_id"),
+        (lambda: list(stub.WatchEvents(pb.WatchEventsRequest(pool_id="nope"), timeout=5)),
+         grpc.StatusCode.NOT_FOUND, "pool_id"),
+        (lambda: stub.Fork(pb.ForkRequest(pool_id=pool_id, session_id=session, parent_seq_id=77)),
+         grpc.StatusCode.NOT_FOUND, "parent_seq_id"),
     ]
     for call, expected, field in cases:
         code, details = code_of(call)
@@ -301,3 +305,17 @@ def test_sigint_and_env_flags(tmp_path):
     finally:
         assert service.stop(signal.SIGINT) == 0
     assert "grpc_server_stopped" in service.logs()
+
+
+def test_state_conflicts_map_to_status_codes(stub, pool):
+    pool_id, session = pool
+    allocate(stub, pool, seq(1, [1, 2]), seq(2, [3]))
+    code, details = code_of(lambda: stub.Fork(pb.ForkRequest(pool_id=pool_id, session_id=session,
+                                                               parent_seq_id=1, child_seq_ids=[2])))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "child_seq_ids" in details
+    code, _ = code_of(lambda: stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=99,
+                                                                       block_size=BS)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    stub.CloseSession(pb.CloseSessionRequest(session_id=session))
+    assert stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=99, block_size=BS)).created
+    assert stats(stub, pool).num_blocks == 99
