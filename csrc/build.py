@@ -148,11 +148,12 @@ def musa_setup_extension(name: str = "kvserve_kernels_musa"):
     ``setup(ext_modules=[musa_setup_extension()], cmdclass={"build_ext": BuildExtension})``."""
     from torch_musa.utils.musa_extension import MUSAExtension
 
-    staged = stage_musa_sources(CSRC / "build_musa_src")
+    staging = CSRC.parent / "build" / "musa_src"  # build/ is git-ignored
+    staged = stage_musa_sources(staging)
     return MUSAExtension(
         name=name,
         sources=staged,
-        include_dirs=[str(CSRC / "build_musa_src")],
+        include_dirs=[str(staging)],
         extra_compile_args={"cxx": ["-O3", "-DKVSERVE_USE_MUSA"], "mcc": MUSA_FLAGS + [f"--offload-arch={musa_arch()}"]},
     )
 
