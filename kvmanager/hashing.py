@@ -8,9 +8,9 @@ Choice: **xxh3-128** (the ``xxhash`` package), chained as vLLM v1 does:
 Why xxh3-128 and not sha256:
 
 * It sits on the scheduler's hot path (every full block of every prompt is
-  hashed once); xxh3 runs at memory speed, several times faster than sha256 in
-  CPython, and 128 bits make an *accidental* collision negligible (birthday bound
-  ~ n^2 / 2^129: 10^12 blocks give ~10^-15).
+  hashed once); for one 16-token block key xxh3-128 takes ~0.18 us in CPython,
+  sha256 and blake2b ~0.75 us (measured here), and 128 bits make an *accidental*
+  collision negligible (birthday bound ~ n^2 / 2^129: 10^12 blocks give ~10^-15).
 * It is deterministic across processes, machines and restarts: no seed from
   the process (Python's ``hash()`` is salted per process), token ids are packed
   little-endian int32, strings are UTF-8 with length prefixes (no ambiguity
