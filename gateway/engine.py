@@ -358,8 +358,8 @@ class Engine:
             new_tokens = sum(len(c.token_ids) for c in output.choices)
             if new_tokens:
                 self.metrics.on_tokens(new_tokens)
-                if request.last_emit_time is None:
-                    self.metrics.on_first_token(now - request.arrival_time)
+                if request.last_emit_time is None:  # prefill done
+                    self.metrics.on_first_token(now - request.arrival_time, request.num_prompt_tokens)
                 else:
                     per_choice = max(1, new_tokens // max(1, len(output.choices)))
                     self.metrics.on_inter_token((now - request.last_emit_time) / per_choice)
@@ -367,8 +367,7 @@ class Engine:
             if output.finished:
                 self._live.pop(output.request_id, None)
                 reason = next((c.finish_reason.value for c in output.choices if c.finish_reason), "error")
-                self.metrics.on_request_finished(prompt_tokens=request.num_prompt_tokens,
-                                                 e2e_s=now - request.arrival_time, reason=reason)
+                self.metrics.on_request_finished(e2e_s=now - request.arrival_time, reason=reason)
             request.sink(output)
 
     def _publish_prefix_counters(self) -> None:

@@ -22,7 +22,7 @@ class GatewayMetrics:
         self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", labels, registry=r)
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from cache", labels, registry=r)
         self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute)", labels, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests whose prefill finished", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -97,14 +97,14 @@ class GatewayMetrics:
     def on_tokens(self, count: int) -> None:
         self._m["generation_tokens"].inc(count)
 
-    def on_first_token(self, seconds: float) -> None:
+    def on_first_token(self, seconds: float, prompt_tokens: int) -> None:
         self._m["ttft"].observe(seconds)
+        self._m["prompt_tokens"].inc(prompt_tokens)
 
     def on_inter_token(self, seconds: float) -> None:
         self._m["itl"].observe(seconds)
 
-    def on_request_finished(self, *, prompt_tokens: int, e2e_s: float, reason: str) -> None:
-        self._m["prompt_tokens"].inc(prompt_tokens)
+    def on_request_finished(self, *, e2e_s: float, reason: str) -> None:
         self._m["e2e"].observe(e2e_s)
         self.request_success.labels(self.model_name, reason).inc()
 
