@@ -175,14 +175,16 @@ def test_stop_token_ids_and_min_tokens(client, model_name, stack):
     assert held.usage.completion_tokens >= 4
 
 
-def test_logprobs_and_parallel_sampling(client, model_name):
+def test_logprobs_and_parallel_sampling(client, model_name, stack):
     reply = client.completions.create(model=model_name, prompt="Colors:", max_tokens=6, temperature=0,
                                       logprobs=2, extra_body={"ignore_eos": True})
     lp = reply.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(len(top) >= 1 for top in lp.top_logprobs)
     kwargs = dict(model=model_name, prompt="Colors of the rainbow are", max_tokens=8, temperature=1.0, seed=7,
                   n=3, extra_body={"ignore_eos": True})
+    copies_before = pool_stats(stack).num_copies
     first = client.completions.create(**kwargs)
+    assert pool_stats(stack).num_copies > copies_before  # choices forked, last prompt block copied on write
     again = client.completions.create(**kwargs)
     texts = [c.text for c in sorted(first.choices, key=lambda c: c.index)]
     assert len(texts) == 3 and len(set(texts)) > 1

@@ -68,3 +68,11 @@ def test_reserve_holds_max_model_len_per_request(baseline_stack):
         assert stats.num_allocated_slots >= MAX_MODEL_LEN
         assert stats.num_stored_tokens < stats.num_allocated_slots
     assert wait_for(lambda: pool_stats(baseline_stack).num_used_blocks == 0, 10)
+
+
+def test_generation_stops_at_max_model_len(baseline_stack):
+    body = {"prompt": [9] * (MAX_MODEL_LEN - 5), "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(baseline_stack.http_url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and reply.json()["usage"]["completion_tokens"] == 5
