@@ -6,8 +6,9 @@ from pathlib import Path
 
 import torch
 
-from executor.prepare_model import is_complete
+from executor.devices import tune_host_allocator
 from executor.model import UnsupportedModel
+from executor.prepare_model import is_complete
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer
 from kvserve.config import EnvArgumentParser, add_server_flags
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    tune_host_allocator()
 
     async def serve() -> None:
         check_model_dir(args.model)

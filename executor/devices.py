@@ -55,3 +55,25 @@ def synchronize(device: torch.device) -> None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def tune_host_allocator() -> bool:
+    """Keeps freed large host buffers in the heap instead of returning them to the OS.
+
+    glibc serves allocations above its mmap threshold with fresh mmap'd pages and gives
+    them back on free, so every step's large temporaries (gathered K/V, MLP activations)
+    page-fault again: on this 2-core machine that was half of a batch-32 decode step.
+    Raising the mmap and trim thresholds (what tcmalloc/jemalloc do by default) stops it.
+    Process-wide, so the entry point calls it; returns False where libc has no mallopt.
+    """
+    import ctypes
+    import ctypes.util
+
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
+    return bool(ok and mallopt(m_trim_threshold, 1 << 30))

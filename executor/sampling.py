@@ -107,7 +107,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     temperature = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params],
                                dtype=torch.float32, device=logits.device)
     scaled = logits / temperature.view(-1, 1)
-    logprobs = scaled.log_softmax(dim=-1)
+    # log p = scaled - logsumexp(scaled): a reduction, not a [rows, vocab] log_softmax.
+    log_normalizer = scaled.logsumexp(dim=-1, keepdim=True)
     chosen = scaled.argmax(dim=-1)
     random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
     if random_rows:
@@ -123,11 +124,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         noise = _exponential_noise(rand_params, [positions[r] for r in random_rows], vocab, generator)
         drawn = (probs / noise.to(probs.device)).argmax(dim=-1)
         chosen = chosen.index_copy(0, row_index, drawn)
-    chosen_logprobs = logprobs.gather(1, chosen.view(-1, 1)).view(-1)
+    chosen_logprobs = (scaled.gather(1, chosen.view(-1, 1)) - log_normalizer).view(-1)
     top = None
     max_top = max(p.top_logprobs for p in params)
     if max_top > 0:
-        top_values, top_ids = logprobs.topk(max_top, dim=-1)
+        top_values, top_ids = scaled.topk(max_top, dim=-1)
+        top_values = top_values - log_normalizer
         top_values, top_ids = top_values.tolist(), top_ids.tolist()
         top = [(top_ids[r][: p.top_logprobs], top_values[r][: p.top_logprobs]) for r, p in enumerate(params)]
     return SampleResult(chosen.tolist(), chosen_logprobs.tolist(), top)

@@ -81,11 +81,12 @@ def test_torch_backend_matches_reference(block_size, query_lens, seq_lens):
 
 def test_write_kv_skips_negative_slots_and_copy_blocks():
     backend = TorchAttentionBackend(torch.device("cpu"))
-    cache = backend.allocate_kv_cache(4, 2, 1, 2, torch.float32, torch.device("cpu"))
+    cache = backend.allocate_kv_cache(4, 2, 1, 2, torch.float32, torch.device("cpu"))  # one KV head: slot order
     key = torch.arange(6, dtype=torch.float32).view(3, 1, 2)
     backend.write_kv(cache, key, -key, torch.tensor([2, -1, 3]))
     assert cache[0].view(-1, 1, 2)[2].tolist() == [[0.0, 1.0]]
     assert cache[0].view(-1, 1, 2)[3].tolist() == [[4.0, 5.0]]
     assert cache[0].view(-1, 1, 2)[:2].abs().sum() == 0  # nothing landed in the null block
     backend.copy_blocks([cache], torch.tensor([1]), torch.tensor([2]))
-    assert torch.equal(cache[0][2], cache[0][1]) and torch.equal(cache[1][2], cache[1][1])
+    assert torch.equal(cache[0][:, 2], cache[0][:, 1]) and torch.equal(cache[1][:, 2], cache[1][:, 1])
+    assert cache[0][:, 1].abs().sum() > 0

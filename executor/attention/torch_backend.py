@@ -1,14 +1,16 @@
 """Paged attention in plain torch: the CPU path and the reference for the native kernels.
 
-KV layout (per layer, K and V alike): ``[num_blocks, block_size, num_kv_heads, head_size]``,
-so a flat view ``[num_blocks * block_size, num_kv_heads, head_size]`` is indexed by slot
-and writing new K/V is one ``index_copy_``.
+KV layout (per layer, K and V alike): ``[num_kv_heads, num_blocks, block_size, head_size]``,
+head-major, so that gathering a batch's blocks yields ``[kv_heads, num_seqs, ctx_len, head_size]``
+whose per-(sequence, head) matrices are contiguous, which is what SDPA reads fastest; a flat view
+``[num_kv_heads, num_blocks * block_size, head_size]`` is indexed by slot, so writing new K/V
+is one ``index_copy_``.
 
 Attention is batched over sequences, never a loop over them. Once per step (the
 first layer) the metadata is turned into a plan of at most two groups:
 
 - decode group (sequences with one new token): their blocks are gathered into
-  ``[num_seqs, ctx_len, kv_heads, head_size]`` and one SDPA runs with a key mask
+  ``[num_seqs, kv_heads, ctx_len, head_size]`` and one SDPA runs with a key mask
   ``j < seq_len``;
 - prefill group (chunks of more than one token, with or without a cached prefix):
   queries are padded to ``max_query_len`` and the causal mask is offset by each
@@ -22,7 +24,7 @@ share a KV head are laid out as extra query rows of that KV head, so SDPA sees
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,27 @@ class _Group:
     num_seqs: int
     query_len: int
     ctx_len: int
+    # The mask as SDPA wants it, built on first use: additive (0 / -inf) in the compute dtype,
+    # rows repeated per query head of a KV-head group. Keyed by (group_size, dtype).
+    sdpa_masks: dict = field(default_factory=dict)
+    # Rows of the flat [kv_heads * num_blocks, block_size * head_size] cache view to gather,
+    # head-major; keyed by (kv_heads, num_blocks).
+    gather_rows: dict = field(default_factory=dict)
+
+    def cache_rows(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
+        key = (kv_heads, num_blocks)
+        if key not in self.gather_rows:
+            head_offsets = torch.arange(kv_heads, device=self.block_ids.device).view(-1, 1) * num_blocks
+            self.gather_rows[key] = (head_offsets + self.block_ids.view(1, -1)).reshape(-1)
+        return self.gather_rows[key]
+
+    def sdpa_mask(self, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (group_size, dtype)
+        if key not in self.sdpa_masks:
+            allowed = self.mask.repeat(1, 1, group_size, 1)  # rows: (group, query)
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.sdpa_masks[key] = additive.masked_fill_(~allowed, float("-inf"))
+        return self.sdpa_masks[key]
 
 
 def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _Group:
@@ -77,24 +100,32 @@ class TorchAttentionBackend(AttentionBackend):
         # The plan is derived from the step's metadata on the first layer and reused by the rest.
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[_Group] = []
+        self._checked_slots: torch.Tensor | None = None
+        self._slots_all_valid = True
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        shape = (num_kv_heads, num_blocks, block_size, head_size)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
         key_cache, value_cache = kv_cache
-        if bool((slot_mapping < 0).any()):
+        # Every layer gets the same slot_mapping: check it for skipped slots (-1) once.
+        if slot_mapping is not self._checked_slots:
+            self._slots_all_valid = not bool((slot_mapping < 0).any())
+            self._checked_slots = slot_mapping
+        if not self._slots_all_valid:
             keep = slot_mapping >= 0
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        kv_heads, _, _, head_size = key_cache.shape
+        # [kv_heads, num_blocks * block_size, head_size] indexed by slot along dim 1
+        key_cache.view(kv_heads, -1, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
+        value_cache.view(kv_heads, -1, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
 
     def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
         for key_cache, value_cache in kv_caches:
-            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+            key_cache.index_copy_(1, dst, key_cache.index_select(1, src))
+            value_cache.index_copy_(1, dst, value_cache.index_select(1, src))
 
     def _groups(self, meta: AttentionMetadata) -> list[_Group]:
         if meta is not self._plan_meta:
@@ -119,12 +150,16 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_group(query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         key_cache, value_cache = kv_cache
-        _, block_size, kv_heads, head_size = key_cache.shape
+        kv_heads, num_blocks, block_size, head_size = key_cache.shape
         num_heads = query.shape[1]
         group_size = num_heads // kv_heads
-        # [num_seqs, ctx_len, kv_heads, head_size] → [num_seqs, kv_heads, ctx_len, head_size]
-        keys = key_cache.index_select(0, g.block_ids).view(g.num_seqs, g.ctx_len, kv_heads, head_size).transpose(1, 2)
-        values = value_cache.index_select(0, g.block_ids).view(g.num_seqs, g.ctx_len, kv_heads, head_size).transpose(1, 2)
+        rows = g.cache_rows(kv_heads, num_blocks)
+        # [kv_heads * num_blocks, block_size * head_size] rows → [kv_heads, num_seqs, ctx_len, head_size]
+        # → [num_seqs, kv_heads, ctx_len, head_size] (a view: each (seq, head) matrix stays contiguous)
+        keys = key_cache.view(kv_heads * num_blocks, -1).index_select(0, rows)
+        keys = keys.view(kv_heads, g.num_seqs, g.ctx_len, head_size).transpose(0, 1)
+        values = value_cache.view(kv_heads * num_blocks, -1).index_select(0, rows)
+        values = values.view(kv_heads, g.num_seqs, g.ctx_len, head_size).transpose(0, 1)
         q = query.to(key_cache.dtype)
         if g.padded_index is not None:
             padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
@@ -133,8 +168,7 @@ class TorchAttentionBackend(AttentionBackend):
         # [num_seqs * query_len, heads, d] → [num_seqs, kv_heads, group * query_len, d]
         q = q.view(g.num_seqs, g.query_len, kv_heads, group_size, head_size).permute(0, 2, 3, 1, 4)
         q = q.reshape(g.num_seqs, kv_heads, group_size * g.query_len, head_size)
-        mask = g.mask if group_size == 1 else g.mask.repeat(1, 1, group_size, 1)  # rows: (group, query)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=g.sdpa_mask(group_size, q.dtype), scale=scale)
         # back to [num_seqs * query_len, heads, d]
         out = out.view(g.num_seqs, kv_heads, group_size, g.query_len, head_size).permute(0, 3, 1, 2, 4)
         out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
