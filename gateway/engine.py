@@ -96,6 +96,7 @@ class Engine:
         self._idle.set()
         self._accepting = True
         self._tasks: list[asyncio.Task] = []
+        self._closing: asyncio.Task | None = None
         self._reported = (0, 0, 0)
 
     # --- lifecycle -------------------------------------------------------------
@@ -186,6 +187,9 @@ class Engine:
                             self._reset_connection(self._connection_lost)
             if self._session_id is not None:
                 return
+            if self._closing is not None:  # the old session's blocks must be free before the cache reset
+                await asyncio.wait({self._closing}, timeout=3.0)
+                self._closing = None
             try:
                 info = await self.executor.describe()
                 pool_id = self.config.effective_pool_id
@@ -225,7 +229,7 @@ class Engine:
         session_id, self._session_id = self._session_id, None
         self._connection_lost = None
         if session_id is not None:
-            asyncio.get_running_loop().create_task(self._close_session_id(session_id))
+            self._closing = asyncio.get_running_loop().create_task(self._close_session_id(session_id))
         log.warning("connection_reset", reason=reason)
 
     async def _close_session(self, timeout: float) -> None:

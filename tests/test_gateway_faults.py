@@ -48,12 +48,19 @@ def test_dependency_down_is_503_then_recovers_then_sigterm_is_graceful(start_ser
     assert wait_for(lambda: serves_again(url), timeout=20)
     assert httpx.get(url + "/health").status_code == 200
 
+    cached_prompt = {"prompt": "A prompt long enough to fill a few KV blocks. " * 6, "max_tokens": 8,
+                     "temperature": 0, "ignore_eos": True}
+    before = httpx.post(url + "/v1/completions", json=cached_prompt, timeout=60).json()
     executor.stop()
     down = generate(url)
     assert down.status_code == 503 and "executor" in down.json()["error"]["message"]
     assert httpx.get(url + "/health").json()["executor"] == "UNREACHABLE"
     executor = start_service("executor", "--model", str(tiny_model_dir), port=executor.port, timeout=300)
     assert wait_for(lambda: serves_again(url), timeout=20)
+    # the new executor's cache is empty: kvmanager's prefix cache was reset, answers are unchanged
+    after = httpx.post(url + "/v1/completions", json=cached_prompt, timeout=60).json()
+    assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert after["choices"][0]["text"] == before["choices"][0]["text"]
 
     assert gateway.alive()
     assert wait_for(lambda: used_blocks(kvmanager.address, executor.address) == 0, 10)
