@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.params import validate_request
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
+from gateway.streams import RequestStream
 from kvserve.errors import AlreadyExists, ResourceExhausted, Unavailable
 from kvserve.logs import get_logger
 
@@ -47,30 +48,6 @@ class EngineConfig:
     @property
     def effective_pool_id(self) -> str:
         return self.pool_id or f"executor@{self.executor_address}"
-
-
-@dataclass(eq=False)
-class RequestStream:
-    """What a front end reads: the request's outputs, one per step, the last with ``finished``."""
-
-    request: GenerationRequest
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    def __aiter__(self):
-        return self._iterate()
-
-    async def _iterate(self):
-        while True:
-            output: RequestOutput = await self.queue.get()
-            if output.error is not None:
-                raise output.error
-            yield output
-            if output.finished:
-                return
 
 
 class Engine:

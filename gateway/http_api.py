@@ -20,13 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.detokenizer import ModelTokenizer
-from gateway.engine import Engine, RequestStream
-from gateway.fanout import MergedStream
+from gateway.engine import Engine
 from gateway.openai_protocol import (
     ChatCompletionBody, ChoiceAccumulator, CompletionBody, ResponseFormatter, message_dicts,
 )
 from gateway.params import build_options
 from gateway.scheduler import RequestTooLarge
+from gateway.streams import MergedStream, RequestStream
 from kvserve.errors import InvalidArgument, KVServeError
 from kvserve.logs import get_logger
 

@@ -1,16 +1,42 @@
-"""Several prompts in one completion request: their streams merged into one.
+"""What the front ends read: a request's outputs, and several requests' outputs merged.
 
-Choice ``j`` of prompt ``i`` becomes choice ``i * n + j`` (OpenAI's numbering);
-the merged request finishes when every prompt has, with usage summed.
+``RequestStream`` yields one ``RequestOutput`` per step until the finished one
+(raising the request's error, if it failed). ``MergedStream`` serves several
+prompts in one completion request: choice ``j`` of prompt ``i`` becomes choice
+``i * n + j`` (OpenAI's numbering); it finishes when every prompt has, with usage
+summed.
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from gateway.engine import RequestStream
-from gateway.sequence import RequestOutput
+from gateway.sequence import GenerationRequest, RequestOutput
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """What a front end reads: the request's outputs, one per step, the last with ``finished``."""
+
+    request: GenerationRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            output: RequestOutput = await self.queue.get()
+            if output.error is not None:
+                raise output.error
+            yield output
+            if output.finished:
+                return
 
 
 @dataclass
