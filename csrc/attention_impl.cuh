@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   constexpr int DPT = ROWS >= HEAD ? 1 : (HEAD + ROWS - 1) / ROWS;    // dims owned per thread
   constexpr int BPT = kTile / BLOCK;  // blocks per tile
   constexpr int VB = pow2_at_most((16 / DPT) < (BPT / BC) ? (16 / DPT) : (BPT / BC));  // value blocks per load batch
-  static_assert(HEAD % X == 0 && BLOCK % X == 0 && kTile % BLOCK == 0, "unsupported shape");
+  static_assert(HEAD % X == 0 && BLOCK % X == 0 && kTile % BLOCK == 0 && X % 4 == 0, "unsupported shape");
   static_assert(CHUNKS % KB == 0 && BPT % BC == 0 && (BPT / BC) % VB == 0 && R <= KV_WARP_SIZE, "unsupported shape");
 
   __shared__ __align__(16) float q_s[kMaxG][HEAD];   // scaled queries of this CTA's heads
@@ -239,11 +239,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
           const int b = (b0 + j) * BC + slot;
           const int valid = end - (tile + b * BLOCK + sub * X);  // tokens of this slice inside the context
           if (blk[j] < 0) continue;
+          // This slice's probabilities: X consecutive, 16-byte aligned floats per head
+          // (row offsets are multiples of X), read as float4 — the compiler cannot
+          // prove that alignment through the runtime `sub` itself.
           float pr[kMaxG][X];
 #pragma unroll
-          for (int g = 0; g < kMaxG; ++g)
+          for (int g = 0; g < kMaxG; ++g) {
+            const float4* src = reinterpret_cast<const float4*>(&p_s[g][b * BLOCK + sub * X]);
 #pragma unroll
-            for (int e = 0; e < X; ++e) pr[g][e] = g < ng ? p_s[g][b * BLOCK + sub * X + e] : 0.f;
+            for (int v = 0; v < X / 4; ++v) {
+              float4 f;
+              f.x = f.y = f.z = f.w = 0.f;
+              if (g < ng) f = src[v];
+              pr[g][4 * v + 0] = f.x;
+              pr[g][4 * v + 1] = f.y;
+              pr[g][4 * v + 2] = f.z;
+              pr[g][4 * v + 3] = f.w;
+            }
+          }
 #pragma unroll
           for (int k = 0; k < DPT; ++k) {
             float vf[X];

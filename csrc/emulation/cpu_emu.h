@@ -38,6 +38,9 @@ struct dim3 {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct float4 {
+  float x, y, z, w;
+};
 
 typedef void* kvStream_t;
 typedef int kvError_t;
