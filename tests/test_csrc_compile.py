@@ -102,3 +102,16 @@ def test_sources_follow_portability_rules():
     listed = set(csrc_build.KERNEL_UNITS + csrc_build.HEADERS + [csrc_build.BINDING])
     on_disk = {p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cuh", ".h", ".cpp")}
     assert on_disk == listed, "csrc/build.py must list every source (the MUSA staging copies exactly these)"
+
+
+def test_musa_staging_is_a_byte_copy(tmp_path):
+    """The whole MUSA port is a rename: .cu → .mu, same bytes, headers alongside."""
+    sources = csrc_build.stage_musa_sources(tmp_path)
+    assert [Path(s).name for s in sources] == [csrc_build.BINDING] + [Path(u).stem + ".mu" for u in csrc_build.KERNEL_UNITS]
+    for unit in csrc_build.KERNEL_UNITS:
+        assert (tmp_path / (Path(unit).stem + ".mu")).read_bytes() == (CSRC / unit).read_bytes()
+    for header in csrc_build.HEADERS:
+        assert (tmp_path / header).read_bytes() == (CSRC / header).read_bytes()
+    mtime = (tmp_path / "attention_f16.mu").stat().st_mtime_ns
+    csrc_build.stage_musa_sources(tmp_path)  # unchanged sources keep their mtimes (no ninja rebuild)
+    assert (tmp_path / "attention_f16.mu").stat().st_mtime_ns == mtime
