@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from executor.model import ModelConfig, Transformer, UnsupportedModel
+from executor.model import ModelConfig, Transformer, UnsupportedModel, cpu_weight_packing_available
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Checkpoint tensors that are derived, not weights.
@@ -111,6 +111,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise UnsupportedModel(f"{model_dir}: checkpoint lacks {shown}")
     model.setup_rope(max_len)
+    if cpu_weight_packing_available(dtype, device):
+        model.pack_weights_for_cpu()
     return model
 
 
