@@ -257,7 +257,9 @@ def main() -> int:
 
     if not args.skip_tests:
         t0 = time.time()
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_csrc_gpu.py"]
+        # --noconftest: the kernel tests need none of tests/conftest.py's service
+        # fixtures, whose gRPC health/reflection imports a bare GPU image may lack.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", "tests/test_csrc_gpu.py"]
         try:
             res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.test_timeout)
             out = (res.stdout + res.stderr).strip().splitlines()
@@ -271,7 +273,11 @@ def main() -> int:
 
     t0 = time.time()
     try:
+        import structlog  # noqa: F401  (the executor's logging; not on every GPU image)
+
         e2e = e2e_check("cuda")
+    except ModuleNotFoundError as exc:
+        e2e = f"skipped: {exc} (carry its wheel, see csrc/README.md)"
     except Exception as exc:  # report, keep benchmarking
         e2e = f"failed: {type(exc).__name__}: {exc}"
     report.append(f"(e) executor end to end, native vs torch backend: {e2e} ({time.time() - t0:.0f} s)\n")
