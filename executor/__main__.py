@@ -10,7 +10,7 @@ from executor.devices import tune_host_allocator
 from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
 from executor.runner import ModelRunner, RunnerOptions
-from executor.service import ExecutorServicer
+from executor.service import ExecutorServicer, TorchThread
 from kvserve.config import EnvArgumentParser, add_server_flags
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
@@ -58,8 +58,6 @@ def check_model_dir(model_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     tune_host_allocator()
 
     async def serve() -> None:
@@ -70,20 +68,26 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
             served_model_name=args.served_model_name, seed=args.seed,
         )
+        torch_thread = TorchThread(args.num_threads)  # all torch work happens there, see executor.service
         try:
-            runner = ModelRunner(options)
+            runner = await torch_thread.run(ModelRunner, options)
         except (UnsupportedModel, ValueError, ImportError, OSError) as exc:
+            torch_thread.close()
             raise StartupError(str(exc)) from exc
-        servicer = ExecutorServicer(runner)
+        except Exception as exc:  # noqa: BLE001 — e.g. a corrupt safetensors file: still one line
+            torch_thread.close()
+            raise StartupError(f"cannot load {args.model}: {type(exc).__name__}: {exc}") from exc
+        servicer = ExecutorServicer(runner, torch_thread)
         server = GrpcServer("executor", args.host, args.port,
                             [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)])
         await server.start()
         log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
-                 attention_backend=runner.info.attention_backend, torch_threads=torch.get_num_threads())
+                 attention_backend=runner.info.attention_backend,
+                 torch_threads=await torch_thread.run(torch.get_num_threads))
         sig = await wait_for_shutdown_signal()
         log.info("shutting_down", signal=sig.name)
         await server.stop(args.shutdown_grace)
-        servicer.close()
+        torch_thread.close()
 
     return run_service("executor", serve)
 
