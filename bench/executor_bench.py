@@ -76,7 +76,8 @@ def to_proto(seqs: list[SequenceInput]) -> pb.ExecuteRequest:
 def start_grpc_executor(model_dir: Path, dtype: str, port: int) -> tuple[subprocess.Popen, executor_pb2_grpc.ExecutorStub]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "executor", "--model", str(model_dir), "--dtype", dtype, "--port", str(port),
-         "--num-blocks", str(num_blocks_needed()), "--log-level", "warning"],
+         "--num-blocks", str(num_blocks_needed()), "--log-level", "warning",
+         "--num-threads", str(torch.get_num_threads())],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wait_until_serving(f"127.0.0.1:{port}", 300, is_alive=lambda: proc.poll() is None)
@@ -168,7 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed rounds per case, best kept (prefill: a third)")
     parser.add_argument("--port", type=int, default=50153, help="port of the gRPC executor it starts")
     parser.add_argument("--only", default="executor,grpc,transformers", help="comma-separated subset")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for all three (default: torch's). On a shared machine 1 is steadier: "
+                             "an OpenMP team waits for its slowest thread at every op")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     # As `python -m executor` does; in this process it applies to transformers too.
     allocator_tuned = tune_host_allocator()
