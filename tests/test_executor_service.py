@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
 
 from executor.loader import model_fingerprint
+from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
 from tests.conftest import REPO_ROOT, free_port, service_env
@@ -102,11 +105,11 @@ def test_missing_model_dir_is_one_line_error(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-def test_default_model_answers_paris(start_service, default_model_dir):
+def test_default_model_answers_paris_and_stays_healthy_during_a_step(start_service, default_model_dir):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    service = start_service("executor", "--model", str(default_model_dir), "--num-blocks", "64")
+    service = start_service("executor", "--model", str(default_model_dir), "--num-blocks", "128")
     stub = executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(service.address))
     assert stub.Describe(pb.DescribeRequest()).dtype == "bfloat16"  # auto on the CPU
     chat = AutoTokenizer.from_pretrained(default_model_dir)
@@ -122,3 +125,16 @@ def test_default_model_answers_paris(start_service, default_model_dir):
         generated.append(tokens[0])
     text = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).decode(generated)
     assert "Paris" in text, text
+
+    # Health checks answer while a long step runs (the step is off the event loop).
+    long_step = pb.ExecuteRequest(sequences=[seq(list(range(1000, 2500)), 0, list(range(9, 9 + 94)))])
+    replies = []
+    worker = threading.Thread(target=lambda: replies.append(stub.Execute(long_step, timeout=120)))
+    start = time.monotonic()
+    worker.start()
+    time.sleep(0.2)
+    answered_during_step = check(service.address, timeout=1.0) and worker.is_alive()
+    worker.join()
+    assert replies and replies[0].num_tokens == 1500
+    if time.monotonic() - start > 1.5:  # a step long enough to overlap the check
+        assert answered_during_step
