@@ -187,7 +187,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     code = main(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "transformers,llama-cpp",
                  "--model-dir", str(tiny_model_dir), "--num-prompts", "6", "--max-input-len", "48",
                  "--max-output-len", "24", "--system-prompt-len", "40", "--concurrency", "4",
-                 "--baseline-seqs", "2", "--dtype", "float32", "--metrics-interval", "0.05",
+                 "--baseline-seqs", "2", "--dtype", "float32", "--peer-dtype", "float32", "--metrics-interval", "0.05",
                  "--no-progress", "--out", str(out)])
     printed = capsys.readouterr().out
     rows, meta = report.load_json(out / "results.json")
