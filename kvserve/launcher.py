@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from kvserve.errors import StartupError
 from kvserve.health import wait_until_serving
+from kvserve.server import check_port_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,6 +55,18 @@ class ServiceProcess:
         return self.proc.returncode
 
 
+def _detach_and_die_with_parent() -> None:
+    """Runs in the child before exec. Its own process group: a terminal's Ctrl-C reaches
+    only the launcher, which then stops the services in order, once. And SIGTERM when the
+    launcher dies, however it dies, so no orphaned service keeps ports and memory."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def spawn(module: str, args: list[str], *, host: str = "127.0.0.1", port: int,
           log_path: Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """Starts ``python -m module --host H --port P *args`` without waiting."""
@@ -62,12 +76,18 @@ def spawn(module: str, args: list[str], *, host: str = "127.0.0.1", port: int,
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
         env=child_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+        preexec_fn=_detach_and_die_with_parent,
     )
     return ServiceProcess(module, host, port, proc, log_path)
 
 
 def start_healthy(module: str, args: list[str], *, timeout: float, **kwargs) -> ServiceProcess:
     """``spawn`` and wait for SERVING; on failure the process is killed and the error says why."""
+    # Checked here too: otherwise an older server on the port would answer the health check.
+    try:
+        check_port_free(f"{kwargs.get('host', '127.0.0.1')}:{kwargs['port']}")
+    except StartupError as exc:
+        raise RuntimeError(f"{module}: {exc}") from exc
     service = spawn(module, args, **kwargs)
     try:
         wait_until_serving(service.address, timeout, is_alive=service.alive)

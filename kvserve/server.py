@@ -102,7 +102,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         return stream
 
 
-def _check_port_free(address: str) -> None:
+def check_port_free(address: str) -> None:
     """Fails early, in one line, where grpc would log a C-core error before failing."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
@@ -139,7 +139,7 @@ class GrpcServer:
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             server,
         )
-        _check_port_free(self.address)
+        check_port_free(self.address)
         try:
             self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:
