@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 import time
@@ -22,7 +23,7 @@ from bench.workload import describe, load_tokenizer, make_system_prompt, sample_
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's
 # (ShareGPT, ~512 in / ~256 out, concurrency 32) to fit a 2-core CPU in 15 minutes.
-DEFAULTS = dict(num_prompts=64, max_input_len=256, max_output_len=128, system_prompt_len=128, concurrency=32)
+DEFAULTS = dict(num_prompts=64, max_input_len=512, max_output_len=384, system_prompt_len=128, concurrency=32)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,9 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seed-table rows to run (comma-separated slugs)")
     target.add_argument("--peers", default="transformers,llama-cpp",
                         help="peer rows for the sweep: transformers, llama-cpp, or none")
-    # float32 by default: on AVX-512 CPUs transformers' bf16 decode steps measured ~10x slower than
-    # float32 (small-batch bf16 GEMMs), and a peer should be run in its best configuration.
-    target.add_argument("--peer-dtype", default="float32", help="dtype of the transformers peer")
+    target.add_argument("--peer-dtype", default="bfloat16", help="dtype of the transformers peer")
     work = p.add_argument_group("workload (ShareGPT V3)")
     work.add_argument("--model-dir", type=Path, default=None, help="tokenizer and model (default: embedded)")
     work.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
@@ -63,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument("--executor-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="executor torch threads (0 = torch's default). One core is left to the gateway, "
+                             "kvmanager and this client: an OpenMP team sharing its cores with them stalls at "
+                             "every op (measured 4.8x slower steps on 2 cores)")
     engine.add_argument("--executor-args", default="", help="more executor flags for every row (one string)")
     engine.add_argument("--gateway-args", default="", help="more gateway flags for every row (one string)")
     out = p.add_argument_group("output")
@@ -109,11 +112,12 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          dtype=args.dtype)
-    budget.extra_executor_args = shlex.split(args.executor_args)
+    threads = ["--num-threads", str(args.executor_threads)] if args.executor_threads else []
+    budget.extra_executor_args = threads + shlex.split(args.executor_args)
     budget.extra_gateway_args = shlex.split(args.gateway_args)
     meta["budget"] = vars(budget)
-    print(f"KV budget: {budget.num_blocks} blocks x {budget.block_size} tokens = "
-          f"{budget.num_blocks * budget.block_size} slots = {args.baseline_seqs} x max_model_len "
+    print(f"KV budget: {budget.num_blocks} blocks (one of them the null block) x {budget.block_size} tokens = "
+          f"{(budget.num_blocks - 1) * budget.block_size} usable slots = {args.baseline_seqs} x max_model_len "
           f"{budget.max_model_len}; max_num_seqs {budget.max_num_seqs}")
     rows, details = run_seed_table(requests, budget, args.model_dir, args.out, concurrency=args.concurrency,
                                    request_rate=args.request_rate, seed=args.seed, configs=configs,

@@ -39,6 +39,8 @@ class Row:
     cached_prompt_tokens: int = 0
     preemptions: float | None = None
     kv_usage_series: list = field(default_factory=list)  # [(t, fraction of blocks in use)]
+    running_series: list = field(default_factory=list)  # [(t, requests running)]
+    running_high_water: float | None = None  # the gateway's own peak gauge
     profile: dict = field(default_factory=dict)  # scheduler steps and where their time went
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)
@@ -103,6 +105,8 @@ def summarize(name: str, results: list[RequestResult], wall_s: float,
         row.prefix_cache_hit_rate = metrics.prefix_hit_rate()
         row.preemptions = metrics.counters.get("preemptions")
         row.kv_usage_series = [(s.t, s.kv_usage) for s in metrics.samples if s.kv_usage is not None]
+        row.running_series = [(s.t, s.running) for s in metrics.samples if s.running is not None]
+        row.running_high_water = metrics.running_high_water
         row.profile = step_profile(metrics, wall_s)
     return row
 

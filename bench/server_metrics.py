@@ -119,9 +119,9 @@ class ServerMetrics:
     available: bool = False
 
     def peak_running(self) -> int | None:
+        """Most requests running in any sample (the gateway's high-water gauge is kept apart:
+        it can catch a transient mid-step count)."""
         running = [s.running for s in self.samples if s.running is not None]
-        if self.running_high_water is not None:
-            running.append(self.running_high_water)
         return int(max(running)) if running else None
 
     def mean_kv_usage(self) -> float | None:

@@ -78,7 +78,8 @@ def plan_budget(requests: list[BenchRequest], *, block_size: int = 16, baseline_
     longest = max(r.prompt_len + r.output_len for r in requests)
     # +8: the server's tokenization of system prompt + user turn may differ by a token or two
     max_model_len = max_model_len or round_up(longest + 8, block_size)
-    num_blocks = num_blocks or baseline_seqs * (max_model_len // block_size + (max_model_len % block_size > 0))
+    # +1: block 0 is the null block, never handed out
+    num_blocks = num_blocks or baseline_seqs * (max_model_len // block_size + (max_model_len % block_size > 0)) + 1
     # a whole prompt fits one step, so prefill chunking does not differ between rows
     max_num_batched_tokens = max_num_batched_tokens or max(2048, max_model_len)
     return Budget(max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, dtype)

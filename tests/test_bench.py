@@ -160,7 +160,7 @@ def test_hf_peer_padding_and_kv_bookkeeping():
 def test_budget_fits_baseline_seqs_full_reservations():
     requests = [BenchRequest("p", 100, 50), BenchRequest("q", 300, 190)]
     budget = plan_budget(requests, block_size=16, baseline_seqs=12)
-    assert budget.max_model_len == 512 and budget.num_blocks == 12 * 32
+    assert budget.max_model_len == 512 and budget.num_blocks == 12 * 32 + 1
     assert "--num-blocks" in budget.executor_args() and "--max-num-seqs" in budget.gateway_args()
     assert SEED_TABLE[0].gateway_args() == ["--batching", "static", "--kv-allocation", "reserve",
                                             "--no-enable-prefix-caching"]
