@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import filecmp
+import os
 import shutil
 import signal
 import socket
@@ -169,3 +170,51 @@ def test_compose_file_is_valid():
     assert services["gateway"]["depends_on"]["executor"]["condition"] == "service_healthy"
     published = [name for name, svc in services.items() if svc.get("ports")]
     assert published == ["gateway"]
+
+
+def _kvserve_up(model_dir, ports: list[int], log_path):
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvserve", "up", "--model", str(model_dir),
+         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+         "--kvmanager-port", str(ports[2]), "--executor-port", str(ports[3]),
+         "--executor-args", "--num-blocks 64"],
+        cwd=REPO_ROOT, env=service_env(), stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+        # A background shell ignores SIGINT in its children; a terminal's Ctrl-C does not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _services_on(ports: list[int]) -> list[str]:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "--port" in cmdline and any(f"--port {p}" in cmdline for p in ports):
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "launcher-killed"])
+def test_kvserve_up_leaves_nothing_running(tiny_model_dir, tmp_path, how):
+    from conftest import free_port, wait_for
+
+    ports = [free_port() for _ in range(4)]
+    log_path = tmp_path / "up.log"
+    up = _kvserve_up(tiny_model_dir, ports, log_path)
+    try:
+        assert wait_for(lambda: "kvserve is up" in log_path.read_text() or up.poll() is not None, 180), log_path.read_text()
+        assert up.poll() is None, log_path.read_text()
+        assert len(_services_on(ports[1:])) == 3
+        if how == "ctrl-c":
+            os.killpg(up.pid, signal.SIGINT)  # what a terminal does
+            assert up.wait(60) == 0, log_path.read_text()
+            assert "gateway exit 0, executor exit 0, kvmanager exit 0" in log_path.read_text()
+        else:
+            up.kill()
+            up.wait()
+        assert wait_for(lambda: not _services_on(ports[1:]), 30), _services_on(ports[1:])
+    finally:
+        if up.poll() is None:
+            up.kill()
