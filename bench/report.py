@@ -29,7 +29,11 @@ class Row:
     ttft_ms: dict = field(default_factory=dict)  # mean, median, p99
     itl_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
-    max_concurrency: int | None = None  # peak running sequences
+    # Peak requests streaming tokens at once (first token to last). The gateway's
+    # vllm:num_requests_running is kept too, but in static batching it also counts,
+    # for one step, requests admitted before kvmanager turned them away for lack of room.
+    max_concurrency: int | None = None
+    server_peak_running: int | None = None
     kv_utilization: float | None = None  # tokens stored / slots allocated
     unused_kv_slots: float | None = None  # 1 - kv_utilization: allocated slots holding no token
     internal_fragmentation: float | None = None  # paged rows: unused slots are all in partly filled last blocks
@@ -96,9 +100,7 @@ def summarize(name: str, results: list[RequestResult], wall_s: float,
         row.notes.append(f"{short} requests generated a different number of tokens than asked")
     row.max_concurrency = client_peak_concurrency(results)
     if metrics is not None and metrics.available:
-        peak = metrics.peak_running()
-        if peak is not None:
-            row.max_concurrency = peak
+        row.server_peak_running = metrics.peak_running()
         row.kv_utilization = metrics.kv_utilization()
         row.kv_usage_mean = metrics.mean_kv_usage()
         row.kv_usage_peak = metrics.peak_kv_usage()
@@ -145,6 +147,7 @@ def table_lines(rows: list[Row]) -> list[str]:
 def detail_lines(rows: list[Row]) -> list[str]:
     """The numbers behind the table: latencies, KV usage, cache hits, fragmentation."""
     head = ("configuration", "done/failed", "total tok/s", "TTFT mean", "ITL mean", "ITL P99", "E2E P99",
+            "peak running (server)",
             "KV blocks used mean/peak", "unused allocated slots", "internal fragmentation", "prefix hits",
             "preemptions")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -152,7 +155,8 @@ def detail_lines(rows: list[Row]) -> list[str]:
         usage = f"{_pct(r.kv_usage_mean)} / {_pct(r.kv_usage_peak)}"
         lines.append(f"| {r.name} | {r.completed}/{r.failed} | {r.total_throughput:.1f} | "
                      f"{_ms(r.ttft_ms.get('mean'))} | {_ms(r.itl_ms.get('mean'))} | {_ms(r.itl_ms.get('p99'))} | "
-                     f"{_ms(r.e2e_ms.get('p99'))} | {usage} | {_pct(r.unused_kv_slots)} | {_pct(r.internal_fragmentation)} | "
+                     f"{_ms(r.e2e_ms.get('p99'))} | {'n/a' if r.server_peak_running is None else r.server_peak_running} | "
+                     f"{usage} | {_pct(r.unused_kv_slots)} | {_pct(r.internal_fragmentation)} | "
                      f"{_pct(r.prefix_cache_hit_rate)} | "
                      f"{'n/a' if r.preemptions is None else int(r.preemptions)} |")
     return lines

@@ -31,7 +31,7 @@ async def measure_async(name: str, requests: list[BenchRequest], *, base_url: st
         metrics = await sampler.stop()
     row = summarize(name, results, wall, metrics)
     if not metrics.available:
-        row.notes.append("/metrics not reachable: max concurrency is the client-side estimate")
+        row.notes.append("/metrics not reachable: no server-side numbers")
     elif row.kv_utilization is None:
         row.notes.append("server exports no stored-token/allocated-slot gauges: KV utilization n/a")
     if row.kv_utilization is not None:
