@@ -57,8 +57,10 @@ def up(argv: list[str]) -> int:
         kvmanager_args=shlex.split(args.kvmanager_args), executor_args=shlex.split(args.executor_args),
         gateway_args=shlex.split(args.gateway_args), timeout=args.startup_timeout,
     )
-    # SIGTERM (docker stop, systemd) stops the stack the same way Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # SIGTERM (docker stop, systemd) stops the stack the same way Ctrl-C does, and so
+    # does SIGINT even where a shell started us in the background with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         stack = start_stack(config)
     except RuntimeError as exc:
