@@ -44,7 +44,8 @@ test: model
 	$(PY) -m pytest -q -ra
 
 bench: model
-	$(PY) -m bench --sweep seed-table --out bench/results
+	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 512 --max-output-len 384 \
+	  --system-prompt-len 128 --concurrency 32 --seed 0 --out bench/results
 
 proto: install
 	$(PY) -m kvserve.protogen
