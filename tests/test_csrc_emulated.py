@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import random
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from csrc_support import nan_paged_cache
 from executor.attention import paged_reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,25 +100,7 @@ def emu_paged_attention(lib, q, kc, vc, bt, seq_lens, scale, partition_size):
 
 
 def nan_cache(lens, kv_heads, head_size, block_size, dtype, seed):
-    """NaN everywhere but the sequences' tokens, at shuffled blocks; padded tables."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    needed = [-(-L // block_size) for L in lens]
-    num_blocks = sum(needed) + 3
-    kc, vc = ref.new_kv_cache(num_blocks, block_size, kv_heads, head_size, dtype, "cpu")
-    kc.fill_(float("nan"))
-    vc.fill_(float("nan"))
-    perm = list(range(num_blocks))
-    rng.shuffle(perm)
-    bt = torch.zeros(len(lens), max(needed), dtype=torch.int32)
-    used = 0
-    for i, (L, nb) in enumerate(zip(lens, needed)):
-        bt[i, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
-        used += nb
-        pos = torch.arange(L)
-        slots = bt[i, pos // block_size].long() * block_size + pos % block_size
-        ref.reshape_and_cache(torch.randn(L, kv_heads, head_size).to(dtype), torch.randn(L, kv_heads, head_size).to(dtype), kc, vc, slots)
-    return kc, vc, bt
+    return nan_paged_cache(lens, kv_heads, head_size, block_size, dtype, seed, device="cpu")
 
 
 CASES = [

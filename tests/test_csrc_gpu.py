@@ -17,6 +17,7 @@ import zlib
 import pytest
 import torch
 
+from csrc_support import nan_paged_cache
 from executor.attention import paged_reference as ref
 from executor.attention.base import AttentionMetadata
 
@@ -54,28 +55,7 @@ def ops():
 
 
 def random_cache(lens, kv_heads, head_size, block_size, dtype, seed):
-    """Caches full of NaN (so any read outside a sequence's context poisons the
-    result), sequences written at randomly permuted blocks, padded tables."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    needed = [-(-L // block_size) for L in lens]
-    num_blocks = sum(needed) + 5
-    kc, vc = ref.new_kv_cache(num_blocks, block_size, kv_heads, head_size, dtype, DEVICE)
-    kc.fill_(float("nan"))
-    vc.fill_(float("nan"))
-    perm = list(range(num_blocks))
-    rng.shuffle(perm)
-    bt = torch.zeros(len(lens), max(needed), dtype=torch.int32)
-    used = 0
-    for i, (L, nb) in enumerate(zip(lens, needed)):
-        bt[i, :nb] = torch.tensor(perm[used : used + nb], dtype=torch.int32)
-        used += nb
-        pos = torch.arange(L)
-        slots = (bt[i, pos // block_size].long() * block_size + pos % block_size).to(DEVICE)
-        k = torch.randn(L, kv_heads, head_size, device=DEVICE).to(dtype)
-        v = torch.randn(L, kv_heads, head_size, device=DEVICE).to(dtype)
-        ref.reshape_and_cache(k, v, kc, vc, slots)
-    return kc, vc, bt.to(DEVICE)
+    return nan_paged_cache(lens, kv_heads, head_size, block_size, dtype, seed, device=DEVICE)
 
 
 @pytest.mark.parametrize("group", GROUPS)
