@@ -35,6 +35,28 @@ class RequestResult:
     error: str = ""
 
 
+class StreamClock:
+    """Times one streamed request into its result: send time, first output, gaps, end."""
+
+    def __init__(self, result: RequestResult, t0: float):
+        self.result = result
+        self.start = self.last = time.perf_counter()
+        result.sent_at = self.start - t0
+        self.streamed = 0  # output units seen: SSE chunks over HTTP, tokens over gRPC
+
+    def output(self, units: int = 1) -> None:
+        now = time.perf_counter()
+        if self.streamed == 0:
+            self.result.ttft = now - self.start
+        else:
+            self.result.itl.append(now - self.last)
+        self.last = now
+        self.streamed += units
+
+    def done(self) -> None:
+        self.result.e2e = time.perf_counter() - self.start
+
+
 async def fetch_model_name(client: httpx.AsyncClient, base_url: str) -> str:
     """The first model ``/v1/models`` lists (the OpenAI APIs need a name)."""
     reply = await client.get(f"{base_url}/v1/models")
@@ -70,10 +92,7 @@ async def send_http(client: httpx.AsyncClient, base_url: str, model: str, reques
                     t0: float) -> RequestResult:
     """One streaming ``/v1/completions`` request; SSE chunks with text are output chunks."""
     result = RequestResult(request.prompt_len, request.output_len)
-    start = time.perf_counter()
-    result.sent_at = start - t0
-    last = start
-    chunks = 0
+    clock = StreamClock(result, t0)
     try:
         async with client.stream("POST", f"{base_url}/v1/completions",
                                  json=completion_body(request, model)) as reply:
@@ -94,17 +113,11 @@ async def send_http(client: httpx.AsyncClient, base_url: str, model: str, reques
                     result.prompt_len = prompt_tokens or result.prompt_len  # the server's count wins
                 choices = chunk.get("choices") or []
                 if choices and choices[0].get("text"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    chunks += 1
-        result.e2e = time.perf_counter() - start
+                    clock.output()
+        clock.done()
         if result.output_tokens == 0:
-            result.output_tokens = chunks  # no usage block: one token per chunk
-        result.ok = chunks > 0
+            result.output_tokens = clock.streamed  # no usage block: one token per chunk
+        result.ok = clock.streamed > 0
         if not result.ok:
             result.error = "no output"
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -129,27 +142,18 @@ class GrpcSender:
         result = RequestResult(request.prompt_len, request.output_len)
         params = self._pb.GenerationParams(max_tokens=request.output_len, min_tokens=request.output_len,
                                            ignore_eos=True, temperature=0.0)
-        start = time.perf_counter()
-        result.sent_at = start - t0
-        last = start
-        tokens = 0
+        clock = StreamClock(result, t0)
         try:
             async for reply in self.stub.Generate(self._pb.GenerateRequest(text=request.prompt, params=params)):
                 if reply.token_ids:
-                    now = time.perf_counter()
-                    if tokens == 0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    tokens += len(reply.token_ids)
+                    clock.output(len(reply.token_ids))
                 if reply.HasField("usage"):
                     result.output_tokens = reply.usage.completion_tokens
                     result.cached_tokens = reply.usage.cached_tokens
                     result.prompt_len = reply.usage.prompt_tokens or result.prompt_len
-            result.e2e = time.perf_counter() - start
-            result.output_tokens = result.output_tokens or tokens
-            result.ok = tokens > 0
+            clock.done()
+            result.output_tokens = result.output_tokens or clock.streamed
+            result.ok = clock.streamed > 0
         except self._grpc.RpcError as exc:
             result.error = f"gRPC {exc.code().name}: {exc.details()}"
         return result
