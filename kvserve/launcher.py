@@ -16,7 +16,7 @@ from typing import IO
 
 from kvserve.errors import StartupError
 from kvserve.health import wait_until_serving
-from kvserve.server import check_port_free
+from kvserve.server import LAUNCHER_PID_ENV, check_port_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,28 +55,19 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-def _detach_and_die_with_parent() -> None:
-    """Runs in the child before exec. Its own process group: a terminal's Ctrl-C reaches
-    only the launcher, which then stops the services in order, once. And SIGTERM when the
-    launcher dies, however it dies, so no orphaned service keeps ports and memory."""
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
 def spawn(module: str, args: list[str], *, host: str = "127.0.0.1", port: int,
           log_path: Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """Starts ``python -m module --host H --port P *args`` without waiting."""
     child_env = dict(os.environ if env is None else env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+    child_env[LAUNCHER_PID_ENV] = str(os.getpid())
     out: IO[bytes] | None = log_path.open("wb") if log_path else None
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--host", host, "--port", str(port), *args],
         env=child_env, stdout=out, stderr=subprocess.STDOUT if out else None,
-        preexec_fn=_detach_and_die_with_parent,
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops the services
+        # in order, once. (No preexec_fn: forking a threaded parent and running Python there can deadlock.)
+        start_new_session=True,
     )
     return ServiceProcess(module, host, port, proc, log_path)
 

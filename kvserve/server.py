@@ -8,6 +8,7 @@ turns start-up failures into a one-line error and exit code 1.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import sys
@@ -175,8 +176,26 @@ async def wait_for_shutdown_signal() -> signal.Signals:
             loop.remove_signal_handler(sig)
 
 
+LAUNCHER_PID_ENV = "KVSERVE_LAUNCHER_PID"
+
+
+def _exit_with_launcher() -> None:
+    """Started by ``kvserve.launcher``: ask the kernel for SIGTERM when the launcher dies,
+    however it dies, so no orphaned service keeps ports and memory."""
+    launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != int(launcher_pid):  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_service(prog: str, main: Callable[[], Awaitable[None]]) -> int:
     """Runs ``main`` in a fresh event loop; a ``StartupError`` prints one line and returns 1."""
+    _exit_with_launcher()
     try:
         asyncio.run(main())
     except StartupError as exc:
