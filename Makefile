@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml | $(PY)
 	@# Validates compose.yaml without a Docker engine (tests fall back to a structural check).
 	-command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1; }
+	@# The CPU decode-attention kernel (csrc/cpu/): built once here so the first start does not wait
+	@# for it; without a C++ compiler the executor falls back to plain torch attention.
+	-$(PY) csrc/build.py --device cpu >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)

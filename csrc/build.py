@@ -2,12 +2,15 @@
 
     from csrc.build import load          # or: python csrc/build.py [--device musa]
     ops = load()                         # ops.paged_attention / reshape_and_cache / copy_blocks
+    decode = load_cpu()                  # torch.ops.kvserve_cpu.paged_decode_attention
 
 CUDA: ``torch.utils.cpp_extension.load`` (JIT, ninja), for the archs of the local
 GPUs (or ``TORCH_CUDA_ARCH_LIST``). MUSA: ``torch_musa.utils.musa_extension.load``
 with mcc; torch_musa compiles only ``.mu`` files as device code, so the ``.cu``
 sources are mirrored byte-for-byte as ``.mu`` into the build directory first —
-that copy is the whole MUSA port. Builds are cached under
+that copy is the whole MUSA port. CPU: ``cpu/paged_decode_attention.cpp`` with
+the host compiler, ``-march=native`` (the build directory is keyed by the CPU's
+feature flags, so a cache shared between machines never runs foreign code). Builds are cached under
 ``$KVSERVE_EXTENSIONS_DIR`` (default ``$TORCH_EXTENSIONS_DIR/kvserve`` or
 ``~/.cache/kvserve/torch_extensions``) and rebuilt when a source changes.
 """
@@ -40,6 +43,11 @@ TORCH_CUDA_DEFINES = [
 # mcc: -O3, MTGPU target, and the GPU generation (mp_31 = S5000, mp_22 = S4000).
 # torch_musa's ninja rule adds "-x musa" for .mu sources itself.
 MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
+
+CPU_SOURCE = CSRC / "cpu" / "paged_decode_attention.cpp"
+# OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the
+# copy torch has already loaded, so both share one thread pool.
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Werror"]
 
 _MODULES: dict[str, ModuleType] = {}
 
@@ -87,6 +95,40 @@ def load(device_type: str | None = None, verbose: bool = False) -> ModuleType:
         else:
             raise ValueError(f"kvserve kernels build for cuda or musa, not {device_type!r}")
     return _MODULES[device_type]
+
+
+def cpu_features_key() -> str:
+    """A short hash of this CPU's model and feature flags (what -march=native compiles for)."""
+    import hashlib
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        described = [line for line in lines if line.startswith(("flags", "model name", "Features"))][:2]
+    except OSError:
+        described = []
+    text = "\n".join(described) or platform.processor() or platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def load_cpu(verbose: bool = False):
+    """Builds (first call, cached on disk) and loads the CPU decode-attention op; returns it."""
+    import torch
+    from torch.utils.cpp_extension import load as torch_load
+
+    if not hasattr(torch.ops.kvserve_cpu, "paged_decode_attention"):
+        build_dir = build_root() / f"cpu-{cpu_features_key()}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        torch_load(
+            name="kvserve_cpu_kernels",
+            sources=[str(CPU_SOURCE)],
+            extra_cflags=CPU_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    return torch.ops.kvserve_cpu.paged_decode_attention
 
 
 def _load_cuda(verbose: bool) -> ModuleType:
@@ -160,9 +202,12 @@ def musa_setup_extension(name: str = "kvserve_kernels_musa"):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["auto", "cuda", "musa"], default="auto")
+    parser.add_argument("--device", choices=["auto", "cuda", "musa", "cpu"], default="auto")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.device == "cpu":
+        print(load_cpu(verbose=args.verbose))
+        return 0
     module = load(None if args.device == "auto" else args.device, verbose=args.verbose)
     print(module.__file__)
     return 0

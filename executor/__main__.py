@@ -32,8 +32,9 @@ def build_parser() -> EnvArgumentParser:
                         help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cuda", "musa"],
-                        help="auto: the native kernels on cuda/musa, torch on the cpu")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cuda", "musa"],
+                        help="auto: the device's compiled kernels (cpu, cuda, musa); torch: plain torch ops "
+                             "on any device (auto on the CPU falls back to it where no compiler is found)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides the memory flags)")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (all layers, K and V)")

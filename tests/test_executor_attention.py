@@ -1,13 +1,25 @@
-"""The torch attention backend against a naive per-sequence reference (no model, random tensors)."""
+"""The CPU attention backends (plain torch, and the compiled decode kernel) against a naive
+per-sequence reference (no model, random tensors)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from executor.attention import AttentionMetadata
+import executor.attention.cpu_backend as cpu_backend
+from executor.attention import AttentionMetadata, create_backend
+from executor.attention.cpu_backend import CpuAttentionBackend
 from executor.attention.torch_backend import TorchAttentionBackend
 
 NUM_HEADS, KV_HEADS, HEAD = 6, 2, 16
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
+
+
+def key_at(backend, cache, slot: int) -> torch.Tensor:
+    """The stored key of one slot, [kv_heads, head_size], whatever the backend's layout."""
+    key_cache = cache[0]
+    if isinstance(backend, CpuAttentionBackend):  # [kv_heads, blocks, head_size, block_size]
+        return key_cache[:, slot // key_cache.shape[3], :, slot % key_cache.shape[3]]
+    return key_cache[:, slot // key_cache.shape[2], slot % key_cache.shape[2], :]
 
 
 def make_meta(query_lens, seq_lens, tables, block_size):
@@ -31,10 +43,11 @@ def make_meta(query_lens, seq_lens, tables, block_size):
 def reference(query, keys_per_seq, values_per_seq, query_lens, scale):
     """Per sequence: causal attention of its last query_len positions over all its keys (GQA by repeat)."""
     out, start = [], 0
+    group = query.shape[1] // keys_per_seq[0].shape[1]
     for q_len, k, v in zip(query_lens, keys_per_seq, values_per_seq):
         q = query[start:start + q_len].transpose(0, 1).double()  # [H, q, D]
-        k = k.repeat_interleave(NUM_HEADS // KV_HEADS, dim=1).transpose(0, 1).double()  # [H, n, D]
-        v = v.repeat_interleave(NUM_HEADS // KV_HEADS, dim=1).transpose(0, 1).double()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1).double()  # [H, n, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1).double()
         n = k.shape[1]
         scores = q @ k.transpose(1, 2) * scale
         allowed = torch.arange(n).view(1, -1) <= (n - q_len + torch.arange(q_len)).view(-1, 1)
@@ -44,23 +57,19 @@ def reference(query, keys_per_seq, values_per_seq, query_lens, scale):
     return torch.cat(out).float()
 
 
-@pytest.mark.parametrize("block_size", [16, 5])
-@pytest.mark.parametrize("query_lens,seq_lens", [
-    ([1, 1, 1], [1, 17, 40]),  # decode only, ragged contexts
-    ([9, 33], [9, 50]),  # prefill from scratch, and a chunk after a cached prefix
-    ([1, 12, 1, 7], [30, 12, 3, 40]),  # mixed prefill chunks and decode tokens
-    ([20], [20]),  # one prompt
-])
-def test_torch_backend_matches_reference(block_size, query_lens, seq_lens):
-    torch.manual_seed(0)
-    backend = TorchAttentionBackend(torch.device("cpu"))
+def run_step(backend, block_size, query_lens, seq_lens, num_heads=NUM_HEADS, kv_heads=KV_HEADS, head=HEAD,
+             dtype=torch.float32, stale=1e4):
+    """Writes every sequence's cached prefix, then one step's new K/V, and attends; returns (out, expected)."""
     num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens) + 3
-    cache = backend.allocate_kv_cache(num_blocks, block_size, KV_HEADS, HEAD, torch.float32, torch.device("cpu"))
+    cache = backend.allocate_kv_cache(num_blocks, block_size, kv_heads, head, dtype, torch.device("cpu"))
+    # Stale values in every slot: attending past a sequence's last token shows in the output.
+    for part in cache:
+        part.fill_(stale)
     # Hand out blocks in a shuffled order so tables are not contiguous.
     free = torch.randperm(num_blocks - 1).add(1).tolist()
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in seq_lens]
-    keys = [torch.randn(n, KV_HEADS, HEAD) for n in seq_lens]
-    values = [torch.randn(n, KV_HEADS, HEAD) for n in seq_lens]
+    keys = [torch.randn(n, kv_heads, head).to(dtype) for n in seq_lens]
+    values = [torch.randn(n, kv_heads, head).to(dtype) for n in seq_lens]
     # The cached prefixes are already in the cache ...
     prefix_meta = make_meta([n - q for q, n in zip(query_lens, seq_lens) if n > q],
                             [n - q for q, n in zip(query_lens, seq_lens) if n > q],
@@ -73,20 +82,66 @@ def test_torch_backend_matches_reference(block_size, query_lens, seq_lens):
     meta = make_meta(query_lens, seq_lens, tables, block_size)
     backend.write_kv(cache, torch.cat([k[n - q:] for k, q, n in zip(keys, query_lens, seq_lens)]),
                      torch.cat([v[n - q:] for v, q, n in zip(values, query_lens, seq_lens)]), meta.slot_mapping)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD)
-    out = backend.attend(query, cache, meta, HEAD**-0.5)
-    expected = reference(query, keys, values, query_lens, HEAD**-0.5)
+    query = torch.randn(sum(query_lens), num_heads, head).to(dtype)
+    out = backend.attend(query, cache, meta, head**-0.5)
+    return out.float(), reference(query.float(), [k.float() for k in keys], [v.float() for v in values],
+                                  query_lens, head**-0.5)
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1], [1, 17, 40]),  # decode only, ragged contexts
+    ([9, 33], [9, 50]),  # prefill from scratch, and a chunk after a cached prefix
+    ([1, 12, 1, 7], [30, 12, 3, 40]),  # mixed prefill chunks and decode tokens
+    ([20], [20]),  # one prompt
+])
+def test_backend_matches_reference(backend_name, block_size, query_lens, seq_lens):
+    torch.manual_seed(0)
+    out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), block_size, query_lens, seq_lens)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_write_kv_skips_negative_slots_and_copy_blocks():
-    backend = TorchAttentionBackend(torch.device("cpu"))
-    cache = backend.allocate_kv_cache(4, 2, 1, 2, torch.float32, torch.device("cpu"))  # one KV head: slot order
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_cpu_decode_kernel_long_contexts_model_shapes(dtype, tolerance):
+    """The decode kernel at the default model's shapes (9 heads on 3 KV heads of 64), up to 1000 tokens."""
+    torch.manual_seed(1)
+    seq_lens = [1000, 1, 16, 17, 255, 513]
+    # NaN left in the unused slots of last blocks must not reach the output.
+    out, expected = run_step(CpuAttentionBackend(torch.device("cpu")), 16, [1] * len(seq_lens), seq_lens,
+                             num_heads=9, kv_heads=3, head=64, dtype=dtype, stale=float("nan"))
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_write_kv_skips_negative_slots_and_copy_blocks(backend_name):
+    backend = BACKENDS[backend_name](torch.device("cpu"))
+    cache = backend.allocate_kv_cache(4, 2, 1, 2, torch.float32, torch.device("cpu"))
     key = torch.arange(6, dtype=torch.float32).view(3, 1, 2)
     backend.write_kv(cache, key, -key, torch.tensor([2, -1, 3]))
-    assert cache[0].view(-1, 1, 2)[2].tolist() == [[0.0, 1.0]]
-    assert cache[0].view(-1, 1, 2)[3].tolist() == [[4.0, 5.0]]
-    assert cache[0].view(-1, 1, 2)[:2].abs().sum() == 0  # nothing landed in the null block
+    assert key_at(backend, cache, 2).tolist() == [[0.0, 1.0]]
+    assert key_at(backend, cache, 3).tolist() == [[4.0, 5.0]]
+    assert cache[1][:, 1].reshape(-1).tolist() == [-0.0, -1.0, -4.0, -5.0]
+    assert cache[0][:, 0].abs().sum() == 0 and cache[1][:, 0].abs().sum() == 0  # nothing in the null block
     backend.copy_blocks([cache], torch.tensor([1]), torch.tensor([2]))
     assert torch.equal(cache[0][:, 2], cache[0][:, 1]) and torch.equal(cache[1][:, 2], cache[1][:, 1])
     assert cache[0][:, 1].abs().sum() > 0
+
+
+def test_decode_kernel_rejects_a_block_id_outside_the_cache():
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 16, torch.float32, torch.device("cpu"))
+    query = torch.randn(1, 1, 16)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        backend._decode_op(query, key_cache, value_cache, torch.tensor([[9]], dtype=torch.int32),
+                           torch.tensor([5], dtype=torch.int32), 0.25)
+
+
+def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'kvserve_cpu_kernels': c++: not found")
+
+    monkeypatch.setattr(cpu_backend, "csrc_build_script", no_compiler)
+    assert create_backend("auto", torch.device("cpu")).name == "torch"
+    with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
+        create_backend("cpu", torch.device("cpu"))

@@ -38,7 +38,7 @@ def test_describe_and_clean_shutdown(tiny_executor, tiny_model_dir):
     info = stub.Describe(pb.DescribeRequest(), timeout=10)
     assert info.architecture == "LlamaForCausalLM" and info.model_name == tiny_model_dir.name
     assert info.model_fingerprint == model_fingerprint(tiny_model_dir) and len(info.model_fingerprint) == 64
-    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "torch")
+    assert (info.dtype, info.device, info.attention_backend) == ("float32", "cpu", "cpu")
     assert (info.block_size, info.num_blocks, info.max_model_len) == (16, NUM_BLOCKS, MAX_MODEL_LEN)
     assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2] and info.num_layers == 2
     assert info.kv_bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4

@@ -6,9 +6,13 @@ import importlib
 import torch
 
 from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from kvserve.logs import get_logger
 
-# Imported lazily so that the CPU path never loads the native extension.
+log = get_logger("executor.attention")
+
+# Imported lazily so that a path never loads a native extension it does not use.
 BACKENDS = {
+    "cpu": "executor.attention.cpu_backend:CpuAttentionBackend",
     "torch": "executor.attention.torch_backend:TorchAttentionBackend",
     "cuda": "executor.attention.native:NativeAttentionBackend",
     "musa": "executor.attention.native:NativeAttentionBackend",
@@ -16,19 +20,31 @@ BACKENDS = {
 
 
 def default_backend_name(device: torch.device) -> str:
-    """``cuda``/``musa`` on those devices, ``torch`` everywhere else."""
+    """The compiled kernels of the device: ``cpu``, ``cuda`` or ``musa``; ``torch`` for any other device."""
     return device.type if device.type in BACKENDS else "torch"
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Instantiates backend ``name`` ("auto" picks from the device) for ``device``."""
-    if name == "auto":
-        name = default_backend_name(device)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+def _instantiate(name: str, device: torch.device) -> AttentionBackend:
     module_name, class_name = BACKENDS[name].split(":")
-    backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(device)
+    return getattr(importlib.import_module(module_name), class_name)(device)
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Instantiates backend ``name`` for ``device``. "auto" picks the device's compiled kernels and,
+    on the CPU only, falls back to plain torch (with a warning) where they cannot be built."""
+    if name != "auto":
+        if name not in BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+        return _instantiate(name, device)
+    name = default_backend_name(device)
+    if name != "cpu":
+        return _instantiate(name, device)
+    try:
+        return _instantiate(name, device)
+    except (ImportError, OSError, RuntimeError) as exc:
+        # No C++ compiler (or ninja) here: the torch backend computes the same attention, slower.
+        log.warning("cpu_kernels_unavailable", fallback="torch", error=str(exc).strip().splitlines()[-1][:300])
+        return _instantiate("torch", device)
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "create_backend", "default_backend_name", "BACKENDS"]

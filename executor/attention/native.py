@@ -15,9 +15,7 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -25,23 +23,11 @@ import torch.nn.functional as F
 
 from executor.attention import paged_reference
 from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
-
-_BUILD_MODULE: ModuleType | None = None
-
+from executor.attention.csrc_loader import csrc_build_script
 
 def load_ops(device_type: str) -> ModuleType:
     """The compiled extension for ``cuda`` or ``musa`` (built on first use, cached on disk)."""
-    global _BUILD_MODULE
-    if _BUILD_MODULE is None:
-        # csrc/ is not a Python package of the distribution; load its build script by path.
-        path = Path(__file__).resolve().parents[2] / "csrc" / "build.py"
-        spec = importlib.util.spec_from_file_location("kvserve_csrc_build", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"kvserve kernels: cannot find {path}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        _BUILD_MODULE = module
-    return _BUILD_MODULE.load(device_type)
+    return csrc_build_script().load(device_type)
 
 
 def _multiprocessor_count(device: torch.device) -> int:

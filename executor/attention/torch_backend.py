@@ -36,6 +36,8 @@ from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
 class _Group:
     """Sequences attended together, and where their tokens sit in the flat batch."""
 
+    block_tables: torch.Tensor  # [num_seqs, blocks_per_seq] int32, the group's rows of the step's tables
+    seq_lens: torch.Tensor  # [num_seqs] int32
     token_index: torch.Tensor  # [n_tokens] positions in the flat token dim
     padded_index: torch.Tensor | None  # [n_tokens] rows in [num_seqs * query_len]; None: no padding needed
     block_ids: torch.Tensor  # [num_seqs * blocks_per_seq] blocks to gather, sequence-major
@@ -75,7 +77,8 @@ def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
     blocks_per_seq = -(-max(seq_lens) // bs)
     ctx_len = blocks_per_seq * bs
     seq_index = torch.tensor(seqs, dtype=torch.long, device=device)
-    block_ids = meta.block_tables.index_select(0, seq_index)[:, :blocks_per_seq].reshape(-1).long()
+    block_tables = meta.block_tables.index_select(0, seq_index)[:, :blocks_per_seq].contiguous()
+    block_ids = block_tables.reshape(-1).long()
     token_index = torch.tensor(
         [starts[s] + i for s, n in zip(seqs, query_lens) for i in range(n)], dtype=torch.long, device=device
     )
@@ -84,12 +87,13 @@ def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
         padded_index = torch.tensor(
             [row * query_len + i for row, n in enumerate(query_lens) for i in range(n)], dtype=torch.long, device=device
         )
-    seq_len_t = torch.tensor(seq_lens, dtype=torch.long, device=device).view(-1, 1, 1)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    seq_len_t = seq_lens_t.long().view(-1, 1, 1)
     first_query_pos = seq_len_t - torch.tensor(query_lens, dtype=torch.long, device=device).view(-1, 1, 1)
     key_pos = torch.arange(ctx_len, device=device).view(1, 1, -1)
     query_pos = first_query_pos + torch.arange(query_len, device=device).view(1, -1, 1)
     mask = (key_pos <= query_pos) & (key_pos < seq_len_t)  # [num_seqs, query_len, ctx_len]
-    return _Group(token_index, padded_index, block_ids, mask.unsqueeze(1), len(seqs), query_len, ctx_len)
+    return _Group(block_tables, seq_lens_t, token_index, padded_index, block_ids, mask.unsqueeze(1), len(seqs), query_len, ctx_len)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -109,18 +113,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
-        key_cache, value_cache = kv_cache
-        # Every layer gets the same slot_mapping: check it for skipped slots (-1) once.
+        key, value, slot_mapping = self._writable(key, value, slot_mapping)
+        for cache, new in zip(kv_cache, (key, value)):
+            _write_token_rows(cache, new, slot_mapping)
+
+    def _writable(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor):
+        """key, value and slot_mapping without the tokens whose slot is -1 (not to be written)."""
+        # Every layer gets the same slot_mapping: check it for skipped slots once.
         if slot_mapping is not self._checked_slots:
             self._slots_all_valid = not bool((slot_mapping < 0).any())
             self._checked_slots = slot_mapping
         if not self._slots_all_valid:
             keep = slot_mapping >= 0
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        kv_heads, _, _, head_size = key_cache.shape
-        # [kv_heads, num_blocks * block_size, head_size] indexed by slot along dim 1
-        key_cache.view(kv_heads, -1, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1).to(key_cache.dtype))
-        value_cache.view(kv_heads, -1, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1).to(value_cache.dtype))
+        return key, value, slot_mapping
 
     def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
         for key_cache, value_cache in kv_caches:
@@ -146,20 +152,18 @@ class TorchAttentionBackend(AttentionBackend):
             out[group.token_index] = self._attend_group(query[group.token_index], kv_cache, group, scale)
         return out
 
-    @staticmethod
-    def _attend_group(query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+    def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        """The group's keys, [num_seqs, kv_heads, ctx_len, head_size]."""
+        return _gather_token_rows(key_cache, g)
+
+    def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         key_cache, value_cache = kv_cache
-        kv_heads, num_blocks, block_size, head_size = key_cache.shape
+        kv_heads, head_size = value_cache.shape[0], value_cache.shape[3]
         num_heads = query.shape[1]
         group_size = num_heads // kv_heads
-        rows = g.cache_rows(kv_heads, num_blocks)
-        # [kv_heads * num_blocks, block_size * head_size] rows → [kv_heads, num_seqs, ctx_len, head_size]
-        # → [num_seqs, kv_heads, ctx_len, head_size] (a view: each (seq, head) matrix stays contiguous)
-        keys = key_cache.view(kv_heads * num_blocks, -1).index_select(0, rows)
-        keys = keys.view(kv_heads, g.num_seqs, g.ctx_len, head_size).transpose(0, 1)
-        values = value_cache.view(kv_heads * num_blocks, -1).index_select(0, rows)
-        values = values.view(kv_heads, g.num_seqs, g.ctx_len, head_size).transpose(0, 1)
+        keys = self._gather_keys(key_cache, g)
+        values = _gather_token_rows(value_cache, g)
         q = query.to(key_cache.dtype)
         if g.padded_index is not None:
             padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
@@ -175,3 +179,18 @@ class TorchAttentionBackend(AttentionBackend):
         if g.padded_index is not None:
             out = out[g.padded_index]
         return out.to(query.dtype)
+
+
+def _write_token_rows(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """new [num_tokens, kv_heads, head_size] into a [kv_heads, num_blocks, block_size, head_size] cache."""
+    kv_heads, _, _, head_size = cache.shape
+    # [kv_heads, num_blocks * block_size, head_size] indexed by slot along dim 1
+    cache.view(kv_heads, -1, head_size).index_copy_(1, slot_mapping, new.transpose(0, 1).to(cache.dtype))
+
+
+def _gather_token_rows(cache: torch.Tensor, g: _Group) -> torch.Tensor:
+    """The group's blocks of a [kv_heads, num_blocks, block_size, head_size] cache as
+    [num_seqs, kv_heads, ctx_len, head_size]: a view whose (seq, head) matrices are contiguous."""
+    kv_heads, num_blocks, _, head_size = cache.shape
+    rows = cache.view(kv_heads * num_blocks, -1).index_select(0, g.cache_rows(kv_heads, num_blocks))
+    return rows.view(kv_heads, g.num_seqs, g.ctx_len, head_size).transpose(0, 1)

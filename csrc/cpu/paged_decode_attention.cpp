@@ -1,0 +1,274 @@
+// Paged attention for decode tokens on the CPU, reading K/V blocks where they lie.
+//
+// Layout of the CPU backend (executor/attention/cpu_backend.py), per layer:
+//   K: [num_kv_heads, num_blocks, head_size, block_size]  (each block's tile transposed)
+//   V: [num_kv_heads, num_blocks, block_size, head_size]
+// with block_size == 16 == the lanes of one Vec16. Plain torch must gather a batch's
+// blocks into a contiguous tensor before SDPA, which writes and re-reads the whole
+// context once more per layer (at batch 32 x 1024 tokens as costly as the attention).
+// Here each (sequence, kv head) streams its own blocks in place:
+//   scores: a K tile column is one key dimension for all 16 tokens of the block, so a
+//           block's scores are broadcast-FMAs over head_size into one vector, no
+//           horizontal sums;
+//   softmax over the whole row (kept in L1/L2) with a vectorized exp;
+//   output: each V row scaled by its probability into float32 accumulators.
+// The query heads sharing a KV head (GQA) are served by the same pass over K/V.
+//
+// GCC/Clang vector extensions: AVX-512 where the machine has it, else two AVX2 or four
+// SSE registers, from the same source (the build uses -march=native).
+//
+// Registered as torch.ops.kvserve_cpu.paged_decode_attention (TORCH_LIBRARY, no pybind).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;
+typedef float Vec16 __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t Int16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef uint32_t UInt16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t Half16Bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+inline Vec16 splat(float x) { return Vec16{} + x; }
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Vec16 load16(const c10::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+  Half16Bits raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  UInt16 bits = __builtin_convertvector(raw, UInt16) << 16;
+  Vec16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline Vec16 load16(const c10::Half* p) {
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+
+inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Blocks are scattered, so the hardware prefetcher, which follows strides, stalls at every
+// tile boundary; ask for a tile ahead of time, one cache line at a time.
+constexpr int64_t kPrefetchDistance = 2;  // tiles ahead
+
+template <typename T>
+inline void prefetch_tile(const T* tile, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
+    __builtin_prefetch(bytes + offset, 0, 3);
+  }
+}
+
+inline float reduce_max(Vec16 v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float reduce_sum(Vec16 v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction
+// x = n ln2 + r, |r| <= ln2/2, and the Cephes expf polynomial (relative error ~1e-7);
+// below -87 the result flushes to ~1e-38.
+inline Vec16 exp_nonpositive(Vec16 x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  const Vec16 y = x * 1.44269504088896341f + 0.5f;
+  Int16 n = __builtin_convertvector(y, Int16);  // truncates toward zero
+  Vec16 nf = __builtin_convertvector(n, Vec16);
+  const Int16 above = nf > y;  // -1 where truncation rounded up: floor = trunc - 1
+  n += above;
+  nf = __builtin_convertvector(n, Vec16);
+  const Vec16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const Int16 bits = (n + 127) << 23;
+  Vec16 two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return p * two_n;
+}
+
+struct Shape {
+  int64_t group;      // query heads per kv head
+  int64_t head_size;  // a multiple of kLanes
+  float scale;
+};
+
+// One (sequence, kv head): `group` query rows against `seq_len` keys in `table`'s blocks.
+template <typename T>
+void attend_one(const T* query,        // [group, head_size], the group's query heads
+                const T* key_head,     // [num_blocks, head_size, kLanes] of this kv head
+                const T* value_head,   // [num_blocks, kLanes, head_size] of this kv head
+                const int32_t* table,  // this sequence's block table
+                int64_t seq_len, const Shape& shape,
+                T* out,                // [group, head_size]
+                std::vector<float>& scratch) {
+  const int64_t group = shape.group, head_size = shape.head_size, tile = kLanes * head_size;
+  const int64_t chunks = head_size / kLanes;
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
+  const int64_t row = num_seq_blocks * kLanes;  // scores row, padded to whole blocks
+  scratch.resize(static_cast<size_t>(2 * group * head_size + group * row));
+  float* q = scratch.data();                // [group, head_size], pre-scaled
+  float* acc = q + group * head_size;       // [group, head_size]
+  float* scores = acc + group * head_size;  // [group, row]
+
+  for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
+  std::fill(acc, acc + group * head_size, 0.f);
+
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    if (b + kPrefetchDistance < num_seq_blocks) {
+      prefetch_tile(key_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
+    }
+    const T* keys = key_head + static_cast<int64_t>(table[b]) * tile;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * head_size;
+      Vec16 s{};
+      for (int64_t d = 0; d < head_size; ++d) s += qg[d] * load16(keys + d * kLanes);
+      store16(scores + g * row + b * kLanes, s);
+    }
+  }
+  const int64_t tail = seq_len - (num_seq_blocks - 1) * kLanes;  // valid tokens of the last block
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * row;
+    // Slots past seq_len hold whatever the block held before: out of the softmax.
+    std::fill(s + (num_seq_blocks - 1) * kLanes + tail, s + row, -std::numeric_limits<float>::infinity());
+    Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < row; i += kLanes) vmax = vmax > load16(s + i) ? vmax : load16(s + i);
+    const float m = reduce_max(vmax);
+    Vec16 vsum{};
+    for (int64_t i = 0; i < row; i += kLanes) {
+      const Vec16 p = exp_nonpositive(load16(s + i) - m);
+      store16(s + i, p);
+      vsum += p;
+    }
+    const float inv = 1.f / reduce_sum(vsum);
+    for (int64_t i = 0; i < row; ++i) s[i] *= inv;
+  }
+
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    if (b + kPrefetchDistance < num_seq_blocks) {
+      prefetch_tile(value_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
+    }
+    const T* values = value_head + static_cast<int64_t>(table[b]) * tile;
+    const int64_t n = b + 1 < num_seq_blocks ? kLanes : tail;
+    // Accumulators in registers across the block's tokens; V rows are re-read per query head from L1.
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * row + b * kLanes;
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* a = acc + g * head_size + c * kLanes;
+        Vec16 sum = load16(a);
+        for (int64_t t = 0; t < n; ++t) sum += p[t] * load16(values + t * head_size + c * kLanes);
+        store16(a, sum);
+      }
+    }
+  }
+  for (int64_t i = 0; i < group * head_size; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& tables, const at::Tensor& lens, const Shape& shape, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
+  const int64_t kv_heads = value_cache.size(0), max_blocks = tables.size(1);
+  const int64_t head_cache = value_cache.size(1) * kLanes * head_size;
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = key_cache.data_ptr<T>();
+  const T* v_ptr = value_cache.data_ptr<T>();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  T* o_ptr = out.data_ptr<T>();
+  // One work item per (sequence, kv head), a sequence's heads side by side.
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads;
+      const int64_t offset = (s * num_heads + h * shape.group) * head_size;
+      attend_one<T>(q_ptr + offset, k_ptr + h * head_cache, v_ptr + h * head_cache, tables_ptr + s * max_blocks,
+                    lens_ptr[s], shape, o_ptr + offset, scratch);
+    }
+  });
+}
+
+// query: [num_seqs, num_heads, head_size], one decode token per sequence
+// key_cache: [num_kv_heads, num_blocks, head_size, 16]; value_cache: [num_kv_heads, num_blocks, 16, head_size]
+// block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (keys to attend, incl. the new one)
+// returns [num_seqs, num_heads, head_size]
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "paged_decode_attention: query [seqs, heads, d], K [kv_heads, blocks, d, 16], V [kv_heads, blocks, 16, d]");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_decode_attention: query and caches must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode_attention: block_tables and seq_lens are int32");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention: contiguous caches");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t kv_heads = value_cache.size(0), num_blocks = value_cache.size(1);
+  TORCH_CHECK(value_cache.size(2) == kLanes && value_cache.size(3) == head_size && head_size % kLanes == 0,
+              "paged_decode_attention: block_size must be 16 and head_size a multiple of 16");
+  TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(1) == num_blocks && key_cache.size(2) == head_size &&
+                  key_cache.size(3) == kLanes,
+              "paged_decode_attention: K must be V's shape with the last two dims swapped");
+  TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention: num_heads not a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.numel() == num_seqs,
+              "paged_decode_attention: one block table row and one seq_len per sequence");
+  const auto q = query.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  const int64_t max_blocks = tables.size(1);
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kLanes,
+                "paged_decode_attention: seq_lens[", s, "] is empty or exceeds its block table");
+    for (int64_t b = 0; b < (lens_ptr[s] + kLanes - 1) / kLanes; ++b) {
+      const int32_t block = tables_ptr[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
+    }
+  }
+  auto out = at::empty_like(q);
+  const Shape shape{num_heads / kv_heads, head_size, static_cast<float>(scale)};
+
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_all<float>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    case at::kBFloat16: attend_all<c10::BFloat16>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    case at::kHalf: attend_all<c10::Half>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

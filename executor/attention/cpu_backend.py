@@ -1,0 +1,71 @@
+"""Paged attention on the CPU: decode tokens in a compiled kernel that reads blocks in place.
+
+The plain torch backend gathers every decode sequence's blocks into one contiguous
+tensor per layer before SDPA; at batch 32 x 1024 tokens that copy costs as much as
+the attention. ``csrc/cpu/paged_decode_attention.cpp`` streams each (sequence, KV head)
+over its own blocks instead. Its layout, per layer:
+
+- K ``[num_kv_heads, num_blocks, head_size, block_size]``: each block's tile transposed,
+  so one block's 16 scores are broadcast-FMAs into one vector register;
+- V ``[num_kv_heads, num_blocks, block_size, head_size]``, as the torch backend's.
+
+Prefill chunks (more than one new token per sequence) stay on the torch backend's SDPA
+path: they are compute-bound, so the gather is small next to the attention, and
+oneDNN's GEMMs beat anything hand-written here. The kernel wants ``block_size`` 16 and
+``head_size`` a multiple of 16; with other shapes every group takes the SDPA path.
+
+The kernel is compiled on first use (``csrc/build.py``, about 15 s, cached on disk
+and keyed by the CPU's features); ``create_backend("auto")`` falls back to the torch
+backend with a warning where no compiler is available.
+"""
+from __future__ import annotations
+
+import torch
+
+from executor.attention.base import KVCache
+from executor.attention.csrc_loader import csrc_build_script
+from executor.attention.torch_backend import TorchAttentionBackend, _Group, _write_token_rows
+
+KERNEL_BLOCK_SIZE = 16
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on the CPU, not {self.device}")
+        self._decode_op = csrc_build_script().load_cpu()
+        self._kernel_fits = True
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
+        self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
+        key_cache = torch.zeros((num_kv_heads, num_blocks, head_size, block_size), dtype=dtype, device=device)
+        value_cache = torch.zeros((num_kv_heads, num_blocks, block_size, head_size), dtype=dtype, device=device)
+        return key_cache, value_cache
+
+    def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
+        key, value, slot_mapping = self._writable(key, value, slot_mapping)
+        key_cache, value_cache = kv_cache
+        block_size = key_cache.shape[3]
+        # [num_blocks, block_size, kv_heads, head_size] view of the transposed tiles, indexed by (block, offset)
+        key_cache.permute(1, 3, 0, 2).index_put_(
+            (slot_mapping // block_size, slot_mapping % block_size), key.to(key_cache.dtype))
+        _write_token_rows(value_cache, value, slot_mapping)
+
+    def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        kv_heads, num_blocks, head_size, block_size = key_cache.shape
+        tiles = key_cache.view(kv_heads * num_blocks, -1).index_select(0, g.cache_rows(kv_heads, num_blocks))
+        # [kv_heads, num_seqs, blocks, head_size, block_size] → [num_seqs, kv_heads, ctx_len, head_size]
+        tiles = tiles.view(kv_heads, g.num_seqs, -1, head_size, block_size).permute(1, 0, 2, 4, 3)
+        return tiles.reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
+
+    def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
+        if g.query_len != 1 or not self._kernel_fits:
+            return super()._attend_group(query, kv_cache, g, scale)
+        key_cache, value_cache = kv_cache
+        out = self._decode_op(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables, g.seq_lens, scale)
+        return out.to(query.dtype)
