@@ -2,13 +2,13 @@
 
     from csrc.build import load          # or: python csrc/build.py [--device musa]
     ops = load()                         # ops.paged_attention / reshape_and_cache / copy_blocks
-    decode = load_cpu()                  # torch.ops.kvserve_cpu.paged_decode_attention
+    cpu_ops = load_cpu()                 # torch.ops.kvserve_cpu: paged_decode_attention / write_kv / greedy_sample
 
 CUDA: ``torch.utils.cpp_extension.load`` (JIT, ninja), for the archs of the local
 GPUs (or ``TORCH_CUDA_ARCH_LIST``). MUSA: ``torch_musa.utils.musa_extension.load``
 with mcc; torch_musa compiles only ``.mu`` files as device code, so the ``.cu``
 sources are mirrored byte-for-byte as ``.mu`` into the build directory first —
-that copy is the whole MUSA port. CPU: ``cpu/paged_decode_attention.cpp`` with
+that copy is the whole MUSA port. CPU: ``cpu/*.cpp`` with
 the host compiler, ``-march=native`` (the build directory is keyed by the CPU's
 feature flags, so a cache shared between machines never runs foreign code). Builds are cached under
 ``$KVSERVE_EXTENSIONS_DIR`` (default ``$TORCH_EXTENSIONS_DIR/kvserve`` or
@@ -44,7 +44,7 @@ TORCH_CUDA_DEFINES = [
 # torch_musa's ninja rule adds "-x musa" for .mu sources itself.
 MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
 
-CPU_SOURCE = CSRC / "cpu" / "paged_decode_attention.cpp"
+CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "write_kv.cpp", "greedy_sample.cpp")]
 # OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the
 # copy torch has already loaded, so both share one thread pool.
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Werror"]
@@ -112,7 +112,8 @@ def cpu_features_key() -> str:
 
 
 def load_cpu(verbose: bool = False):
-    """Builds (first call, cached on disk) and loads the CPU decode-attention op; returns it."""
+    """Builds (first call, cached on disk) and loads the CPU ops; returns ``torch.ops.kvserve_cpu``
+    (``paged_decode_attention``, ``write_kv``, ``greedy_sample``)."""
     import torch
     from torch.utils.cpp_extension import load as torch_load
 
@@ -121,14 +122,14 @@ def load_cpu(verbose: bool = False):
         build_dir.mkdir(parents=True, exist_ok=True)
         torch_load(
             name="kvserve_cpu_kernels",
-            sources=[str(CPU_SOURCE)],
+            sources=[str(path) for path in CPU_SOURCES],
             extra_cflags=CPU_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=verbose,
         )
-    return torch.ops.kvserve_cpu.paged_decode_attention
+    return torch.ops.kvserve_cpu
 
 
 def _load_cuda(verbose: bool) -> ModuleType:

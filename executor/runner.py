@@ -16,7 +16,7 @@ import torch
 
 from executor.attention import AttentionMetadata, create_backend
 from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
-from executor.kv_cache import KVSizing, kv_bytes_per_block, max_concurrency, size_kv_cache
+from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
 from executor.loader import eos_token_ids, load_model, model_fingerprint
 from executor.model import ModelConfig
 from executor.sampling import SamplingParams, sample
@@ -226,7 +226,7 @@ class ModelRunner:
             logits = self._last_token_logits(hidden, meta, sample_rows)
             params = [sequences[i].sampling for i in sample_rows]
             next_positions = [meta.seq_lens_cpu[i] for i in sample_rows]
-            result = sample(logits, params, next_positions, self.generator)
+            result = sample(logits, params, next_positions, self.generator, self.backend.greedy_sample)
         end = time.perf_counter()
         return StepOutput(
             sampled_token_ids=result.token_ids if result else [],

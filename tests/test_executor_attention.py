@@ -133,7 +133,7 @@ def test_decode_kernel_rejects_a_block_id_outside_the_cache():
     key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 16, torch.float32, torch.device("cpu"))
     query = torch.randn(1, 1, 16)
     with pytest.raises(RuntimeError, match="block id 9 out of range"):
-        backend._decode_op(query, key_cache, value_cache, torch.tensor([[9]], dtype=torch.int32),
+        backend._ops.paged_decode_attention(query, key_cache, value_cache, torch.tensor([[9]], dtype=torch.int32),
                            torch.tensor([5], dtype=torch.int32), 0.25)
 
 

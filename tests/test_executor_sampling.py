@@ -31,6 +31,26 @@ def test_greedy_is_argmax_with_its_logprob():
     assert out.top_logprobs is None
 
 
+def test_compiled_greedy_pick_equals_the_torch_path():
+    """The CPU kernels' fused greedy pick: same tokens (first index on ties) and logprobs as argmax +
+    log_softmax, on a vocabulary that is not a multiple of the vector width; batches it cannot serve
+    (a sampled row, top logprobs, suppressed ids) take the torch path."""
+    from executor.attention.cpu_backend import CpuAttentionBackend
+
+    greedy = CpuAttentionBackend(torch.device("cpu")).greedy_sample
+    x = logits(8) * 4
+    x[3, 10] = x[3, 990] = x[3].max() + 1  # a tie: the first index wins, as in torch.argmax
+    x[5, -1] = x[5].max() + 1  # the maximum in the vector tail
+    fused = sample(x, [SamplingParams()] * 8, list(range(8)), torch.Generator(), greedy)
+    assert fused.token_ids == x.argmax(-1).tolist() and fused.token_ids[3] == 10 and fused.token_ids[5] == VOCAB - 1
+    assert fused.logprobs == pytest.approx(x.log_softmax(-1).max(-1).values.tolist(), abs=1e-5)
+    for odd_one in (SamplingParams(temperature=0.7, seed=1), SamplingParams(top_logprobs=2),
+                    SamplingParams(suppressed_token_ids=(int(x[0].argmax()),))):
+        params = [odd_one] + [SamplingParams()] * 7
+        with_kernel = sample(x, params, list(range(8)), torch.Generator().manual_seed(0), greedy)
+        assert with_kernel == sample(x, params, list(range(8)), torch.Generator().manual_seed(0))
+
+
 def test_top_k_one_equals_greedy():
     x = logits(32)
     params = [SamplingParams(temperature=1.3, top_k=1)] * 32

@@ -14,9 +14,6 @@
 //   output: each V row scaled by its probability into float32 accumulators.
 // The query heads sharing a KV head (GQA) are served by the same pass over K/V.
 //
-// GCC/Clang vector extensions: AVX-512 where the machine has it, else two AVX2 or four
-// SSE registers, from the same source (the build uses -march=native).
-//
 // Registered as torch.ops.kvserve_cpu.paged_decode_attention (TORCH_LIBRARY, no pybind).
 
 #include <ATen/ATen.h>
@@ -29,88 +26,11 @@
 #include <limits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
-typedef float Vec16 __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t Int16 __attribute__((vector_size(kLanes * sizeof(int32_t))));
-typedef uint32_t UInt16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-typedef uint16_t Half16Bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-
-inline Vec16 splat(float x) { return Vec16{} + x; }
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline Vec16 load16(const c10::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen and shift.
-  Half16Bits raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  UInt16 bits = __builtin_convertvector(raw, UInt16) << 16;
-  Vec16 v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-
-inline Vec16 load16(const c10::Half* p) {
-  float tmp[kLanes];
-  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load16(tmp);
-}
-
-inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Blocks are scattered, so the hardware prefetcher, which follows strides, stalls at every
-// tile boundary; ask for a tile ahead of time, one cache line at a time.
-constexpr int64_t kPrefetchDistance = 2;  // tiles ahead
-
-template <typename T>
-inline void prefetch_tile(const T* tile, int64_t elements) {
-  const char* bytes = reinterpret_cast<const char*>(tile);
-  for (int64_t offset = 0; offset < elements * static_cast<int64_t>(sizeof(T)); offset += 64) {
-    __builtin_prefetch(bytes + offset, 0, 3);
-  }
-}
-
-inline float reduce_max(Vec16 v) {
-  float m = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-inline float reduce_sum(Vec16 v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-// e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction
-// x = n ln2 + r, |r| <= ln2/2, and the Cephes expf polynomial (relative error ~1e-7);
-// below -87 the result flushes to ~1e-38.
-inline Vec16 exp_nonpositive(Vec16 x) {
-  x = x < -87.f ? splat(-87.f) : x;
-  const Vec16 y = x * 1.44269504088896341f + 0.5f;
-  Int16 n = __builtin_convertvector(y, Int16);  // truncates toward zero
-  Vec16 nf = __builtin_convertvector(n, Vec16);
-  const Int16 above = nf > y;  // -1 where truncation rounded up: floor = trunc - 1
-  n += above;
-  nf = __builtin_convertvector(n, Vec16);
-  const Vec16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  Vec16 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const Int16 bits = (n + 127) << 23;
-  Vec16 two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return p * two_n;
-}
+using namespace kvserve_cpu;
 
 struct Shape {
   int64_t group;      // query heads per kv head

@@ -10,6 +10,7 @@ V ``[num_blocks, num_kv_heads, head_size, block_size]``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,9 @@ class AttentionBackend(ABC):
     """Paged attention over one layer's KV cache. One instance serves every layer."""
 
     name: str
+    # A compiled greedy pick for this device's float32 logits [rows, vocab] → (token_ids [rows] int64,
+    # logprobs [rows] float32), as argmax and log_softmax would give; None: the sampler's torch ops.
+    greedy_sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @abstractmethod
     def allocate_kv_cache(

@@ -24,7 +24,7 @@ import torch
 
 from executor.attention.base import KVCache
 from executor.attention.csrc_loader import csrc_build_script
-from executor.attention.torch_backend import TorchAttentionBackend, _Group, _write_token_rows
+from executor.attention.torch_backend import TorchAttentionBackend, _Group
 
 KERNEL_BLOCK_SIZE = 16
 
@@ -36,7 +36,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(device)
         if self.device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on the CPU, not {self.device}")
-        self._decode_op = csrc_build_script().load_cpu()
+        self._ops = csrc_build_script().load_cpu()
+        self.greedy_sample = self._ops.greedy_sample
         self._kernel_fits = True
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
@@ -47,13 +48,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
-        key, value, slot_mapping = self._writable(key, value, slot_mapping)
         key_cache, value_cache = kv_cache
-        block_size = key_cache.shape[3]
-        # [num_blocks, block_size, kv_heads, head_size] view of the transposed tiles, indexed by (block, offset)
-        key_cache.permute(1, 3, 0, 2).index_put_(
-            (slot_mapping // block_size, slot_mapping % block_size), key.to(key_cache.dtype))
-        _write_token_rows(value_cache, value, slot_mapping)
+        self._ops.write_kv(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
 
     def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
         kv_heads, num_blocks, head_size, block_size = key_cache.shape
@@ -67,5 +63,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if g.query_len != 1 or not self._kernel_fits:
             return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
-        out = self._decode_op(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables, g.seq_lens, scale)
+        out = self._ops.paged_decode_attention(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables,
+                                               g.seq_lens, scale)
         return out.to(query.dtype)

@@ -1,0 +1,70 @@
+// Greedy pick and its logprob for each row of the logits, in one pass per row.
+//
+// The torch version, argmax plus log_softmax (or logsumexp) over [rows, vocab], reads the
+// logits three to four times and writes a [rows, vocab] result; at batch 32 x 49152 it
+// was 4% of a decode step. Here each row is read twice (max, then sum of exp) and nothing
+// [rows, vocab] is written.
+//
+// Registered as torch.ops.kvserve_cpu.greedy_sample.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+
+#include "vec16.h"
+
+namespace {
+
+using namespace kvserve_cpu;
+
+// The first index of the row's maximum (what torch.argmax returns) and log p of it.
+std::pair<int64_t, float> greedy_row(const float* row, int64_t vocab) {
+  const int64_t vector_end = vocab - vocab % kLanes;
+  Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < vector_end; i += kLanes) {
+    const Vec16 x = load16(row + i);
+    vmax = vmax > x ? vmax : x;
+  }
+  float best = reduce_max(vmax);
+  for (int64_t i = vector_end; i < vocab; ++i) best = std::max(best, row[i]);
+  int64_t index = 0;
+  while (index < vocab && row[index] != best) ++index;
+  Vec16 vsum{};
+  for (int64_t i = 0; i < vector_end; i += kLanes) vsum += exp_nonpositive(load16(row + i) - best);
+  float sum = reduce_sum(vsum);
+  for (int64_t i = vector_end; i < vocab; ++i) sum += std::exp(row[i] - best);
+  return {index, -std::log(sum)};
+}
+
+// logits: [rows, vocab] float32 → (token_ids [rows] int64, logprobs [rows] float32)
+std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "greedy_sample: float32 CPU logits [rows, vocab]");
+  TORCH_CHECK(logits.size(1) > 0, "greedy_sample: empty vocabulary");
+  const auto x = logits.contiguous();
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  auto token_ids = at::empty({rows}, x.options().dtype(at::kLong));
+  auto logprobs = at::empty({rows}, x.options());
+  const float* data = x.data_ptr<float>();
+  int64_t* ids = token_ids.data_ptr<int64_t>();
+  float* lps = logprobs.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const auto [index, logprob] = greedy_row(data + r * vocab, vocab);
+      ids[r] = index;
+      lps[r] = logprob;
+    }
+  });
+  return {token_ids, logprobs};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) { m.def("greedy_sample(Tensor logits) -> (Tensor, Tensor)"); }
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("greedy_sample", &greedy_sample); }
