@@ -102,6 +102,16 @@ def test_backend_matches_reference(backend_name, block_size, query_lens, seq_len
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_bf16_prefill_and_mixed_steps_match_reference(backend_name):
+    """bf16 on the CPU computes prefill attention as two GEMMs and a softmax (not SDPA): same result
+    within bf16 rounding, padded query rows and cached prefixes included."""
+    torch.manual_seed(2)
+    out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), 16, [1, 37, 5, 64], [40, 37, 70, 64],
+                             num_heads=9, kv_heads=3, head=64, dtype=torch.bfloat16)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 def test_cpu_decode_kernel_long_contexts_model_shapes(dtype, tolerance):
     """The decode kernel at the default model's shapes (9 heads on 3 KV heads of 64), up to 1000 tokens."""
