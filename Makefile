@@ -47,7 +47,7 @@ test: model
 	$(PY) -m pytest -q -ra
 
 bench: model
-	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 512 --max-output-len 384 \
+	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 1024 --max-output-len 512 \
 	  --system-prompt-len 128 --concurrency 32 --seed 0 --out bench/results
 
 proto: install
