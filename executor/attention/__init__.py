@@ -43,8 +43,15 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         return _instantiate(name, device)
     except (ImportError, OSError, RuntimeError) as exc:
         # No C++ compiler (or ninja) here: the torch backend computes the same attention, slower.
-        log.warning("cpu_kernels_unavailable", fallback="torch", error=str(exc).strip().splitlines()[-1][:300])
+        log.warning("cpu_kernels_unavailable", fallback="torch", error=_build_error_summary(exc))
         return _instantiate("torch", device)
+
+
+def _build_error_summary(exc: Exception) -> str:
+    """The line of a compiler's output that says what went wrong, not ninja's closing remark."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    telling = [line for line in lines if "error:" in line.lower() or line.endswith("not found")]
+    return (telling[0] if telling else lines[0])[:300]
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "create_backend", "default_backend_name", "BACKENDS"]
