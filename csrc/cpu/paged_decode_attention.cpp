@@ -38,6 +38,82 @@ struct Shape {
   float scale;
 };
 
+// Query rows served by one pass over K/V: their accumulators live in registers, so a
+// K column or a V chunk is loaded once for all of them. Larger GQA groups are split.
+constexpr int kMaxRows = 4;
+
+// scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes].
+template <typename T, int R>
+inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row) {
+  Vec16 s[R] = {};
+  for (int64_t d = 0; d < head_size; ++d) {
+    const Vec16 k = load16(keys + d * kLanes);
+    for (int r = 0; r < R; ++r) s[r] += q[r * head_size + d] * k;
+  }
+  for (int r = 0; r < R; ++r) store16(scores + r * row, s[r]);
+}
+
+// acc[r] += sum over the block's first n tokens of p[r][t] * V[t]; V tile [kLanes, head_size].
+template <typename T, int R>
+inline void block_values(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row, float* acc) {
+  for (int64_t c = 0; c < head_size; c += kLanes) {
+    Vec16 a[R];
+    for (int r = 0; r < R; ++r) a[r] = load16(acc + r * head_size + c);
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec16 v = load16(values + t * head_size + c);
+      for (int r = 0; r < R; ++r) a[r] += p[r * row + t] * v;
+    }
+    for (int r = 0; r < R; ++r) store16(acc + r * head_size + c, a[r]);
+  }
+}
+
+// Softmax of each of `rows` score rows in place: [rows, row], the first seq_len of each valid.
+inline void softmax_rows(float* scores, int64_t rows, int64_t row, int64_t seq_len) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * row;
+    // Slots past seq_len hold whatever the block held before: out of the softmax.
+    std::fill(s + seq_len, s + row, -std::numeric_limits<float>::infinity());
+    Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < row; i += kLanes) vmax = vmax > load16(s + i) ? vmax : load16(s + i);
+    const float m = reduce_max(vmax);
+    Vec16 vsum{};
+    for (int64_t i = 0; i < row; i += kLanes) {
+      const Vec16 e = exp_nonpositive(load16(s + i) - m);
+      store16(s + i, e);
+      vsum += e;
+    }
+    const Vec16 inv = splat(1.f / reduce_sum(vsum));
+    for (int64_t i = 0; i < row; i += kLanes) store16(s + i, load16(s + i) * inv);
+  }
+}
+
+// R query rows (pre-scaled, float) of one (sequence, kv head) against seq_len keys: two
+// passes over the blocks (K for the scores, then V) with the softmax between them over the
+// whole row, which stays in L1/L2 and vectorizes.
+template <typename T, int R>
+void attend_rows(const float* q, const T* key_head, const T* value_head, const int32_t* table, int64_t seq_len,
+                 int64_t head_size, float* scores, float* acc) {
+  const int64_t tile = kLanes * head_size;
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
+  const int64_t row = num_seq_blocks * kLanes;  // a scores row, padded to whole blocks
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    if (b + kPrefetchDistance < num_seq_blocks) {
+      prefetch_tile(key_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
+    }
+    block_scores<T, R>(q, key_head + static_cast<int64_t>(table[b]) * tile, head_size, scores + b * kLanes, row);
+  }
+  softmax_rows(scores, R, row, seq_len);
+  std::fill(acc, acc + R * head_size, 0.f);
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    if (b + kPrefetchDistance < num_seq_blocks) {
+      prefetch_tile(value_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
+    }
+    const int64_t n = std::min(kLanes, seq_len - b * kLanes);
+    block_values<T, R>(scores + b * kLanes, value_head + static_cast<int64_t>(table[b]) * tile, n, head_size, row,
+                       acc);
+  }
+}
+
 // One (sequence, kv head): `group` query rows against `seq_len` keys in `table`'s blocks.
 template <typename T>
 void attend_one(const T* query,        // [group, head_size], the group's query heads
@@ -47,63 +123,21 @@ void attend_one(const T* query,        // [group, head_size], the group's query 
                 int64_t seq_len, const Shape& shape,
                 T* out,                // [group, head_size]
                 std::vector<float>& scratch) {
-  const int64_t group = shape.group, head_size = shape.head_size, tile = kLanes * head_size;
-  const int64_t chunks = head_size / kLanes;
-  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
-  const int64_t row = num_seq_blocks * kLanes;  // scores row, padded to whole blocks
-  scratch.resize(static_cast<size_t>(2 * group * head_size + group * row));
+  const int64_t group = shape.group, head_size = shape.head_size;
+  const int64_t row = (seq_len + kLanes - 1) / kLanes * kLanes;
+  scratch.resize(static_cast<size_t>(2 * group * head_size + kMaxRows * row));
   float* q = scratch.data();                // [group, head_size], pre-scaled
   float* acc = q + group * head_size;       // [group, head_size]
-  float* scores = acc + group * head_size;  // [group, row]
-
+  float* scores = acc + group * head_size;  // [kMaxRows, row]
   for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
-  std::fill(acc, acc + group * head_size, 0.f);
-
-  for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    if (b + kPrefetchDistance < num_seq_blocks) {
-      prefetch_tile(key_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
-    }
-    const T* keys = key_head + static_cast<int64_t>(table[b]) * tile;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * head_size;
-      Vec16 s{};
-      for (int64_t d = 0; d < head_size; ++d) s += qg[d] * load16(keys + d * kLanes);
-      store16(scores + g * row + b * kLanes, s);
-    }
-  }
-  const int64_t tail = seq_len - (num_seq_blocks - 1) * kLanes;  // valid tokens of the last block
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * row;
-    // Slots past seq_len hold whatever the block held before: out of the softmax.
-    std::fill(s + (num_seq_blocks - 1) * kLanes + tail, s + row, -std::numeric_limits<float>::infinity());
-    Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < row; i += kLanes) vmax = vmax > load16(s + i) ? vmax : load16(s + i);
-    const float m = reduce_max(vmax);
-    Vec16 vsum{};
-    for (int64_t i = 0; i < row; i += kLanes) {
-      const Vec16 p = exp_nonpositive(load16(s + i) - m);
-      store16(s + i, p);
-      vsum += p;
-    }
-    const float inv = 1.f / reduce_sum(vsum);
-    for (int64_t i = 0; i < row; ++i) s[i] *= inv;
-  }
-
-  for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    if (b + kPrefetchDistance < num_seq_blocks) {
-      prefetch_tile(value_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
-    }
-    const T* values = value_head + static_cast<int64_t>(table[b]) * tile;
-    const int64_t n = b + 1 < num_seq_blocks ? kLanes : tail;
-    // Accumulators in registers across the block's tokens; V rows are re-read per query head from L1.
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = scores + g * row + b * kLanes;
-      for (int64_t c = 0; c < chunks; ++c) {
-        float* a = acc + g * head_size + c * kLanes;
-        Vec16 sum = load16(a);
-        for (int64_t t = 0; t < n; ++t) sum += p[t] * load16(values + t * head_size + c * kLanes);
-        store16(a, sum);
-      }
+  for (int64_t g = 0; g < group; g += kMaxRows) {
+    const float* qg = q + g * head_size;
+    float* ag = acc + g * head_size;
+    switch (std::min<int64_t>(kMaxRows, group - g)) {
+      case 1: attend_rows<T, 1>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
+      case 2: attend_rows<T, 2>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
+      case 3: attend_rows<T, 3>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
+      default: attend_rows<T, 4>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
     }
   }
   for (int64_t i = 0; i < group * head_size; ++i) out[i] = static_cast<T>(acc[i]);
