@@ -123,6 +123,16 @@ def test_cpu_decode_kernel_long_contexts_model_shapes(dtype, tolerance):
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("num_heads,kv_heads", [(2, 2), (4, 2), (7, 1), (8, 1), (12, 2)])
+def test_cpu_decode_kernel_every_gqa_group_size(num_heads, kv_heads):
+    """Query heads per KV head 1, 2, 7 (rows 4 + 3), 8 (4 + 4) and 6 (4 + 2), head size 32."""
+    torch.manual_seed(3)
+    seq_lens = [3, 48, 130]
+    out, expected = run_step(CpuAttentionBackend(torch.device("cpu")), 16, [1] * len(seq_lens), seq_lens,
+                             num_heads=num_heads, kv_heads=kv_heads, head=32, stale=float("nan"))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
 def test_write_kv_skips_negative_slots_and_copy_blocks(backend_name):
     backend = BACKENDS[backend_name](torch.device("cpu"))
