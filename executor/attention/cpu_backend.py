@@ -9,10 +9,11 @@ over its own blocks instead. Its layout, per layer:
   so one block's 16 scores are broadcast-FMAs into one vector register;
 - V ``[num_kv_heads, num_blocks, block_size, head_size]``, as the torch backend's.
 
-Prefill chunks (more than one new token per sequence) stay on the torch backend's SDPA
-path: they are compute-bound, so the gather is small next to the attention, and
-oneDNN's GEMMs beat anything hand-written here. The kernel wants ``block_size`` 16 and
-``head_size`` a multiple of 16; with other shapes every group takes the SDPA path.
+Prefill chunks (more than one new token per sequence) stay on the torch backend's path
+(two oneDNN GEMMs and a softmax in bf16, SDPA otherwise): they are compute-bound, so the
+gather is small next to the attention, and oneDNN's GEMMs beat anything hand-written
+here. The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
+shapes every group takes the torch path.
 
 The kernel is compiled on first use (``csrc/build.py``, about 15 s, cached on disk
 and keyed by the CPU's features); ``create_backend("auto")`` falls back to the torch

@@ -25,6 +25,7 @@ from executor.attention import paged_reference
 from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from executor.attention.csrc_loader import csrc_build_script
 
+
 def load_ops(device_type: str) -> ModuleType:
     """The compiled extension for ``cuda`` or ``musa`` (built on first use, cached on disk)."""
     return csrc_build_script().load(device_type)

@@ -1,4 +1,5 @@
-"""Paged attention in plain torch: the CPU path and the reference for the native kernels.
+"""Paged attention in plain torch: any device's fallback, the cpu backend's prefill path, and the
+reference for the native kernels.
 
 KV layout (per layer, K and V alike): ``[num_kv_heads, num_blocks, block_size, head_size]``,
 head-major, so that gathering a batch's blocks yields ``[kv_heads, num_seqs, ctx_len, head_size]``
@@ -10,15 +11,17 @@ Attention is batched over sequences, never a loop over them. Once per step (the
 first layer) the metadata is turned into a plan of at most two groups:
 
 - decode group (sequences with one new token): their blocks are gathered into
-  ``[num_seqs, kv_heads, ctx_len, head_size]`` and one SDPA runs with a key mask
-  ``j < seq_len``;
+  ``[num_seqs, kv_heads, ctx_len, head_size]`` and one masked attention runs with a key
+  mask ``j < seq_len``;
 - prefill group (chunks of more than one token, with or without a cached prefix):
   queries are padded to ``max_query_len`` and the causal mask is offset by each
   sequence's cached prefix: query ``i`` sees key ``j`` iff
   ``j <= seq_len - query_len + i`` (and ``j < seq_len``).
 
-GQA without copying K/V: the ``group = num_heads // num_kv_heads`` query heads that
-share a KV head are laid out as extra query rows of that KV head, so SDPA sees
+A group's masked attention is SDPA, except in bf16 on the CPU where two oneDNN GEMMs and a
+softmax are faster (``_masked_attention``). GQA without copying K/V: the
+``group = num_heads // num_kv_heads`` query heads that share a KV head are laid out as
+extra query rows of that KV head, so the attention sees
 ``[num_seqs, kv_heads, group * query_len, head_size]`` against
 ``[num_seqs, kv_heads, ctx_len, head_size]``.
 """
