@@ -12,7 +12,8 @@
 //           horizontal sums;
 //   softmax over the whole row (kept in L1/L2) with a vectorized exp;
 //   output: each V row scaled by its probability into float32 accumulators.
-// The query heads sharing a KV head (GQA) are served by the same pass over K/V.
+// The query heads sharing a KV head (GQA) are served by the same pass over K/V, up to
+// four at a time with their accumulators in registers.
 //
 // Registered as torch.ops.kvserve_cpu.paged_decode_attention (TORCH_LIBRARY, no pybind).
 
