@@ -53,14 +53,17 @@ def in_process(num_blocks: int, num_seqs: int, decode_steps: int, batch: int) ->
         results, _ = manager.allocate("bench", session, [], requests)
         t_admit += clock() - t0
         assert all(r.ok for r in results)
+        # Each call carries the report of the previous step's written KV, as the
+        # gateway sends it: the prompt's full blocks are published (hashed) there.
         for step in range(decode_steps):
             requests = [AllocationRequest(i, [step], 1) for i in ids]
+            written = [PROMPT_LEN + step] * len(ids)
             t0 = clock()
-            manager.allocate("bench", session, [], requests)
+            manager.allocate("bench", session, [], requests, ids, written)
             t_decode += clock() - t0
         blocks += sum(len(manager.pools["bench"].sequences[i].block_table) for i in ids)
         t0 = clock()
-        manager.free("bench", session, ids)
+        manager.free("bench", session, ids, ids, [PROMPT_LEN + decode_steps] * len(ids))
         t_free += clock() - t0
     return {
         "admit_seq_per_s": num_seqs / t_admit,

@@ -18,6 +18,7 @@ from executor.attention import AttentionMetadata, create_backend
 from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
 from executor.loader import eos_token_ids, load_model, model_fingerprint
+from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
 from executor.sampling import SamplingParams, sample
 from kvserve.errors import InvalidArgument
@@ -80,6 +81,8 @@ class ExecutorInfo:
     eos_token_ids: list[int]
     num_layers: int
     model_path: str
+    instance_id: str
+    tokenizer_fingerprint: str
 
 
 class ModelRunner:
@@ -128,6 +131,8 @@ class ModelRunner:
             eos_token_ids=eos_token_ids(model_dir, config),
             num_layers=config.num_layers,
             model_path=str(model_dir.resolve()),
+            instance_id=new_instance_id(),
+            tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
         )
 
     # ---- KV sizing -------------------------------------------------------------------------

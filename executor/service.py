@@ -42,8 +42,9 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
     )
 
 
-def response_from_step(out: StepOutput, total_ms: float) -> executor_pb2.ExecuteResponse:
+def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> executor_pb2.ExecuteResponse:
     reply = executor_pb2.ExecuteResponse(
+        instance_id=instance_id,
         sampled_token_ids=out.sampled_token_ids,
         sampled_logprobs=out.sampled_logprobs,
         num_tokens=out.num_tokens,
@@ -81,7 +82,8 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             dtype=info.dtype, device=info.device, attention_backend=info.attention_backend,
             block_size=info.block_size, num_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-            num_layers=info.num_layers, model_path=info.model_path,
+            num_layers=info.num_layers, model_path=info.model_path, instance_id=info.instance_id,
+            tokenizer_fingerprint=info.tokenizer_fingerprint,
         )
 
     async def Execute(self, request, context):
@@ -89,4 +91,4 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         sequences = [sequence_from_proto(s) for s in request.sequences]
         copy_src, copy_dst = list(request.copy_src), list(request.copy_dst)
         out = await self._torch_thread.run(self.runner.execute, sequences, copy_src, copy_dst)
-        return response_from_step(out, (time.perf_counter() - start) * 1e3)
+        return response_from_step(out, (time.perf_counter() - start) * 1e3, self.runner.info.instance_id)

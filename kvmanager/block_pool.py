@@ -11,13 +11,19 @@ A block is in exactly one state:
   * used      — ``ref_cnt > 0``, in one or more block tables;
   * free      — ``ref_cnt == 0``, in the free queue; it may still carry a hash
                 ("cached"), and then a prefix hit takes it back (``touch``).
+
+A block carries a hash (is findable) only once its KV is written: ``KVPool``
+calls ``cache_block`` when the client reports it, never when it hands it out.
+
+Who owns what: ``BlockPool`` alone changes ``ref_cnt``, the free-queue links,
+``block_hash``/``block_key`` and the counters; ``KVPool`` changes ``num_tokens``
+only through ``fill``.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from kvmanager.events import BlockStored, EventRecorder
-from kvserve.errors import FailedPrecondition
 
 NULL_BLOCK_ID = 0
 
@@ -98,7 +104,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue = FreeBlockQueue(b for b in self.blocks if b.block_id != NULL_BLOCK_ID)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.events = events
         self.num_cached_free_blocks = 0  # free blocks that still carry a hash
@@ -169,10 +175,11 @@ class BlockPool:
                 num_freed += 1
         return num_freed
 
-    def add_tokens(self, block: KVCacheBlock, n: int) -> None:
-        """``n`` more slots of a used block hold KV."""
-        block.num_tokens += n
-        self.num_stored_tokens += n
+    def fill(self, block: KVCacheBlock, num_tokens: int) -> None:
+        """The first ``num_tokens`` slots of a used block hold (or are about to hold) KV."""
+        if num_tokens > block.num_tokens:
+            self.num_stored_tokens += num_tokens - block.num_tokens
+            block.num_tokens = num_tokens
 
     # -- prefix cache ----------------------------------------------------------
 
@@ -184,8 +191,9 @@ class BlockPool:
         return block
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes, block_key: bytes) -> bool:
-        """Makes a full, used block findable. False when another block already holds
-        this hash (identical content computed twice): the first copy stays the cached one."""
+        """Makes a full, used block whose KV is written findable. False when it already
+        is, or another block holds this hash (identical content computed twice): the
+        first copy stays the cached one."""
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return False
         block.block_hash = block_hash
@@ -203,13 +211,9 @@ class BlockPool:
     def record_stored(self, event: BlockStored) -> None:
         self.events.stored(event)
 
-    def reset_prefix_cache(self) -> int:
-        """Drops every hash. Refused while any block is used: a running sequence
-        may still extend its chain from a cached block (as vLLM refuses)."""
-        if self.num_used_blocks:
-            raise FailedPrecondition(
-                f"cannot reset the prefix cache: {self.num_used_blocks} blocks are in use"
-            )
+    def invalidate_prefix_cache(self) -> int:
+        """Drops every hash, from used blocks too: nothing is findable any more (the
+        blocks themselves stay with their holders). Returns how many were findable."""
         num_cleared = len(self.cached_blocks)
         for block in self.cached_blocks.values():
             block.block_hash = block.block_key = None

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
-from kvmanager.pool import AllocationPolicy, AllocationRequest, AllocationResult, KVPool, PoolConfig
+from kvmanager.pool import AllocationPolicy, AllocationRequest, KVPool, KVSequence, PoolConfig, StepAllocation
 from kvmanager.sessions import Session, SessionRegistry
-from kvserve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from kvserve.errors import (
+    AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+)
 from kvserve.logs import get_logger
 
 log = get_logger("kvmanager")
@@ -29,6 +31,10 @@ MAX_MODEL_LEN = 1 << 24
 MAX_TTL_MS = 24 * 3600 * 1000
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_SEQ_ID = (1 << 64) - 1
+# What one client may ask for at once: n > 1024 choices is not a use case, and
+# each live sequence costs host memory whether or not it holds blocks.
+MAX_FORK_CHILDREN = 1024
+MAX_SEQUENCES_PER_POOL = 1 << 17
 
 
 @dataclass(slots=True)
@@ -98,12 +104,18 @@ class KVManager:
 
     # -- pools ---------------------------------------------------------------
 
-    def register_pool(self, config: PoolConfig) -> bool:
-        """Creates a pool, keeps an identical one (False), or replaces an idle one."""
+    def register_pool(self, config: PoolConfig, executor_instance_id: str = "") -> bool:
+        """Creates a pool, keeps an identical one (False), or replaces an idle one.
+        An identical pool registered for a new executor instance (the executor
+        restarted: its KV is gone) is kept with its prefix cache invalidated."""
         config = validate_pool_config(config)
         existing = self.pools.get(config.pool_id)
         if existing is not None:
             if existing.config == config:
+                if executor_instance_id and executor_instance_id != existing.executor_instance_id:
+                    self._invalidate(existing, reason="executor_restarted",
+                                     previous=existing.executor_instance_id, current=executor_instance_id)
+                    existing.executor_instance_id = executor_instance_id
                 return False
             if existing.block_pool.num_used_blocks:
                 raise FailedPrecondition(
@@ -112,7 +124,8 @@ class KVManager:
                 )
             self._hub(config.pool_id).publish([AllBlocksCleared()])
             existing.block_pool.unlink()
-        self.pools[config.pool_id] = KVPool(config)
+        pool = self.pools[config.pool_id] = KVPool(config)
+        pool.executor_instance_id = executor_instance_id
         if self.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -147,10 +160,15 @@ class KVManager:
         )
 
     def reset_prefix_cache(self, pool_id: str) -> int:
+        """Makes nothing in the pool findable, blocks in use included; returns how many were."""
         self.reap_expired()
-        pool = self.pool(pool_id)
-        num_cleared = pool.reset_prefix_cache()
+        return self._invalidate(self.pool(pool_id), reason="reset_requested")
+
+    def _invalidate(self, pool: KVPool, reason: str, **details) -> int:
+        num_cleared = pool.invalidate_prefix_cache()
         self._publish(pool)
+        log.info("prefix_cache_invalidated", pool_id=pool.config.pool_id, reason=reason,
+                 num_blocks_cleared=num_cleared, num_live_sequences=len(pool.sequences), **details)
         return num_cleared
 
     # -- sessions -----------------------------------------------------------
@@ -216,12 +234,14 @@ class KVManager:
     # -- sequences -------------------------------------------------------------
 
     def allocate(self, pool_id: str, session_id: str, free_seq_ids: Iterable[int],
-                 requests: Sequence[AllocationRequest]) -> tuple[list[AllocationResult], float]:
-        """One scheduler step: piggybacked frees, then each sequence in order.
-        Returns the per-sequence results and the pool's usage afterwards.
+                 requests: Sequence[AllocationRequest], written_seq_ids: Sequence[int] = (),
+                 written_num_tokens: Sequence[int] = ()) -> tuple[list[StepAllocation], float]:
+        """One scheduler step: written-KV reports, piggybacked frees, then each sequence
+        in order. Returns the per-sequence results and the pool's usage afterwards.
         ``requests`` may be any objects with ``AllocationRequest``'s attributes."""
         pool, session = self._pool_and_session(pool_id, session_id)
         sequences = pool.sequences
+        written = self._check_written(pool, session_id, written_seq_ids, written_num_tokens)
         to_free = []
         for seq_id in free_seq_ids:
             seq = sequences.get(seq_id)
@@ -231,6 +251,8 @@ class KVManager:
                 to_free.append(seq_id)
         freeing = set(to_free)
         seen: set[int] = set()
+        max_len = pool.config.max_model_len
+        num_admitted = 0
         # (existing sequence or None, request): validated in full before any change.
         plan = []
         for i, request in enumerate(requests):
@@ -253,8 +275,16 @@ class KVManager:
                 seq = None  # freed first, then admitted afresh
             elif seq is not None and seq.session_id != session_id:
                 raise PermissionDenied(f"sequences[{i}].seq_id: sequence {seq_id} belongs to another session")
+            if max_len and num_tokens + (len(seq.token_ids) if seq is not None else 0) > max_len:
+                raise InvalidArgument(f"sequences[{i}].token_ids: sequence {seq_id} would hold more than the "
+                                      f"pool's max_model_len of {max_len} tokens")
+            num_admitted += seq is None
             plan.append((seq, tokens, request))
+        if num_admitted and len(sequences) - len(freeing) + num_admitted > MAX_SEQUENCES_PER_POOL:
+            raise ResourceExhausted(f"sequences: the pool holds at most {MAX_SEQUENCES_PER_POOL} live sequences")
 
+        for seq, num_tokens in written:
+            pool.report_written(seq, num_tokens)
         for seq_id in dict.fromkeys(to_free):
             pool.free(seq_id)
         results = [pool.step(seq, tokens, request.num_new_tokens) if seq is not None
@@ -268,6 +298,10 @@ class KVManager:
         parent = self._own_sequence(pool, session_id, parent_seq_id, "parent_seq_id")
         if not child_seq_ids:
             raise InvalidArgument("child_seq_ids: must not be empty")
+        if len(child_seq_ids) > MAX_FORK_CHILDREN:
+            raise InvalidArgument(f"child_seq_ids: at most {MAX_FORK_CHILDREN} children, got {len(child_seq_ids)}")
+        if len(pool.sequences) + len(child_seq_ids) > MAX_SEQUENCES_PER_POOL:
+            raise ResourceExhausted(f"child_seq_ids: the pool holds at most {MAX_SEQUENCES_PER_POOL} live sequences")
         if len(set(child_seq_ids)) != len(child_seq_ids):
             raise InvalidArgument("child_seq_ids: duplicate ids")
         for child_id in child_seq_ids:
@@ -276,18 +310,38 @@ class KVManager:
                 raise AlreadyExists(f"child_seq_ids: sequence {child_id} already exists")
         return pool.fork(parent, child_seq_ids)
 
-    def free(self, pool_id: str, session_id: str, seq_ids: Iterable[int]) -> int:
-        """Frees sequences (all or none); returns blocks whose refcount reached 0."""
+    def free(self, pool_id: str, session_id: str, seq_ids: Iterable[int], written_seq_ids: Sequence[int] = (),
+             written_num_tokens: Sequence[int] = ()) -> int:
+        """Applies written-KV reports, then frees sequences (all or none); returns
+        blocks whose refcount reached 0."""
         pool, _ = self._pool_and_session(pool_id, session_id)
+        written = self._check_written(pool, session_id, written_seq_ids, written_num_tokens)
         unique = list(dict.fromkeys(seq_ids))
         for seq_id in unique:
             self._own_sequence(pool, session_id, seq_id, "seq_ids")
+        for seq, num_tokens in written:
+            pool.report_written(seq, num_tokens)
         num_blocks_freed = sum(pool.free(seq_id) for seq_id in unique)
         self._publish(pool)
         return num_blocks_freed
 
+    def _check_written(self, pool: KVPool, session_id: str, seq_ids: Sequence[int],
+                       num_tokens: Sequence[int]) -> list[tuple[KVSequence, int]]:
+        """Validates written-KV reports; returns (sequence, tokens written) pairs."""
+        if len(seq_ids) != len(num_tokens):
+            raise InvalidArgument(f"written_num_tokens: {len(num_tokens)} entries for "
+                                  f"{len(seq_ids)} written_seq_ids")
+        written = []
+        for i, (seq_id, n) in enumerate(zip(seq_ids, num_tokens)):
+            seq = self._own_sequence(pool, session_id, seq_id, f"written_seq_ids[{i}]")
+            if not 0 <= n <= seq.num_computed:
+                raise InvalidArgument(f"written_num_tokens[{i}]: sequence {seq_id} has {seq.num_computed} "
+                                      f"tokens allocated, cannot have {n} written")
+            written.append((seq, n))
+        return written
+
     @staticmethod
-    def _own_sequence(pool: KVPool, session_id: str, seq_id: int, field: str):
+    def _own_sequence(pool: KVPool, session_id: str, seq_id: int, field: str) -> KVSequence:
         seq = pool.sequences.get(seq_id)
         if seq is None:
             raise NotFound(f"{field}: unknown sequence {seq_id}")

@@ -1,24 +1,27 @@
-"""Sequences of one pool: Allocate (one step of one sequence), Fork and Free.
+"""The sequences of one pool: Allocate (one step of one sequence), Fork, Free and
+the written-KV reports that publish full blocks to the prefix cache.
 
 Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 
-* a sequence owns a block table (append-only, except that copy-on-write replaces
-  an entry), its known token ids, how many of them have KV (``num_computed``) and
-  the chained hashes of its full computed blocks;
-* one step (``admit`` a new sequence, ``step`` an existing one) appends the
-  tokens produced since the last step, looks a *new* sequence up in the prefix
-  cache, schedules
-  ``min(num_new_tokens, known - computed)`` tokens from ``num_computed`` on, makes
-  room for them, and caches the blocks those tokens fill. Blocks become findable
-  in the step that computes them (as in vLLM: the executor writes a layer's K/V
-  before it runs attention, so a hit in the same step reads valid data);
-* it is atomic: every block it needs is counted before anything changes, and
-  "no room" leaves the sequence (and refcounts, and the cache) untouched.
+* a ``KVSequence`` owns a block table (append-only, except that copy-on-write
+  replaces an entry), its known token ids, how many of them have slots
+  (``num_computed``), how many the client reported written (``num_written``) and
+  the chained hashes of its published full blocks;
+* one step (``admit`` a new sequence, ``step`` an existing one) appends the tokens
+  produced since the last step, looks a *new* sequence up in the prefix cache,
+  and makes room for ``min(num_new_tokens, known - computed)`` tokens from
+  ``num_computed`` on. It is check-then-apply (``_plan`` counts every block the
+  step needs, ``_apply`` changes state only when they are there), so "no room"
+  leaves the sequence, the refcounts and the cache untouched;
+* a hit means the KV is there: a full block becomes findable only when
+  ``report_written`` says the Execute that wrote it has returned, never in the
+  step that hands it out. A sequence freed before that publishes nothing, and a
+  sequence alive when the pool is invalidated never publishes again.
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence as Sequence_
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmanager.block_pool import BlockPool, KVCacheBlock
@@ -61,37 +64,47 @@ class AllocationRequest:
 
 
 @dataclass(slots=True)
-class AllocationResult:
+class StepAllocation:
+    """What one step of one sequence got (``SequenceAllocationResult`` on the wire)."""
+
     seq_id: int
     ok: bool
     num_cached_tokens: int = 0
     start_position: int = 0
     num_tokens: int = 0
     block_table_offset: int = 0
-    block_table: Sequence_[int] = ()
-    copy_src: Sequence_[int] = ()
-    copy_dst: Sequence_[int] = ()
+    block_table: Sequence[int] = ()
+    copy_src: Sequence[int] = ()
+    copy_dst: Sequence[int] = ()
 
 
-class Sequence:
-    __slots__ = ("seq_id", "session_id", "token_ids", "num_computed", "block_table",
-                 "block_hashes", "prefix_caching", "extra", "adapter_id")
+class KVSequence:
+    """A sequence as the KV manager sees it: its block table and its published prefix.
 
-    def __init__(self, seq_id: int, session_id: str, prefix_caching: bool, extra: bytes, adapter_id: str):
+    Owned and mutated only by ``KVPool``; the blocks in ``block_table`` are
+    shared objects whose refcounts ``BlockPool`` owns.
+    """
+
+    __slots__ = ("seq_id", "session_id", "token_ids", "num_computed", "num_written", "block_table",
+                 "block_hashes", "publishes", "extra", "adapter_id")
+
+    def __init__(self, seq_id: int, session_id: str, publishes: bool, extra: bytes, adapter_id: str):
         self.seq_id = seq_id
         self.session_id = session_id
         self.token_ids: list[int] = []
-        self.num_computed = 0  # tokens whose KV is (being) written
+        self.num_computed = 0  # tokens with a slot that the client computes (or has computed)
+        self.num_written = 0  # tokens whose KV the client reported written
         self.block_table: list[KVCacheBlock] = []
-        self.block_hashes: list[bytes] = []  # of block_table[i] for each full computed block i
-        self.prefix_caching = prefix_caching
+        self.block_hashes: list[bytes] = []  # chained hashes of block_table[:len], all published or tried
+        self.publishes = publishes  # written full blocks become findable (prefix caching, not invalidated)
         self.extra = extra  # hashed into every block: cache salt, adapter id
         self.adapter_id = adapter_id
 
-    def fork(self, seq_id: int) -> Sequence:
-        child = Sequence(seq_id, self.session_id, self.prefix_caching, self.extra, self.adapter_id)
+    def fork(self, seq_id: int) -> KVSequence:
+        child = KVSequence(seq_id, self.session_id, self.publishes, self.extra, self.adapter_id)
         child.token_ids = self.token_ids.copy()
         child.num_computed = self.num_computed
+        child.num_written = self.num_written
         child.block_table = self.block_table.copy()
         child.block_hashes = self.block_hashes.copy()
         return child
@@ -99,6 +112,11 @@ class Sequence:
 
 # Shared empty result fields: most decode steps add no block and copy nothing.
 _EMPTY: tuple = ()
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens (ceiling division)."""
+    return -(-num_tokens // block_size)
 
 
 class KVPool:
@@ -110,48 +128,43 @@ class KVPool:
         self.events = EventRecorder()
         self.block_pool = BlockPool(config.num_blocks, config.block_size, self.events)
         self.root_hash = root_hash(config.model_fingerprint)
-        self.sequences: dict[int, Sequence] = {}
+        self.sequences: dict[int, KVSequence] = {}
         self.session_seq_ids: dict[str, set[int]] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_copies = 0
+        self.executor_instance_id = ""  # the executor whose KV the published blocks describe
 
     # -- allocate --------------------------------------------------------------
 
-    def step(self, seq: Sequence, new_token_ids: Sequence_[int], num_new_tokens: int) -> AllocationResult:
+    def step(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int) -> StepAllocation:
         """One step of an existing sequence. The caller (``KVManager.allocate``) has
         validated the request and checked that the sequence is the caller's."""
         start = seq.num_computed
         if num_new_tokens == 1 and len(new_token_ids) == 1 and start == len(seq.token_ids):
             # Fast path for the most common call of all, a decode step: one token
-            # into a block the sequence already holds alone. (_schedule does the
+            # into a block the sequence already holds alone. (_plan/_apply do the
             # same, with the general checks.)
             table = seq.block_table
             i = start // self.block_size
             if i < len(table) and table[i].ref_cnt == 1:
-                block = table[i]
                 seq.token_ids.append(new_token_ids[0])
-                filled = start + 1 - i * self.block_size
-                if filled > block.num_tokens:
-                    self.block_pool.num_stored_tokens += filled - block.num_tokens
-                    block.num_tokens = filled
+                self.block_pool.fill(table[i], start + 1 - i * self.block_size)
                 seq.num_computed = start + 1
-                if filled == self.block_size and seq.prefix_caching:
-                    self._cache_full_blocks(seq, i + 1)
-                return AllocationResult(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
-        return self._schedule(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False)
+                return StepAllocation(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
+        return self._allocate(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False)
 
-    def admit(self, session_id: str, request: AllocationRequest) -> AllocationResult:
+    def admit(self, session_id: str, request: AllocationRequest) -> StepAllocation:
         """Creates a sequence (prefix-cache lookup first), or returns NO_ROOM and creates nothing."""
         prefix_caching = self.config.enable_prefix_caching and request.enable_prefix_caching
-        seq = Sequence(request.seq_id, session_id, prefix_caching,
-                       extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
+        seq = KVSequence(request.seq_id, session_id, prefix_caching,
+                         extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
         hit_blocks: list[KVCacheBlock] = []
         if prefix_caching:
             hit_blocks, seq.block_hashes = self._find_cached_prefix(seq, request.token_ids)
         seq.block_table = hit_blocks.copy()
-        seq.num_computed = len(hit_blocks) * self.block_size
-        result = self._schedule(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True)
+        seq.num_computed = seq.num_written = len(hit_blocks) * self.block_size
+        result = self._allocate(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True)
         if result.ok:
             self.sequences[seq.seq_id] = seq
             self.session_seq_ids.setdefault(session_id, set()).add(seq.seq_id)
@@ -161,8 +174,8 @@ class KVPool:
             result.num_cached_tokens = len(hit_blocks) * self.block_size
         return result
 
-    def _find_cached_prefix(self, seq: Sequence, prompt: list[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
-        """Longest run of consecutive cached full blocks, leaving at least the last
+    def _find_cached_prefix(self, seq: KVSequence, prompt: list[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
+        """Longest run of consecutive published full blocks, leaving at least the last
         prompt token to compute (a hit covers at most len(prompt) - 1 tokens)."""
         bs = self.block_size
         max_hit_blocks = max(0, (len(prompt) - 1) // bs)
@@ -179,67 +192,55 @@ class KVPool:
             hashes.append(parent)
         return hits, hashes
 
-    def _schedule(self, seq: Sequence, new_token_ids: Sequence_[int], num_new_tokens: int,
-                  hit_blocks: list[KVCacheBlock], is_new: bool) -> AllocationResult:
-        # This runs once per sequence per scheduler step: plain locals, no helper
-        # calls on the common decode path (one token, no new block, no copy).
+    def _allocate(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
+                  hit_blocks: list[KVCacheBlock], is_new: bool) -> StepAllocation:
+        start = seq.num_computed
+        num_tokens = min(num_new_tokens, len(seq.token_ids) + len(new_token_ids) - start)  # computed <= known
+        reserve = is_new and self.config.allocation_policy is AllocationPolicy.RESERVE
+        num_append, cow_indices = self._plan(seq, start, start + num_tokens, reserve)
+        if not self._can_take(num_append + len(cow_indices), hit_blocks):
+            return StepAllocation(seq.seq_id, False)
+        return self._apply(seq, new_token_ids, hit_blocks, start, num_tokens, num_append, cow_indices, is_new)
+
+    def _plan(self, seq: KVSequence, start: int, end: int, reserve: bool) -> tuple[int, list[int]]:
+        """Blocks to append to the table, and indices of shared blocks this step writes
+        into (each needs a private copy). Changes nothing."""
+        bs = self.block_size
+        table = seq.block_table
+        required_slots = max(end, self.config.max_model_len) if reserve else end
+        num_append = max(0, num_blocks_for(required_slots, bs) - len(table))
+        first, last = start // bs, min(len(table), num_blocks_for(end, bs)) - 1
+        cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1] if end > start else []
+        return num_append, cow_indices
+
+    def _can_take(self, num_needed: int, hit_blocks: list[KVCacheBlock]) -> bool:
+        if not num_needed:
+            return True
+        # Free hit blocks leave the queue when taken: they cannot also be evicted
+        # to make room for the same sequence.
+        num_free_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        return num_needed <= self.block_pool.num_free_blocks - num_free_hits
+
+    def _apply(self, seq: KVSequence, new_token_ids: Sequence[int], hit_blocks: list[KVCacheBlock],
+               start: int, num_tokens: int, num_append: int, cow_indices: list[int],
+               is_new: bool) -> StepAllocation:
         bs = self.block_size
         pool = self.block_pool
         table = seq.block_table
         old_len = len(table)
-        start = seq.num_computed
-        num_tokens = len(seq.token_ids) + len(new_token_ids) - start  # >= 0: computed <= known
-        if num_new_tokens < num_tokens:
-            num_tokens = num_new_tokens
         end = start + num_tokens
-
-        # Count every block this step needs before changing anything.
-        required_slots = end
-        if is_new and self.config.allocation_policy is AllocationPolicy.RESERVE:
-            required_slots = max(end, self.config.max_model_len)
-        num_append = (required_slots + bs - 1) // bs - old_len
-        if num_append < 0:
-            num_append = 0
-        cow_indices = _EMPTY
-        first = start // bs
-        if num_tokens and first < old_len:  # the write starts in a block we hold
-            last = min(old_len - 1, (end - 1) // bs)
-            if first == last:
-                if table[first].ref_cnt > 1:
-                    cow_indices = [first]
-            else:
-                cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
-        num_needed = num_append + len(cow_indices)
-        if num_needed:
-            num_available = pool.free_queue.num_free_blocks
-            if hit_blocks:  # free hit blocks leave the queue when taken: they cannot
-                # also be evicted to make room for the same sequence
-                num_available -= sum(1 for b in hit_blocks if b.ref_cnt == 0)
-            if num_needed > num_available:
-                return AllocationResult(seq.seq_id, False)
-
-        # Apply.
         if hit_blocks:
             pool.touch(hit_blocks)
         seq.token_ids.extend(new_token_ids)
         copy_src = copy_dst = _EMPTY
-        if num_needed:
-            new_blocks = pool.get_new_blocks(num_needed)
+        if num_append or cow_indices:
+            new_blocks = pool.get_new_blocks(num_append + len(cow_indices))
             if cow_indices:
                 copy_src, copy_dst = self._copy_on_write(table, cow_indices, new_blocks, start)
             table.extend(new_blocks)
-        if num_tokens:  # the slots this step writes now hold (or are about to hold) KV
-            for i in range(start // bs, (end - 1) // bs + 1):
-                block = table[i]
-                filled = end - i * bs
-                if filled > bs:
-                    filled = bs
-                if filled > block.num_tokens:
-                    pool.num_stored_tokens += filled - block.num_tokens
-                    block.num_tokens = filled
+        for i in range(start // bs, num_blocks_for(end, bs)):  # these slots now hold (or will hold) KV
+            pool.fill(table[i], min(bs, end - i * bs))
         seq.num_computed = end
-        if seq.prefix_caching and end // bs > len(seq.block_hashes):
-            self._cache_full_blocks(seq, end // bs)
 
         if is_new:
             offset = 0
@@ -248,7 +249,7 @@ class KVPool:
         else:
             offset = old_len
         block_table = [b.block_id for b in table[offset:]] if offset < len(table) else _EMPTY
-        return AllocationResult(seq.seq_id, True, 0, start, num_tokens, offset, block_table, copy_src, copy_dst)
+        return StepAllocation(seq.seq_id, True, 0, start, num_tokens, offset, block_table, copy_src, copy_dst)
 
     def _copy_on_write(self, table: list[KVCacheBlock], cow_indices: list[int],
                        new_blocks: list[KVCacheBlock], start: int) -> tuple[list[int], list[int]]:
@@ -263,15 +264,26 @@ class KVPool:
             if i * bs < start:  # the block holds KV this sequence reads: copy it first
                 copy_src.append(shared.block_id)
                 copy_dst.append(private.block_id)
-                pool.add_tokens(private, start - i * bs)
+                pool.fill(private, start - i * bs)
             table[i] = private
             pool.free_blocks((shared,))  # refcount > 1: stays used by the others
         self.num_copies += len(copy_src)
         return copy_src, copy_dst
 
-    def _cache_full_blocks(self, seq: Sequence, num_full_blocks: int) -> None:
-        """Hashes the blocks this step filled and makes them findable; one
-        ``BlockStored`` per run of consecutive newly cached blocks."""
+    # -- written KV: publication ------------------------------------------------
+
+    def report_written(self, seq: KVSequence, num_tokens: int) -> None:
+        """The client's Execute computing ``seq``'s first ``num_tokens`` tokens returned:
+        their full blocks become findable. The caller checked ``num_tokens <= num_computed``."""
+        if num_tokens <= seq.num_written:
+            return
+        seq.num_written = num_tokens
+        if seq.publishes:
+            self._publish(seq, num_tokens // self.block_size)
+
+    def _publish(self, seq: KVSequence, num_full_blocks: int) -> None:
+        """Hashes full blocks ``len(block_hashes)..num_full_blocks`` and makes them
+        findable; one ``BlockStored`` per run of consecutive newly cached blocks."""
         bs = self.block_size
         hashes = seq.block_hashes
         run: BlockStored | None = None
@@ -282,7 +294,7 @@ class KVPool:
             h = hash_key(key)
             hashes.append(h)
             if not self.block_pool.cache_block(seq.block_table[i], h, key):
-                run = None
+                run = None  # identical content is already findable in another block
                 continue
             if run is None:
                 run = BlockStored([], parent if i else b"", [], bs, seq.adapter_id)
@@ -290,9 +302,17 @@ class KVPool:
             run.block_hashes.append(h)
             run.token_ids.extend(tokens)
 
+    def invalidate_prefix_cache(self) -> int:
+        """Nothing in the pool is findable any more, used blocks included, and no live
+        sequence publishes again (its KV may predate whatever made the cache invalid).
+        Returns how many blocks were findable."""
+        for seq in self.sequences.values():
+            seq.publishes = False
+        return self.block_pool.invalidate_prefix_cache()
+
     # -- fork / free --------------------------------------------------------
 
-    def fork(self, parent: Sequence, child_seq_ids: list[int]) -> list[int]:
+    def fork(self, parent: KVSequence, child_seq_ids: list[int]) -> list[int]:
         """Children share every block (refcount + 1), tokens and hashes."""
         for child_id in child_seq_ids:
             child = parent.fork(child_id)
@@ -318,12 +338,6 @@ class KVPool:
         for seq_id in seq_ids:
             self.free(seq_id)
         return len(seq_ids)
-
-    def reset_prefix_cache(self) -> int:
-        num_cleared = self.block_pool.reset_prefix_cache()
-        for seq in self.sequences.values():  # none hold blocks; drop stale chains
-            seq.block_hashes.clear()
-        return num_cleared
 
     def drain_events(self) -> list:
         return self.events.drain()

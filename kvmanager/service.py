@@ -7,6 +7,7 @@ of a domain call, so each RPC is applied atomically on the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvmanager.manager import KVManager
@@ -47,7 +48,7 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
             model_fingerprint=request.model_fingerprint,
             enable_prefix_caching=request.enable_prefix_caching,
             allocation_policy=request.allocation_policy, max_model_len=request.max_model_len,
-        ))
+        ), request.executor_instance_id)
         return pb.RegisterPoolResponse(created=created)
 
     async def OpenSession(self, request, context):
@@ -63,8 +64,9 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
     async def Allocate(self, request, context):
         # The SequenceAllocation messages go to the domain as they are: it reads
         # the same attribute names as AllocationRequest's (no per-token copy).
-        results, usage = self.manager.allocate(request.pool_id, request.session_id,
-                                               request.free_seq_ids, request.sequences)
+        results, usage = self.manager.allocate(request.pool_id, request.session_id, request.free_seq_ids,
+                                               request.sequences, request.written_seq_ids,
+                                               request.written_num_tokens)
         response = pb.AllocateResponse(kv_cache_usage=usage)
         add = response.results.add
         for r in results:
@@ -86,21 +88,12 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
         return pb.ForkResponse(block_table=table)
 
     async def Free(self, request, context):
-        num = self.manager.free(request.pool_id, request.session_id, list(request.seq_ids))
+        num = self.manager.free(request.pool_id, request.session_id, list(request.seq_ids),
+                                request.written_seq_ids, request.written_num_tokens)
         return pb.FreeResponse(num_blocks_freed=num)
 
     async def GetStats(self, request, context):
-        s = self.manager.stats(request.pool_id)
-        return pb.PoolStats(
-            pool_id=s.pool_id, num_blocks=s.num_blocks, block_size=s.block_size,
-            num_free_blocks=s.num_free_blocks, num_used_blocks=s.num_used_blocks,
-            num_cached_blocks=s.num_cached_blocks, usage=s.usage, num_sequences=s.num_sequences,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_evictions=s.num_evictions, num_copies=s.num_copies,
-            num_stored_tokens=s.num_stored_tokens, num_allocated_slots=s.num_allocated_slots,
-            allocation_policy=s.allocation_policy, enable_prefix_caching=s.enable_prefix_caching,
-            num_sessions=s.num_sessions,
-        )
+        return pb.PoolStats(**dataclasses.asdict(self.manager.stats(request.pool_id)))
 
     async def ResetPrefixCache(self, request, context):
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=self.manager.reset_prefix_cache(request.pool_id))

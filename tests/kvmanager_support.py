@@ -7,7 +7,9 @@ from collections import Counter
 from kvmanager.block_pool import NULL_BLOCK_ID
 import kvmanager.pool as pool_module
 from kvmanager.hashing import block_key
-from kvmanager.pool import AllocationResult, KVPool
+import struct
+
+from kvmanager.pool import KVPool, StepAllocation
 
 
 def check_invariants(pool: KVPool) -> None:
@@ -29,7 +31,7 @@ def check_invariants(pool: KVPool) -> None:
         assert len(ids) == len(set(ids)), f"seq {seq.seq_id} holds a block twice"
         holders.update(ids)
         assert NULL_BLOCK_ID not in ids
-        assert seq.num_computed <= len(seq.token_ids)
+        assert seq.num_written <= seq.num_computed <= len(seq.token_ids)
         assert seq.num_computed <= len(seq.block_table) * bs
 
     filled: Counter[int] = Counter()  # slots of each block below some holder's num_computed
@@ -57,9 +59,7 @@ def check_invariants(pool: KVPool) -> None:
     assert bp.num_cached_free_blocks == sum(1 for b in hashed if b.ref_cnt == 0)
 
     for seq in pool.sequences.values():
-        assert len(seq.block_hashes) <= seq.num_computed // bs
-        if not seq.prefix_caching:
-            assert not seq.block_hashes
+        assert len(seq.block_hashes) <= seq.num_written // bs  # only written blocks are ever hashed
         parent = pool.root_hash
         for i, h in enumerate(seq.block_hashes):
             key = block_key(parent, seq.extra, seq.token_ids[i * bs:(i + 1) * bs])
@@ -71,51 +71,111 @@ def check_invariants(pool: KVPool) -> None:
 
 
 class ShadowExecutor:
-    """Plays Allocate results on a fake KV cache that stores token ids per slot,
-    keeping the client's view of each block table as a gateway would. A wrong
-    block id, a missing copy or a bad prefix hit shows as a wrong token."""
+    """A fake KV cache that stores, per slot, the token id written there and whether
+    the writer's context was valid; it plays Allocate results back as a gateway and
+    an executor would. A wrong block id, a missing copy or a bad prefix hit shows
+    as a sequence reading another token than its own, or a findable block that
+    holds something else than the tokens it is found by.
+
+    Two phases, as in the real system: ``allocated`` records a step's table changes
+    (the gateway's view) and queues its copies and writes; ``execute`` runs what is
+    queued (the Execute call) and returns the written-KV reports; ``drop`` forgets
+    it (a rejected step). ``step`` does both at once.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
-        self.slots: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.num_blocks = num_blocks
+        # slot -> (token, written with a valid context)
+        self.slots: list[list[tuple[int, bool] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.tables: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
+        self.pending: dict[int, tuple[list[tuple[int, int]], int, int]] = {}  # seq -> (copies, start, end)
+        self.stale: set[int] = set()  # sequences whose KV predates an executor restart
 
-    def step(self, new_tokens: dict[int, list[int]], results: list[AllocationResult]) -> None:
-        """Copies first (for the whole batch), then every sequence's writes."""
-        for r in results:
-            for src, dst in zip(r.copy_src, r.copy_dst):
-                self.slots[dst] = self.slots[src].copy()
+    def allocated(self, new_tokens: dict[int, list[int]], results: list[StepAllocation]) -> None:
         for r in results:
             if not r.ok:
                 continue
+            assert r.seq_id not in self.pending, "two allocations of one sequence before its Execute"
             table = self.tables.get(r.seq_id, [])[:r.block_table_offset] + list(r.block_table)
             self.tables[r.seq_id] = table
-            tokens = self.tokens.setdefault(r.seq_id, [])
-            tokens.extend(new_tokens.get(r.seq_id, []))
-            bs = self.block_size
-            for pos in range(r.start_position, r.start_position + r.num_tokens):
-                self.slots[table[pos // bs]][pos % bs] = tokens[pos]
+            self.tokens.setdefault(r.seq_id, []).extend(new_tokens.get(r.seq_id, []))
+            if r.num_tokens or r.copy_src:
+                copies = list(zip(r.copy_src, r.copy_dst))
+                self.pending[r.seq_id] = (copies, r.start_position, r.start_position + r.num_tokens)
+
+    def execute(self) -> list[tuple[int, int]]:
+        """Copies first (for the whole batch), then every sequence's writes; returns
+        (seq_id, tokens written) for each sequence it ran."""
+        bs = self.block_size
+        for copies, _, _ in self.pending.values():
+            for src, dst in copies:
+                self.slots[dst] = self.slots[src].copy()
+        for seq_id, (_, start, end) in self.pending.items():
+            table, tokens = self.tables[seq_id], self.tokens[seq_id]
+            for pos in range(start, end):
+                self.slots[table[pos // bs]][pos % bs] = (tokens[pos], seq_id not in self.stale)
+        done = [(seq_id, end) for seq_id, (_, _, end) in self.pending.items()]
+        self.pending.clear()
+        return done
+
+    def drop(self) -> list[int]:
+        """A rejected step: nothing queued runs; returns the sequences it held."""
+        seq_ids = list(self.pending)
+        self.pending.clear()
+        return seq_ids
+
+    def step(self, new_tokens: dict[int, list[int]], results: list[StepAllocation]) -> list[tuple[int, int]]:
+        self.allocated(new_tokens, results)
+        return self.execute()
+
+    def restart(self) -> None:
+        """The executor restarted: every slot is garbage, every live sequence stale."""
+        self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
+        self.stale.update(self.tables)
+        self.pending.clear()
 
     def fork(self, parent: int, children: list[int], table: list[int]) -> None:
         assert table == self.tables.get(parent, [])
         for child in children:
             self.tables[child] = list(table)
             self.tokens[child] = list(self.tokens[parent])
+            if parent in self.stale:
+                self.stale.add(child)
 
     def free(self, seq_id: int) -> None:
         self.tables.pop(seq_id, None)
         self.tokens.pop(seq_id, None)
+        self.pending.pop(seq_id, None)
+        self.stale.discard(seq_id)
 
     def check(self, pool: KVPool) -> None:
-        """Every computed position of every live sequence reads its own token."""
+        """Every written position of every live sequence reads its own token, and
+        every findable block holds what it is found by."""
         bs = self.block_size
         assert set(self.tables) == set(pool.sequences)
         for seq_id, seq in pool.sequences.items():
             assert self.tables[seq_id] == [b.block_id for b in seq.block_table], f"seq {seq_id}: table drift"
             assert self.tokens[seq_id] == seq.token_ids
+            if seq_id in self.stale or seq_id in self.pending:
+                continue  # garbage after a restart; or a copy-on-write copy not run yet
             table = self.tables[seq_id]
-            for pos in range(seq.num_computed):
-                assert self.slots[table[pos // bs]][pos % bs] == seq.token_ids[pos], (
-                    f"seq {seq_id} pos {pos}: KV holds {self.slots[table[pos // bs]][pos % bs]}, "
-                    f"token is {seq.token_ids[pos]}")
+            for pos in range(seq.num_written):
+                slot = self.slots[table[pos // bs]][pos % bs]
+                assert slot is not None and slot[0] == seq.token_ids[pos], (
+                    f"seq {seq_id} pos {pos}: KV holds {slot}, token is {seq.token_ids[pos]}")
+        self.check_findable(pool)
+
+    def check_findable(self, pool: KVPool) -> None:
+        """A hit means the KV is there: every findable block holds, written with a
+        valid context, the tokens it is found by."""
+        for block in pool.block_pool.cached_blocks.values():
+            expected = [(t, True) for t in key_tokens(block.block_key, self.block_size)]
+            assert self.slots[block.block_id] == expected, (
+                f"block {block.block_id} is findable but holds {self.slots[block.block_id]}")
+
+
+def key_tokens(key: bytes, block_size: int) -> list[int]:
+    """The token ids a block key (``hashing.block_key``) was computed from."""
+    return list(struct.unpack(f"<{block_size}i", key[len(key) - 4 * block_size:]))

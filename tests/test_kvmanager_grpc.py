@@ -67,10 +67,16 @@ def seq(seq_id, tokens, n=None, **kw):
                                  enable_prefix_caching=True, **kw)
 
 
-def allocate(stub, pool, *sequences, free=()):
+def allocate(stub, pool, *sequences, free=(), report=True):
+    """One step; then (``report``) the gateway's report that the step's KV is written."""
     pool_id, session = pool
-    return stub.Allocate(pb.AllocateRequest(pool_id=pool_id, session_id=session, free_seq_ids=free,
-                                            sequences=sequences))
+    reply = stub.Allocate(pb.AllocateRequest(pool_id=pool_id, session_id=session, free_seq_ids=free,
+                                             sequences=sequences))
+    if report:
+        done = [r for r in reply.results if r.status == pb.ALLOCATION_STATUS_OK]
+        stub.Free(pb.FreeRequest(pool_id=pool_id, session_id=session, written_seq_ids=[r.seq_id for r in done],
+                                 written_num_tokens=[r.start_position + r.num_tokens for r in done]))
+    return reply
 
 
 def stats(stub, pool):
@@ -152,12 +158,53 @@ def test_no_room_is_a_result_not_an_error(stub, pool):
     assert stats(stub, pool).num_sequences == 1
 
 
-def test_reset_prefix_cache_refused_while_in_use(stub, pool):
+def test_unwritten_blocks_are_not_findable_by_another_session(stub, pool):
+    """Two gateways on one pool: B must not hit on blocks A allocated but nobody computed yet."""
+    other = stub.OpenSession(pb.OpenSessionRequest(pool_id=pool[0], client_name="gateway-b")).session_id
+    allocate(stub, pool, seq(1, list(range(9))), report=False)
+    assert allocate(stub, (pool[0], other), seq(2, list(range(9))), report=False).results[0].num_cached_tokens == 0
+    stub.Free(pb.FreeRequest(pool_id=pool[0], session_id=pool[1], written_seq_ids=[1], written_num_tokens=[9]))
+    assert allocate(stub, (pool[0], other), seq(3, list(range(9)))).results[0].num_cached_tokens == 8
+
+
+def test_written_reports_are_validated_and_a_bad_one_changes_nothing(stub, pool):
+    allocate(stub, pool, seq(1, list(range(9))), report=False)
+    other = stub.OpenSession(pb.OpenSessionRequest(pool_id=pool[0], client_name="other")).session_id
+    before = stats(stub, pool)
+    bad = {
+        grpc.StatusCode.INVALID_ARGUMENT: [([1], [10]), ([1], []), ([1, 1], [4])],
+        grpc.StatusCode.NOT_FOUND: [([99], [1])],
+    }
+    for code, cases in bad.items():
+        for ids, nums in cases:
+            request = pb.AllocateRequest(pool_id=pool[0], session_id=pool[1], written_seq_ids=ids,
+                                         written_num_tokens=nums, sequences=[seq(2, list(range(9)))])
+            assert code_of(lambda: stub.Allocate(request))[0] == code, (ids, nums)
+    request = pb.FreeRequest(pool_id=pool[0], session_id=other, written_seq_ids=[1], written_num_tokens=[9])
+    assert code_of(lambda: stub.Free(request))[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert stats(stub, pool) == before
+
+
+def test_reset_works_while_blocks_are_in_use(stub, pool):
     allocate(stub, pool, seq(1, list(range(9))))
-    code, _ = code_of(lambda: stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(pool_id=pool[0])))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION
-    stub.Free(pb.FreeRequest(pool_id=pool[0], session_id=pool[1], seq_ids=[1]))
     assert stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(pool_id=pool[0])).num_blocks_cleared == 2
+    assert allocate(stub, pool, seq(2, list(range(9)))).results[0].num_cached_tokens == 0
+    assert stats(stub, pool).num_sequences == 2
+
+
+def test_a_restarted_executor_invalidates_blocks_another_session_holds(stub, pool):
+    """The executor restarts while another session holds a block: the new gateway's
+    RegisterPool (new executor_instance_id) makes its pool's old KV unfindable."""
+    register = pb.RegisterPoolRequest(
+        pool_id=pool[0], num_blocks=11, block_size=BS, model_fingerprint="m", enable_prefix_caching=True,
+        allocation_policy=pb.ALLOCATION_POLICY_PAGED, max_model_len=64, executor_instance_id="first")
+    assert not stub.RegisterPool(register).created
+    allocate(stub, pool, seq(1, list(range(9))))  # the old gateway's session keeps holding these
+    register.executor_instance_id = "second"
+    assert not stub.RegisterPool(register).created
+    fresh = stub.OpenSession(pb.OpenSessionRequest(pool_id=pool[0], client_name="new-gateway")).session_id
+    assert allocate(stub, (pool[0], fresh), seq(2, list(range(9)))).results[0].num_cached_tokens == 0
+    assert stats(stub, pool).num_sequences == 2
 
 
 def test_cache_salt_isolates_tenants(stub, pool):

@@ -8,7 +8,6 @@ from kvmanager.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
-from kvserve.errors import FailedPrecondition
 from tests.kvmanager_support import ShadowExecutor, check_invariants
 
 BS = 4
@@ -26,7 +25,9 @@ class Harness:
         self.events: list = []
         self.manager.subscribe("p", lambda batch: self.events.extend(batch.events))
 
-    def step(self, *requests: Req, free: tuple[int, ...] = ()):
+    def step(self, *requests: Req, free: tuple[int, ...] = (), report: bool = True):
+        """Allocate, run the step on the shadow executor, then (``report``) tell the
+        manager the KV is written, as the gateway does after Execute returns."""
         for seq_id in free:
             self.shadow.free(seq_id) if seq_id in self.pool.sequences else None
         results, _ = self.manager.allocate("p", self.session, list(free), list(requests))
@@ -34,10 +35,18 @@ class Harness:
             r.block_table, r.copy_src, r.copy_dst = list(r.block_table), list(r.copy_src), list(r.copy_dst)
         self.shadow.step({r.seq_id: r.token_ids for r in requests}, results)
         self.check()
+        if report:
+            self.report(*(r for r in results if r.ok))
         return results if len(results) != 1 else results[0]
 
-    def prefill(self, seq_id: int, tokens: list[int], **kw):
-        return self.step(Req(seq_id, list(tokens), len(tokens), **kw))
+    def report(self, *results):
+        """Execute returned: the KV of these steps is written."""
+        ids = [r.seq_id for r in results]
+        self.manager.free("p", self.session, [], ids, [r.start_position + r.num_tokens for r in results])
+        self.check()
+
+    def prefill(self, seq_id: int, tokens: list[int], report: bool = True, **kw):
+        return self.step(Req(seq_id, list(tokens), len(tokens), **kw), report=report)
 
     def decode(self, seq_id: int, token: int):
         return self.step(Req(seq_id, [token], 1))
@@ -136,10 +145,34 @@ def test_hit_is_capped_so_the_last_prompt_token_is_recomputed():
     assert r.num_cached_tokens == 8 and r.num_tokens == 1
 
 
-def test_blocks_are_findable_in_the_step_that_computes_them():
+def test_blocks_are_findable_only_once_reported_written():
+    h = Harness(num_blocks=20)
+    r1, r2 = h.step(Req(1, list(range(9)), 9), Req(2, list(range(9)), 9), report=False)
+    assert r2.num_cached_tokens == 0  # same step: nobody has written block 0 yet
+    assert h.prefill(3, list(range(9)), report=False).num_cached_tokens == 0  # a later step, still unwritten
+    h.report(r1)
+    r4 = h.prefill(4, list(range(9)))
+    assert r4.num_cached_tokens == 8 and r4.block_table[:2] == r1.block_table[:2]
+    h.report(r2)  # identical content written twice: the first copy stays the findable one
+    assert h.prefill(5, list(range(9))).block_table[:2] == r1.block_table[:2]
+
+
+def test_a_partial_report_publishes_only_the_full_blocks_it_covers():
     h = Harness()
-    r1, r2 = h.step(Req(1, list(range(9)), 9), Req(2, list(range(9)), 9))
-    assert r2.num_cached_tokens == 8 and r2.block_table[:2] == r1.block_table[:2]
+    r = h.prefill(1, list(range(12)), report=False)
+    h.manager.free("p", h.session, [], [1], [6])  # one block and a half written
+    assert h.prefill(2, list(range(12))).num_cached_tokens == 4
+    h.report(r)
+    assert h.prefill(3, list(range(12))).num_cached_tokens == 8
+
+
+def test_a_sequence_freed_before_its_report_publishes_nothing():
+    h = Harness()
+    h.prefill(1, list(range(9)), report=False)
+    h.free(1)
+    assert not h.pool.block_pool.cached_blocks and h.stats.num_cached_blocks == 0
+    assert not [e for e in h.events if isinstance(e, BlockStored)]
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 0
 
 
 def test_prefix_caching_off_for_the_pool_or_the_sequence():
@@ -336,15 +369,32 @@ def test_reserve_policy_allocates_max_model_len_at_admission():
     assert not h.prefill(3, [1]).ok  # 2 blocks left, 4 needed
 
 
-def test_reset_prefix_cache_refused_while_blocks_are_used():
+def test_reset_works_while_blocks_are_used_and_live_sequences_never_publish_again():
     h = Harness()
     h.prefill(1, list(range(9)))
-    with pytest.raises(FailedPrecondition):
-        h.manager.reset_prefix_cache("p")
-    h.free(1)
-    assert h.manager.reset_prefix_cache("p") == 2
+    h.prefill(9, list(range(50, 55)))
+    h.free(9)  # one findable free block, two findable used ones
+    assert h.manager.reset_prefix_cache("p") == 3
     assert isinstance(h.events[-1], AllBlocksCleared)
-    assert h.stats.num_cached_blocks == 0
+    assert h.stats.num_cached_blocks == 0 and not h.pool.block_pool.cached_blocks
+    assert h.stats.num_used_blocks == 3  # sequence 1 keeps its blocks
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 0
+    for t in range(9, 16):  # sequence 1 fills blocks 2 and 3 after the reset: they stay unfindable
+        h.decode(1, t)
+    assert h.prefill(3, list(range(17))).num_cached_tokens == 8  # sequence 2's blocks, written after it
+    assert all(b not in h.table(1) for b in h.table(3))
+
+
+def test_a_new_executor_instance_invalidates_the_pool_but_keeps_it():
+    h = Harness()
+    config = h.pool.config
+    assert h.manager.register_pool(config, "instance-a") is False  # first id seen: nothing to drop
+    h.prefill(1, list(range(9)))
+    assert h.manager.register_pool(config, "instance-a") is False
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 8
+    assert h.manager.register_pool(config, "instance-b") is False  # restarted: same pool, nothing findable
+    assert h.manager.pools["p"] is h.pool and set(h.pool.sequences) == {1, 2}
+    assert h.prefill(3, list(range(9))).num_cached_tokens == 0
     assert h.prefill(2, list(range(9))).num_cached_tokens == 0
 
 

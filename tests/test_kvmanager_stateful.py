@@ -1,19 +1,24 @@
-"""Hypothesis stateful test: random allocate / append / fork / free / expire on
-small pools, with the invariants and a shadow executor checked after every step.
+"""Hypothesis stateful test: random allocate / append / fork / free / expire /
+execute / reject / reset / executor restart on small pools, with the invariants
+and a shadow executor checked after every step.
 
-The shadow executor replays every result on a fake KV cache (token id per slot),
-so a wrong block id, a missed copy-on-write or a bad prefix hit shows up as a
-sequence reading another token than its own.
+The shadow executor replays every result on a fake KV cache (token id per slot)
+only when the step is executed, and the written-KV reports reach the manager only
+after that, as the gateway sends them. A wrong block id, a missed copy-on-write
+or a prefix hit on KV nobody wrote shows up as a sequence reading another token
+than its own, or a findable block holding something else.
 """
 from __future__ import annotations
 
 import copy
 
+import pytest
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
+from kvserve.errors import InvalidArgument
 from tests.kvmanager_support import ShadowExecutor, check_invariants
 
 # Prompts are a shared system prompt (or none) plus a tail over a 3-letter
@@ -37,9 +42,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         num_blocks=st.integers(2, 40),
         prefix_caching=st.booleans(),
         reserve=st.booleans(),
-        max_model_len=st.integers(1, 40),
+        max_model_len=st.integers(4, 40),
+        paged_limit=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, prefix_caching, reserve, max_model_len):
+    def setup(self, block_size, num_blocks, prefix_caching, reserve, max_model_len, paged_limit):
+        if not reserve and not paged_limit:
+            max_model_len = 0  # no limit
         self.clock = FakeClock()
         self.manager = KVManager(default_session_ttl_ms=1000, clock=self.clock)
         policy = AllocationPolicy.RESERVE if reserve else AllocationPolicy.PAGED
@@ -51,6 +59,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.sessions = [self.manager.open_session("p", ttl_ms=1000).session_id,
                          self.manager.open_session("p", ttl_ms=10**7).session_id]
         self.next_id = 0
+        self.reports: list[dict[int, int]] = [{}, {}]  # per session: seq -> tokens written, not yet sent
+        self.instance = 0
 
     def _new_id(self) -> int:
         self.next_id += 1
@@ -59,13 +69,39 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _owned(self, who: int) -> list[int]:
         return sorted(self.pool.session_seq_ids.get(self.sessions[who], ()))
 
+    def _steppable(self, who: int) -> list[int]:
+        """The session's sequences with no step waiting for its Execute."""
+        return [s for s in self._owned(who) if s not in self.shadow.pending]
+
+    def _take_reports(self, who: int) -> tuple[list[int], list[int]]:
+        reports, self.reports[who] = self.reports[who], {}
+        live = [s for s in reports if s in self.pool.sequences]
+        return live, [reports[s] for s in live]
+
+    def _forget(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.shadow.free(seq_id)
+            for reports in self.reports:
+                reports.pop(seq_id, None)
+
     def _allocate(self, who: int, free: list[int], requests: list[Req]) -> None:
         snapshot = {r.seq_id: copy.copy(self.pool.sequences.get(r.seq_id)) for r in requests}
         before = {r.seq_id: (list(s.token_ids), s.num_computed, [b.block_id for b in s.block_table])
                   for r in requests if (s := self.pool.sequences.get(r.seq_id)) is not None}
-        for seq_id in free:
-            self.shadow.free(seq_id)
-        results, _ = self.manager.allocate("p", self.sessions[who], free, requests)
+        max_len = self.pool.config.max_model_len or float("inf")
+        too_long = [r for r in requests if len(r.token_ids) + (
+            len(self.pool.sequences[r.seq_id].token_ids) if r.seq_id in self.pool.sequences and r.seq_id not in free
+            else 0) > max_len]
+        if too_long:
+            stats = self.manager.stats("p")
+            with pytest.raises(InvalidArgument, match="max_model_len"):
+                self.manager.allocate("p", self.sessions[who], free, requests, *self._take_reports(who))
+            event("longer than max_model_len")
+            assert self.manager.stats("p") == stats
+            return
+        written = self._take_reports(who)
+        self._forget(free)
+        results, _ = self.manager.allocate("p", self.sessions[who], free, requests, *written)
         assert [r.seq_id for r in results] == [r.seq_id for r in requests]
         for request, result in zip(requests, results):
             seq = self.pool.sequences.get(request.seq_id)
@@ -75,7 +111,7 @@ class KVManagerMachine(RuleBasedStateMachine):
                     event("copy-on-write")
                 assert result.num_cached_tokens % self.pool.block_size == 0
                 if result.num_cached_tokens:  # a hit leaves the last prompt token to compute
-                    assert snapshot[request.seq_id] is None and seq.prefix_caching
+                    assert snapshot[request.seq_id] is None and seq.publishes
                     assert result.num_cached_tokens <= len(request.token_ids) - 1
                     assert result.start_position == result.num_cached_tokens
                 continue
@@ -85,19 +121,69 @@ class KVManagerMachine(RuleBasedStateMachine):
             else:  # no room: exactly as before
                 assert (list(seq.token_ids), seq.num_computed,
                         [b.block_id for b in seq.block_table]) == before[request.seq_id]
-        self.shadow.step({r.seq_id: r.token_ids for r in requests}, results)
+        self.shadow.allocated({r.seq_id: r.token_ids for r in requests}, results)
+
+    @rule()
+    def execute(self):
+        """The Execute of every pending step returns; its reports wait for the next call."""
+        for seq_id, end in self.shadow.execute():
+            owner = self.sessions.index(self.pool.sequences[seq_id].session_id)
+            self.reports[owner][seq_id] = end
+
+    @rule(who=st.integers(0, 1))
+    def flush_reports(self, who):
+        """An idle gateway sends its reports with a Free of nothing."""
+        self.manager.free("p", self.sessions[who], [], *self._take_reports(who))
+
+    @precondition(lambda self: self.shadow.pending)
+    @rule()
+    def reject(self):
+        """The executor refuses the step: its sequences fail and are freed, never executed."""
+        for seq_id in self.shadow.drop():
+            owner = self.sessions.index(self.pool.sequences[seq_id].session_id)
+            self.manager.free("p", self.sessions[owner], [seq_id], *self._take_reports(owner))
+            self._forget([seq_id])
+
+    @rule()
+    def restart_executor(self):
+        """The executor restarts; session 1's gateway notices (new instance id), registers
+        the pool again and recomputes its sequences; session 0's gateway is dead and its
+        sequences linger until its lease runs out."""
+        self.shadow.restart()
+        self.instance += 1
+        self.manager.register_pool(self.pool.config, f"instance-{self.instance}")
+        doomed = self._owned(1)
+        self.reports[1].clear()
+        self.manager.free("p", self.sessions[1], doomed)
+        self._forget(doomed)
 
     @rule(who=st.integers(0, 1), prompt=tokens, chunk=st.integers(0, 30), salt=st.sampled_from(["", "", "s"]),
-          caching=st.booleans())
-    def admit(self, who, prompt, chunk, salt, caching):
+          caching=st.booleans(), run=st.booleans())
+    def admit(self, who, prompt, chunk, salt, caching, run):
+        """A new sequence; with ``run``, its step is executed at once (as the gateway does)."""
         self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt)])
+        if run:
+            self.execute()
+
+    @precondition(lambda self: self.pool.sequences)
+    @rule(who=st.integers(0, 1), data=st.data(), run=st.booleans())
+    def readmit(self, who, data, run):
+        """A new sequence whose prompt repeats a live one's tokens: a prefix hit is
+        due exactly where that sequence's KV was reported written."""
+        source = self.pool.sequences[data.draw(st.sampled_from(sorted(self.pool.sequences)))]
+        prompt = source.token_ids[:data.draw(st.integers(0, len(source.token_ids)))]
+        self._allocate(who, [], [Req(self._new_id(), prompt, len(prompt), True)])
+        if run:
+            self.execute()
 
     @rule(who=st.integers(0, 1), data=st.data())
     def step_batch(self, who, data):
         """One scheduler step over some of the session's sequences, maybe with frees."""
-        owned = self._owned(who)
+        owned = self._steppable(who)
         chosen = data.draw(st.lists(st.sampled_from(owned), unique=True) if owned else st.just([]))
-        free = data.draw(st.lists(st.sampled_from(owned), unique=True, max_size=2) if owned else st.just([]))
+        everything = self._owned(who)
+        free = data.draw(st.lists(st.sampled_from(everything), unique=True, max_size=2) if everything
+                         else st.just([]))
         free = [s for s in free if s not in chosen] + [self._new_id() + 1000]  # unknown ids are ignored
         requests = [Req(s, data.draw(st.lists(st.integers(0, 2), max_size=3)), data.draw(st.integers(0, 9)))
                     for s in chosen]
@@ -109,13 +195,13 @@ class KVManagerMachine(RuleBasedStateMachine):
     def decode(self, who, token):
         """The common step: one sampled token for every sequence of the session."""
         # Siblings get different tokens, so that a write into a shared block shows.
-        requests = [Req(s, [(token + k) % 3], 1) for k, s in enumerate(self._owned(who))]
+        requests = [Req(s, [(token + k) % 3], 1) for k, s in enumerate(self._steppable(who))]
         self._allocate(who, [], requests)
 
-    @precondition(lambda self: self.pool.sequences)
+    @precondition(lambda self: set(self.pool.sequences) - set(self.shadow.pending))
     @rule(data=st.data(), num_children=st.integers(1, 3))
     def fork(self, data, num_children):
-        parent = data.draw(st.sampled_from(sorted(self.pool.sequences)))
+        parent = data.draw(st.sampled_from(sorted(set(self.pool.sequences) - set(self.shadow.pending))))
         owner = self.sessions.index(self.pool.sequences[parent].session_id)
         children = [self._new_id() for _ in range(num_children)]
         table = self.manager.fork("p", self.sessions[owner], parent, children)
@@ -130,9 +216,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         for s in seq_ids:
             by_session.setdefault(self.pool.sequences[s].session_id, []).append(s)
         for session_id, ids in by_session.items():
-            self.manager.free("p", session_id, ids)
-            for s in ids:
-                self.shadow.free(s)
+            self.manager.free("p", session_id, ids, *self._take_reports(self.sessions.index(session_id)))
+            self._forget(ids)
 
     @rule()
     def expire_short_session(self):
@@ -140,12 +225,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         doomed = set(self._owned(0))
         self.clock.now += 1.5
         assert self.manager.reap_expired() == 1
-        for s in doomed:
-            self.shadow.free(s)
+        self._forget(doomed)
         assert not doomed & set(self.pool.sequences)
         self.sessions[0] = self.manager.open_session("p", ttl_ms=1000).session_id
 
-    @precondition(lambda self: self.pool.block_pool.num_used_blocks == 0)
     @rule()
     def reset_prefix_cache(self):
         self.manager.reset_prefix_cache("p")
@@ -170,7 +253,7 @@ class KVManagerMachine(RuleBasedStateMachine):
 
 
 KVManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=30, deadline=None,
+    max_examples=200, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow], derandomize=True,
 )
 test_kvmanager_state_machine = KVManagerMachine.TestCase

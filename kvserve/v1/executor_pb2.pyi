@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "architecture", "dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "model_path")
+    __slots__ = ("model_name", "model_fingerprint", "architecture", "dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "model_path", "instance_id", "tokenizer_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class DescribeResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     architecture: str
@@ -40,7 +42,9 @@ class DescribeResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_layers: int
     model_path: str
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    tokenizer_fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., model_path: _Optional[str] = ..., instance_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "top_logprobs", "suppressed_token_ids")
@@ -105,15 +109,17 @@ class StepTimings(_message.Message):
     def __init__(self, copy_ms: _Optional[float] = ..., forward_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class ExecuteResponse(_message.Message):
-    __slots__ = ("sampled_token_ids", "sampled_logprobs", "top_logprobs", "timings", "num_tokens")
+    __slots__ = ("sampled_token_ids", "sampled_logprobs", "top_logprobs", "timings", "num_tokens", "instance_id")
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampled_logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     timings: StepTimings
     num_tokens: int
-    def __init__(self, sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., num_tokens: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...

@@ -26,7 +26,7 @@ ALLOCATION_STATUS_OK: AllocationStatus
 ALLOCATION_STATUS_NO_ROOM: AllocationStatus
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len", "executor_instance_id")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class RegisterPoolRequest(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -41,7 +42,8 @@ class RegisterPoolRequest(_message.Message):
     enable_prefix_caching: bool
     allocation_policy: AllocationPolicy
     max_model_len: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    executor_instance_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("created",)
@@ -92,16 +94,20 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, num_sequences_freed: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool_id", "session_id", "free_seq_ids", "sequences")
+    __slots__ = ("pool_id", "session_id", "free_seq_ids", "sequences", "written_seq_ids", "written_num_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     session_id: str
     free_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
-    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ...) -> None: ...
+    written_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    written_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id")
@@ -168,14 +174,18 @@ class ForkResponse(_message.Message):
     def __init__(self, block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool_id", "session_id", "seq_ids")
+    __slots__ = ("pool_id", "session_id", "seq_ids", "written_seq_ids", "written_num_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     session_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    written_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    written_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_blocks_freed",)

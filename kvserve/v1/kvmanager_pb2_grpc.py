@@ -94,7 +94,9 @@ class KVManagerServicer:
     def RegisterPool(self, request, context):
         """Creates a pool, or returns the existing one when the parameters match.
         A pool with different parameters and no used blocks is replaced; one with
-        blocks in use is FAILED_PRECONDITION.
+        blocks in use is FAILED_PRECONDITION. The same parameters with another
+        executor_instance_id (the executor restarted) keep the pool and its
+        sequences but make none of its blocks findable by prefix any more.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,10 +124,12 @@ class KVManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """One scheduler step: piggybacked frees first, then per sequence (in order)
-        append its new tokens, look new sequences up in the prefix cache, and
-        make room for the tokens to compute this step. Atomic per sequence: a
-        sequence that does not fit is left unchanged and reported NO_ROOM.
+        """One scheduler step: first the reports of written KV (which publish the
+        full blocks they cover), then the piggybacked frees, then per sequence (in
+        order) append its new tokens, look new sequences up in the prefix cache,
+        and make room for the tokens to compute this step. Atomic per sequence: a
+        sequence that does not fit is left unchanged and reported NO_ROOM. A
+        malformed request (any field) is INVALID_ARGUMENT and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,9 +144,9 @@ class KVManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Free(self, request, context):
-        """Frees sequences; their blocks return to the pool (cached blocks stay
-        findable by prefix until reused). Unknown ids are NOT_FOUND and nothing
-        is freed.
+        """Reports written KV (as Allocate does), then frees sequences; their blocks
+        return to the pool (published blocks stay findable by prefix until
+        reused). Unknown ids are NOT_FOUND and nothing is freed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,7 +160,8 @@ class KVManagerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ResetPrefixCache(self, request, context):
-        """Forgets every cached prefix hash. FAILED_PRECONDITION while any block is used.
+        """Makes every block of the pool unfindable by prefix, used ones included
+        (they stay allocated to their sequences, which never publish again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
