@@ -30,13 +30,33 @@ OK = kvmanager_pb2.ALLOCATION_STATUS_OK
 POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
 
 
+# Status codes with which a dependency that is up refuses what it was sent: the
+# fault is in the call (a gateway bug or a request the edge let through), so only
+# the requests in it fail. Anything else means the dependency is unreachable or
+# has lost this gateway's state (an unknown session after a kvmanager restart).
+REFUSALS = {
+    "executor": frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           grpc.StatusCode.INTERNAL}),
+    "kvmanager": frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS,
+                            grpc.StatusCode.INTERNAL}),
+}
+
+
 class DependencyError(Unavailable):
     """kvmanager or executor failed an RPC (unreachable, restarted, or refused the call)."""
 
     def __init__(self, service: str, address: str, exc: grpc.aio.AioRpcError):
         self.service = service
         self.status = exc.code()
+        self.details = exc.details() or ""
         super().__init__(f"{service} at {address}: {exc.code().name}: {exc.details()}")
+
+    @property
+    def refused(self) -> bool:
+        """The dependency is up and refused this call's content (see ``REFUSALS``)."""
+        return self.status in REFUSALS.get(self.service, ())
 
 
 @dataclass(frozen=True)
@@ -53,6 +73,8 @@ class ExecutorInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    instance_id: str = ""
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +82,7 @@ class ExecuteOutput:
     sampled: list[SampledToken]
     forward_s: float
     total_s: float
+    instance_id: str = ""
 
 
 class _Client:
@@ -98,7 +121,8 @@ class ExecutorClient(_Client):
             model_name=reply.model_name, model_fingerprint=reply.model_fingerprint, dtype=reply.dtype,
             device=reply.device, attention_backend=reply.attention_backend, block_size=reply.block_size,
             num_blocks=reply.num_blocks, max_model_len=reply.max_model_len, vocab_size=reply.vocab_size,
-            eos_token_ids=tuple(reply.eos_token_ids),
+            eos_token_ids=tuple(reply.eos_token_ids), instance_id=reply.instance_id,
+            tokenizer_fingerprint=reply.tokenizer_fingerprint,
         )
 
     async def execute(self, ready: list[ScheduledSeq]) -> ExecuteOutput:
@@ -132,7 +156,7 @@ class ExecutorClient(_Client):
                 top = list(zip(alt.token_ids, alt.logprobs))
             sampled.append(SampledToken(token_id, logprobs[i] if i < len(logprobs) else None, top))
         timings = reply.timings
-        return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0)
+        return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id)
 
 
 def _fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq) -> None:
@@ -163,6 +187,7 @@ class KVManagerClient(_Client):
             pool_id=pool_id, num_blocks=info.num_blocks, block_size=info.block_size,
             model_fingerprint=info.model_fingerprint, enable_prefix_caching=enable_prefix_caching,
             allocation_policy=POLICIES[kv_allocation], max_model_len=info.max_model_len,
+            executor_instance_id=info.instance_id,
         )
         return (await self._call(self._stub.RegisterPool, request, self._timeout)).created
 
@@ -180,18 +205,22 @@ class KVManagerClient(_Client):
         reply = await self._call(self._stub.CloseSession, request, timeout or self._timeout)
         return reply.num_sequences_freed
 
-    async def allocate(self, pool_id: str, session_id: str, free_seq_ids: list[int],
-                       plan: list[ScheduledSeq], prefix_caching: bool) -> tuple[list[AllocationResult], float]:
+    async def allocate(self, pool_id: str, session_id: str, free_seq_ids: list[int], plan: list[ScheduledSeq],
+                       prefix_caching: bool, written: tuple[list[int], list[int]] = ((), ()),
+                       ) -> tuple[list[AllocationResult], float]:
+        # Prefix caching and the salt are read only when a sequence is created: not sent per decode.
         sequences = [
             kvmanager_pb2.SequenceAllocation(
                 seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens,
                 enable_prefix_caching=prefix_caching and entry.seq.request.options.enable_prefix_caching,
                 cache_salt=entry.seq.request.options.cache_salt,
-            )
+            ) if not entry.seq.holds_blocks else kvmanager_pb2.SequenceAllocation(
+                seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens)
             for entry in plan
         ]
         request = kvmanager_pb2.AllocateRequest(
-            pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences)
+            pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences,
+            written_seq_ids=written[0], written_num_tokens=written[1])
         reply = await self._call(self._stub.Allocate, request, self._timeout)
         results = [
             AllocationResult(
@@ -208,8 +237,10 @@ class KVManagerClient(_Client):
             pool_id=pool_id, session_id=session_id, parent_seq_id=parent, child_seq_ids=children)
         return list((await self._call(self._stub.Fork, request, self._timeout)).block_table)
 
-    async def free(self, pool_id: str, session_id: str, seq_ids: list[int]) -> int:
-        request = kvmanager_pb2.FreeRequest(pool_id=pool_id, session_id=session_id, seq_ids=seq_ids)
+    async def free(self, pool_id: str, session_id: str, seq_ids: list[int],
+                   written: tuple[list[int], list[int]] = ((), ())) -> int:
+        request = kvmanager_pb2.FreeRequest(pool_id=pool_id, session_id=session_id, seq_ids=seq_ids,
+                                            written_seq_ids=written[0], written_num_tokens=written[1])
         return (await self._call(self._stub.Free, request, self._timeout)).num_blocks_freed
 
     async def get_stats(self, pool_id: str, timeout: float = 1.0) -> kvmanager_pb2.PoolStats:

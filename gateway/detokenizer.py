@@ -9,7 +9,11 @@ keeps the leading space a token carries.
 """
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jinja2
@@ -24,6 +28,16 @@ REPLACEMENT_CHAR = "\ufffd"
 MAX_PENDING_TOKENS = 4
 # Left context kept before the tokens being decoded.
 CONTEXT_TOKENS = 6
+# Texts (and chat renderings) at least this long are tokenized on a worker thread: the
+# tokenizers library releases the GIL, so a huge prompt does not stall every stream on the
+# event loop. Shorter ones are quicker inline than the hop to a thread.
+OFF_LOOP_CHARS = 16_384
+OFF_LOOP_MESSAGES = 64
+TOKENIZE_THREADS = 2
+# Before tokenizing a text of more than PREFIX_CHARS_PER_TOKEN * max_model_len characters in
+# full, its first that many characters are: a prefix that alone is well over max_model_len
+# tokens proves the prompt too long at a fraction of the cost.
+PREFIX_CHARS_PER_TOKEN = 16
 
 
 class IncrementalDetokenizer(TextDecoder):
@@ -98,6 +112,8 @@ class ModelTokenizer:
             raise StartupError(f"no tokenizer.json in model directory {model_dir}")
         self.tokenizer = Tokenizer.from_file(str(path))
         self.model_dir = model_dir
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers_lock = threading.Lock()
         config = _read_json(model_dir / "tokenizer_config.json")
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -121,6 +137,42 @@ class ModelTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def encode_async(self, text: str, add_special_tokens: bool = False,
+                           max_model_len: int | None = None) -> list[int]:
+        """``encode`` without blocking the event loop on long texts.
+
+        With ``max_model_len``, a text whose prefix alone is far over it is refused
+        (InvalidArgument) without tokenizing the rest.
+        """
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode(text, add_special_tokens)
+        if max_model_len and len(text) > PREFIX_CHARS_PER_TOKEN * max_model_len:
+            prefix_chars = PREFIX_CHARS_PER_TOKEN * max_model_len
+            count = len(await self._off_loop(self.encode, text[:prefix_chars], add_special_tokens))
+            # Generous slack: a prefix ends mid-word, so its last few tokens may differ from the text's.
+            if count >= 2 * max_model_len + 64:
+                raise InvalidArgument(f"prompt is too long: its first {prefix_chars} characters alone are "
+                                      f"{count} tokens, but max_model_len is {max_model_len}")
+        return await self._off_loop(self.encode, text, add_special_tokens)
+
+    async def chat_prompt_async(self, messages: list[dict], add_generation_prompt: bool = True,
+                                max_model_len: int | None = None) -> list[int]:
+        """The chat template's token ids, rendered and tokenized off the event loop when large."""
+        size = sum(len(m.get("content") or "") for m in messages)
+        if size < OFF_LOOP_CHARS and len(messages) < OFF_LOOP_MESSAGES:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        text = await self._off_loop(self.apply_chat_template, messages, add_generation_prompt)
+        return await self.encode_async(text, False, max_model_len)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._workers(), functools.partial(fn, *args))
+
+    def _workers(self) -> ThreadPoolExecutor:
+        with self._workers_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+            return self._pool
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

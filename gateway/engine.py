@@ -5,10 +5,21 @@ renewed lease) and to the executor, and the per-request output queues that the
 HTTP and gRPC front ends read. All scheduler state changes happen on the step
 loop; ``submit`` and ``abort`` only leave notes in an inbox.
 
-When a dependency fails, every live request fails with UNAVAILABLE and the
-reason; the session is closed (freeing every block) and set up again — pool,
-prefix-cache reset, session — on the next request, so the gateway recovers
-without a restart.
+Failures have a bounded blast radius:
+
+* a dependency that refuses a step (its content, not an outage: see
+  ``clients.REFUSALS``) fails only the requests in it: the step is retried one
+  request at a time (a refused call changes nothing on either service), and the
+  requests that are refused again fail with the reason (HTTP 500);
+* an executor that restarted (a new ``instance_id`` in an Execute reply) lost
+  every block's KV: the step's output is dropped and every running sequence is
+  recomputed from the tokens the gateway holds; nothing fails;
+* an unreachable dependency fails every live request with UNAVAILABLE (503) and
+  the reason; the session is closed (freeing every block) and set up again on
+  the next request, so the gateway recovers without a restart.
+
+The pool is registered with the executor's ``instance_id``, so kvmanager drops
+the hashes of a restarted executor's blocks, even those another session holds.
 """
 from __future__ import annotations
 
@@ -21,17 +32,27 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.clients import DependencyError, ExecutorClient, ExecutorInfo, KVManagerClient
+from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient
 from gateway.detokenizer import ModelTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.params import validate_request
-from gateway.scheduler import Scheduler, SchedulerConfig
+from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
 from gateway.streams import RequestStream
-from kvserve.errors import AlreadyExists, ResourceExhausted, Unavailable
+from kvserve.errors import AlreadyExists, IncompatibleDependency, ResourceExhausted, StepRefused, Unavailable
+from kvserve.identity import tokenizer_fingerprint
 from kvserve.logs import get_logger
 
 log = get_logger("gateway.engine")
+
+
+class KVStateLost(Unavailable):
+    """The dependencies answer, but the KV of the running sequences is gone or cannot be
+    trusted: start a new session and recompute them (nobody's request fails)."""
+
+
+class ExecutorRestarted(KVStateLost):
+    """The executor answered with a new instance_id: its KV cache is new and empty."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +95,8 @@ class Engine:
         self._accepting = True
         self._tasks: list[asyncio.Task] = []
         self._closing: asyncio.Task | None = None
-        self._reported = (0, 0, 0)
+        self._reported = (0, 0)
+        self._tokenizer_fingerprint = tokenizer_fingerprint(tokenizer.model_dir)
 
     # --- lifecycle -------------------------------------------------------------
 
@@ -121,13 +143,13 @@ class Engine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._live:
             raise AlreadyExists(f"request_id {request_id!r} is already live")
+        eos = frozenset(info.eos_token_ids) or frozenset(self.tokenizer.eos_token_ids)
         validate_request(prompt_token_ids, options, info, max_num_seqs=self.config.scheduler.max_num_seqs,
-                         kv_allocation=self.config.kv_allocation)
+                         kv_allocation=self.config.kv_allocation, eos_token_ids=eos)
         queued = self.scheduler.num_waiting_requests + len(self._inbox)
         if queued >= self.config.max_queue_len:
             raise ResourceExhausted(f"queue full: {queued} requests waiting (max_queue_len "
                                     f"{self.config.max_queue_len}); retry later")
-        eos = frozenset(info.eos_token_ids) or frozenset(self.tokenizer.eos_token_ids)
         request = GenerationRequest(request_id, list(prompt_token_ids), options, eos, info.max_model_len)
         request.max_stop_len = max((len(s) for s in options.stop), default=0)
         stream = RequestStream(request)
@@ -169,10 +191,12 @@ class Engine:
                 self._closing = None
             try:
                 info = await self.executor.describe()
+                self._check_tokenizer(info)
                 pool_id = self.config.effective_pool_id
                 await self.kvmanager.register_pool(pool_id, info, self.config.enable_prefix_caching,
                                                    self.config.kv_allocation)
-                await self._reset_prefix_cache(pool_id)
+                if not info.instance_id:  # an executor that cannot say whether it restarted
+                    await self.kvmanager.reset_prefix_cache(pool_id)
                 session_id, ttl = await self.kvmanager.open_session(
                     pool_id, self.config.session_ttl_ms, f"gateway@{os.getpid()}")
             except DependencyError as exc:
@@ -183,25 +207,31 @@ class Engine:
             log.info("connected", pool_id=pool_id, session_id=session_id, num_blocks=info.num_blocks,
                      block_size=info.block_size, max_model_len=info.max_model_len, model=info.model_name)
 
-    async def _reset_prefix_cache(self, pool_id: str) -> None:
-        """Cached hashes may describe KV of an executor that has since restarted: drop them."""
-        try:
-            await self.kvmanager.reset_prefix_cache(pool_id)
-        except DependencyError as exc:
-            if exc.status is not grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            log.warning("prefix_cache_not_reset", reason=str(exc))
+    def _check_tokenizer(self, info: ExecutorInfo) -> None:
+        """Token ids mean nothing across tokenizers: refuse an executor that serves another one."""
+        if info.tokenizer_fingerprint and info.tokenizer_fingerprint != self._tokenizer_fingerprint:
+            log.error("tokenizer_mismatch", executor_model=info.model_name,
+                      executor_tokenizer=info.tokenizer_fingerprint, gateway_tokenizer=self._tokenizer_fingerprint,
+                      gateway_model=str(self.tokenizer.model_dir))
+            raise IncompatibleDependency(
+                f"the executor serves {info.model_name!r} with another tokenizer than this gateway's "
+                f"--model {self.tokenizer.model_dir.name!r} (tokenizer.json sha256 {info.tokenizer_fingerprint[:12]} "
+                f"vs {self._tokenizer_fingerprint[:12]}); start the gateway with the executor's model")
 
-    def _reset_connection(self, reason: str) -> None:
-        """Fails every live request with UNAVAILABLE and forgets the session."""
-        error = Unavailable(reason)
-        for request, _ in self._inbox:
-            request.sink(RequestOutput(request.request_id, [], finished=True, error=error))
-            self._live.pop(request.request_id, None)
-        self._inbox.clear()
-        self.scheduler.fail_all(error)
-        self.scheduler.take_pending_frees()
-        self.scheduler.take_pending_forks()
+    def _reset_connection(self, reason: str, *, recompute: bool = False) -> None:
+        """Forgets the session. With ``recompute`` (the dependencies are up but the KV is
+        gone) every running sequence is recomputed; otherwise every live request fails
+        with UNAVAILABLE."""
+        if recompute:
+            self.scheduler.preempt_all()
+        else:
+            error = Unavailable(reason)
+            for request, _ in self._inbox:
+                request.sink(RequestOutput(request.request_id, [], finished=True, error=error))
+                self._live.pop(request.request_id, None)
+            self._inbox.clear()
+            self.scheduler.fail_all(error)
+        self.scheduler.forget_connection_state()
         self._deliver(self.scheduler.take_outputs())
         session_id, self._session_id = self._session_id, None
         self._connection_lost = None
@@ -254,18 +284,25 @@ class Engine:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._inbox or self._aborts or self.scheduler.has_work() or self._connection_lost:
-                async with self._step_lock:
-                    try:
-                        await self._step()
-                    except Unavailable as exc:
-                        self._reset_connection(str(exc))
-                    except Exception as exc:  # noqa: BLE001 — a bug must not kill the loop
-                        log.error("step_failed", error=repr(exc), exc_info=exc)
-                        self._reset_connection(f"internal error in the gateway step: {exc!r}")
+                await self._run_step()
                 await asyncio.sleep(0)  # let streams flush and requests arrive
             await self._flush_frees()
             self._publish_queue()
             self._idle.set()
+
+    async def _run_step(self) -> None:
+        """One step; a failure costs what it says (see the module docstring)."""
+        async with self._step_lock:
+            try:
+                await self._step()
+            except KVStateLost as exc:
+                log.warning("kv_state_lost", reason=str(exc), num_running=len(self.scheduler.running))
+                self._reset_connection(str(exc), recompute=True)
+            except Unavailable as exc:
+                self._reset_connection(str(exc))
+            except Exception as exc:  # noqa: BLE001 — a bug must not kill the loop
+                log.error("step_failed", error=repr(exc), exc_info=exc)
+                self._reset_connection(f"internal error in the gateway step: {exc!r}")
 
     async def _step(self) -> None:
         started = time.perf_counter()
@@ -288,16 +325,22 @@ class Engine:
         for request in scheduler.take_pending_forks():
             t0 = time.perf_counter()
             children = [seq.seq_id for seq in request.sequences[1:]]
-            table = await self.kvmanager.fork(pool_id, session_id, request.sequences[0].seq_id, children)
-            kv_s += time.perf_counter() - t0
+            try:
+                table = await self.kvmanager.fork(pool_id, session_id, request.sequences[0].seq_id, children)
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                scheduler.fail_request(request, self._refusal("kvmanager", exc))
+                continue
+            finally:
+                kv_s += time.perf_counter() - t0
             scheduler.complete_fork(request, table)
         plan = scheduler.schedule()
         ready, usage = [], None
         preemptions = scheduler.counters.num_preemptions
         while plan:
             t0 = time.perf_counter()
-            results, usage = await self.kvmanager.allocate(
-                pool_id, session_id, scheduler.take_pending_frees(), plan, self.config.enable_prefix_caching)
+            results, usage = await self._allocate(pool_id, session_id, plan)
             kv_s += time.perf_counter() - t0
             verdict = scheduler.apply_allocation(plan, results)
             ready = scheduler.prune(ready + verdict.ready)
@@ -305,7 +348,7 @@ class Engine:
         executor_s = forward_s = total_s = 0.0
         if ready:
             t0 = time.perf_counter()
-            result = await self.executor.execute(ready)
+            ready, result = await self._execute(ready)
             executor_s = time.perf_counter() - t0
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
@@ -316,13 +359,85 @@ class Engine:
         self.metrics.on_step(step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
                              forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
 
+    async def _allocate(self, pool_id: str, session_id: str, plan: list[ScheduledSeq]):
+        """One Allocate carrying the pending frees and written-KV reports. When kvmanager
+        refuses it (it validates a whole call before changing anything), the frees and
+        reports go alone, then each entry alone; the requests refused again fail."""
+        scheduler = self.scheduler
+        frees, written = scheduler.take_pending_frees(), scheduler.take_written_reports()
+        prefix_caching = self.config.enable_prefix_caching
+        try:
+            return await self.kvmanager.allocate(pool_id, session_id, frees, plan, prefix_caching, written)
+        except DependencyError as exc:
+            if not exc.refused:
+                raise
+            log.error("allocate_refused", reason=str(exc), num_seqs=len(plan))
+        try:
+            await self.kvmanager.free(pool_id, session_id, frees, written)
+        except DependencyError as exc:  # our own bookkeeping is refused: start the session afresh
+            raise KVStateLost(f"kvmanager refused this gateway's frees: {exc}") from exc
+        results, usage = [], 0.0
+        for entry in plan:
+            if entry.seq.request.finished:
+                results.append(AllocationResult(ok=False))  # its request failed: skipped by apply_allocation
+                continue
+            try:
+                (result,), usage = await self.kvmanager.allocate(pool_id, session_id, [], [entry], prefix_caching)
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                scheduler.fail_refused([entry], self._refusal("kvmanager", exc))
+                result = AllocationResult(ok=False)
+            results.append(result)
+        return results, usage
+
+    async def _execute(self, ready: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ExecuteOutput]:
+        """One Execute. When the executor refuses it (a refused Execute writes nothing),
+        each request's entries run alone; the requests refused again fail. Returns the
+        entries that ran and their output."""
+        try:
+            return ready, self._same_instance(await self.executor.execute(ready))
+        except DependencyError as exc:
+            if not exc.refused:
+                raise
+            log.error("execute_refused", reason=str(exc), num_seqs=len(ready))
+        by_request: dict[int, list[ScheduledSeq]] = {}
+        for entry in ready:
+            by_request.setdefault(id(entry.seq.request), []).append(entry)
+        ran: list[ScheduledSeq] = []
+        sampled, forward_s, total_s = [], 0.0, 0.0
+        for entries in by_request.values():
+            try:
+                output = self._same_instance(await self.executor.execute(entries))
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                self.scheduler.fail_refused(entries, self._refusal("executor", exc))
+                continue
+            ran += entries
+            sampled += output.sampled
+            forward_s += output.forward_s
+            total_s += output.total_s
+        return ran, ExecuteOutput(sampled, forward_s, total_s)
+
+    def _same_instance(self, output: ExecuteOutput) -> ExecuteOutput:
+        if output.instance_id and self.info is not None and output.instance_id != self.info.instance_id:
+            raise ExecutorRestarted(f"executor restarted (instance {self.info.instance_id} is now "
+                                    f"{output.instance_id}): recomputing every running sequence")
+        return output
+
+    @staticmethod
+    def _refusal(service: str, exc: DependencyError) -> StepRefused:
+        return StepRefused(f"the {service} refused a step with this request ({exc.status.name}: {exc.details}); "
+                           "the request failed, others go on")
+
     async def _flush_frees(self) -> None:
-        """Idle: free what finished in the last step (nothing else will carry it)."""
-        frees = self.scheduler.take_pending_frees()
-        if not frees or self._session_id is None:
+        """Idle: free what finished in the last step and report what it wrote (nothing else will carry it)."""
+        frees, written = self.scheduler.take_pending_frees(), self.scheduler.take_written_reports()
+        if not (frees or written[0]) or self._session_id is None:
             return
         try:
-            await self.kvmanager.free(self.config.effective_pool_id, self._session_id, frees)
+            await self.kvmanager.free(self.config.effective_pool_id, self._session_id, frees, written)
         except DependencyError as exc:
             log.warning("free_failed", reason=str(exc), seq_ids=len(frees))
             self._connection_lost = f"free failed: {exc}"
@@ -354,9 +469,9 @@ class Engine:
     def _publish_prefix_counters(self) -> None:
         counters = self.scheduler.counters
         queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
-        previous_queries, previous_hits, _ = self._reported
+        previous_queries, previous_hits = self._reported
         self.metrics.on_prefix_lookup(queries - previous_queries, hits - previous_hits)
-        self._reported = (queries, hits, 0)
+        self._reported = (queries, hits)
 
     def _publish_queue(self) -> None:
         running = {seq.request.request_id for seq in self.scheduler.running}

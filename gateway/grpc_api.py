@@ -8,6 +8,9 @@ from gateway.sequence import FinishReason, RequestOutput
 from kvserve.errors import InvalidArgument, Unavailable
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
+# Longest prompt text accepted (the HTTP API's body limit is 4 MiB; gRPC messages may be 64 MiB).
+MAX_TEXT_CHARS = 4 * 1024 * 1024
+
 FINISH = {
     None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: gateway_pb2.FINISH_REASON_STOP,
@@ -29,16 +32,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument(f"model: {request.model!r} does not exist; this server serves "
                                   f"{engine.model_name!r}")
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            prompt_ids = self._tokenizer.encode(request.text, add_special_tokens=True)
+        limit = engine.max_model_len
+        if kind == "text":  # protobuf strings are valid UTF-8: no lone surrogates can arrive here
+            if len(request.text) > MAX_TEXT_CHARS:
+                raise InvalidArgument(f"text: at most {MAX_TEXT_CHARS} characters, got {len(request.text)}")
+            prompt_ids = await self._tokenizer.encode_async(request.text, True, limit)
         elif kind == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
+            ids = request.token_ids.ids
+            if limit and len(ids) >= limit:  # before copying what may be millions of ids
+                raise InvalidArgument(f"prompt is too long: {len(ids)} tokens, but max_model_len is {limit} "
+                                      f"(prompt + output), leaving no room to generate")
+            prompt_ids = list(ids)
         else:
             raise InvalidArgument("prompt: set text or token_ids")
         p = request.params
         options = build_options(
-            max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or None, top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, n=p.n or 1,
             logprobs=p.logprobs if p.HasField("logprobs") else None,
             enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,

@@ -2,13 +2,15 @@
 
 Routes convert JSON ⇄ domain objects only; errors use OpenAI's error JSON
 (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status of
-the domain error.
+the domain error. A request body over ``MAX_BODY_BYTES`` is refused with 413
+before it is parsed; long prompts are tokenized off the event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from dataclasses import replace
@@ -33,6 +35,11 @@ from kvserve.logs import get_logger
 log = get_logger("gateway.http")
 
 MAX_PROMPTS_PER_REQUEST = 64
+# Largest request body accepted (HTTP 413 above it), checked before any JSON is parsed.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Parts of a pydantic error location that name a member of a union, not a field.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|list\[.*\]|dict\[.*\]|[\w-]+\[.*\])$")
 HTTP_STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "NOT_FOUND": (404, "not_found_error"),
@@ -56,18 +63,82 @@ def error_for(exc: Exception) -> tuple[int, str]:
     return 500, "internal_error"
 
 
-def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before anything reads it.
+
+    A declared Content-Length over the limit is refused at once; otherwise the body is
+    counted as it arrives (chunked uploads have no Content-Length) and buffered, then
+    handed to the app. uvicorn discards the rest of a refused body.
+    """
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send, f"{int(declared)} bytes")
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send, f"more than {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send, size: str) -> None:
+        log.info("http_body_too_large", path=scope.get("path"), size=size)
+        response = error_response(413, f"request body too large: {size}; the limit is {self.max_bytes} bytes "
+                                       f"({self.max_bytes / 2**20:g} MiB)", "invalid_request_error")
+        await response(scope, receive, send)
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One readable message from pydantic's errors: our own value errors first, union tags left out."""
+    if not errors:
+        return "invalid request", None
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p)))
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error":
+        message = message.removeprefix("Value error, ")
+        if message.startswith("["):  # an index inside the field: prompt[3]: ...
+            where, message = f"{where}{message.split(':', 1)[0]}", message.split(":", 1)[1].strip()
+    elif first.get("type") == "json_invalid":
+        return f"body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+    return (f"{where}: {message}" if where else message), where or None
+
+
+def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     served_name = engine.model_name
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = f"body is not valid JSON: {first.get('ctx', {}).get('error', message)}"
-        return error_response(400, f"{where}: {message}" if where else message, "invalid_request_error", where or None)
+        message, where = _validation_message(list(exc.errors()))
+        return error_response(400, message, "invalid_request_error", where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -117,8 +188,8 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
             prompts = [prompts]
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
-        prompt_ids = [tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-                      for p in prompts]
+        prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
+                      else list(p) for p in prompts]
         return await _generate("completion", body, prompt_ids, body.logprobs, request)
 
     @app.post("/v1/chat/completions")
@@ -126,8 +197,8 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer) -> FastAPI:
         check_model(body.model)
         if not body.messages:
             raise InvalidArgument("messages: at least one message is needed")
-        text = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        prompt_ids = await tokenizer.chat_prompt_async(message_dicts(body.messages), body.add_generation_prompt,
+                                                       engine.max_model_len)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -1,13 +1,57 @@
-"""OpenAI-compatible request bodies and response shaping (JSON ⇄ domain), no I/O."""
+"""OpenAI-compatible request bodies and response shaping (JSON ⇄ domain), no I/O.
+
+The bodies reject what cannot be served before anything else sees it: numbers
+that are not finite, booleans where a number is expected, strings with lone
+UTF-16 surrogates (JSON ``"\\ud800"``: not Unicode, so they can be neither
+tokenized nor put in a protobuf string), and malformed prompts or chat content.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, field_validator
 
 from gateway.detokenizer import ModelTokenizer
 from gateway.sequence import ChoiceDelta, RequestOutput
+
+
+def lone_surrogate_error(value: str) -> str | None:
+    """Why ``value`` is not valid Unicode (a lone UTF-16 surrogate), or None when it is."""
+    if value.isascii():
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"contains a lone UTF-16 surrogate (U+{ord(value[exc.start]):04X} at character {exc.start}); "
+                f"strings must be valid Unicode")
+    return None
+
+
+def _unicode(value: str) -> str:
+    error = lone_surrogate_error(value)
+    if error:
+        raise ValueError(error)
+    return value
+
+
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 
 class StreamOptions(BaseModel):
@@ -15,27 +59,28 @@ class StreamOptions(BaseModel):
 
 
 class _GenerationBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # allow_inf_nan=False: NaN and ±Infinity (which Python's JSON parser accepts) are rejected.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int | None = 1
+    model: Text | None = None
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int] | None = None
+    n: Int | None = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int | None = 0
-    user: str | None = None
-    cache_salt: str | None = None
+    min_tokens: Int | None = 0
+    user: Text | None = None
+    cache_salt: Text | None = None
     skip_special_tokens: bool = True
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
 
     def unsupported(self) -> str | None:
         """The first set parameter this server does not implement, if any."""
@@ -50,34 +95,93 @@ class _GenerationBody(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _token_ids(value: list, where: str) -> list[int]:
+    bad = next((i for i, t in enumerate(value) if type(t) is not int), None)
+    if bad is not None:
+        raise ValueError(f"{where}[{bad}]: token ids must be integers, got {_json_type(value[bad])}")
+    return value
+
+
 class CompletionBody(_GenerationBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    # str | list[str] | list[int] | list[list[int]], checked by hand for messages that say what is wrong
+    prompt: Any
+    logprobs: Int | None = None
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, str):
+            return _unicode(value)
+        if not isinstance(value, list):
+            raise ValueError(f"must be a string, a list of strings, a list of token ids or a list of lists of "
+                             f"token ids, got {_json_type(value)}")
+        if not value:
+            return value
+        if isinstance(value[0], str):
+            for i, item in enumerate(value):
+                if not isinstance(item, str):
+                    raise ValueError(f"[{i}]: a list of prompts must hold only strings, got {_json_type(item)}")
+                error = lone_surrogate_error(item)
+                if error:
+                    raise ValueError(f"[{i}]: {error}")
+            return value
+        if isinstance(value[0], list):
+            for i, item in enumerate(value):
+                if not isinstance(item, list):
+                    raise ValueError(f"[{i}]: a list of token-id prompts must hold only lists, got {_json_type(item)}")
+                _token_ids(item, f"[{i}]")
+            return value
+        return _token_ids(value, "")
+
+
+def _content(value: Any) -> str | list[dict] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _unicode(value)
+    if not isinstance(value, list):
+        raise ValueError(f"must be a string, a list of content parts or null, got {_json_type(value)}")
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise ValueError(f"part {i}: expected an object like {{\"type\": \"text\", \"text\": \"...\"}}, "
+                             f"got {_json_type(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            shown = repr(kind) if isinstance(kind, str) and not lone_surrogate_error(kind) else _json_type(kind)
+            raise ValueError(f"part {i}: type {shown} is not supported (this server takes only \"text\" parts)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"part {i}: \"text\" must be a string, got {_json_type(text)}")
+        error = lone_surrogate_error(text)
+        if error:
+            raise ValueError(f"part {i}: text {error}")
+    return value
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[dict] | None = None
+    role: Text
+    # a string, a list of {"type": "text", "text": ...} parts, or null
+    content: Annotated[Any, AfterValidator(_content)] = None
 
 
 class ChatCompletionBody(_GenerationBody):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages for the chat template: content parts of type text are joined."""
+    """Messages for the chat template: content parts (all of type text, see ``_content``) are joined."""
     out = []
     for message in messages:
         content = message.content
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            content = "".join(part["text"] for part in content)
         out.append({"role": message.role, "content": content or ""})
     return out
 

@@ -1,7 +1,16 @@
-"""Validating generation parameters shared by the HTTP and gRPC front ends."""
+"""Validating generation parameters shared by the HTTP and gRPC front ends.
+
+Whatever passes here must be servable: every number finite and in a range that
+fits its wire field (executor.proto ``SamplingParams``: float temperature and
+top_p, uint32 top_k and top_logprobs, uint64 seed, int32 suppressed ids), every
+string valid Unicode, and nothing that makes the executor refuse a step (such as
+a suppressed set covering the whole vocabulary) — a refused step would fail
+every request batched with this one.
+"""
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Sequence
 
 from gateway.scheduler import RequestTooLarge
 from gateway.sequence import SamplingOptions
@@ -10,71 +19,142 @@ from kvserve.errors import InvalidArgument
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Largest temperature accepted (sampling is all but uniform long before this).
+MAX_TEMPERATURE = 100.0
+# A temperature in (0, MIN_TEMPERATURE) is greedy (as in vLLM): dividing float32 logits by a
+# denormal temperature overflows to inf and the logprobs become NaN.
+MIN_TEMPERATURE = 1e-5
+# top_p in (0, MIN_TOP_P) keeps only the most likely token, exactly like MIN_TOP_P does as long as
+# the vocabulary has at most 1/MIN_TOP_P tokens; raising it keeps float32 from rounding it to 0 (= off).
+MIN_TOP_P = 1e-6
+# top_k travels as uint32; anything at or above the vocabulary size means "all tokens" anyway.
+MAX_TOP_K = (1 << 31) - 1
+# stop_token_ids are checked against every sampled token and, until min_tokens, sent with every step.
+MAX_STOP_TOKEN_IDS = 256
+# Longer lists are refused before they are even deduplicated (no vocabulary is this large).
+MAX_STOP_TOKEN_IDS_LISTED = 1 << 18
+# cache_salt travels in every kvmanager Allocate entry of the request.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _finite(name: str, value) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidArgument(f"{name} must be a finite number, got {number}")
+    return number
+
+
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _unicode(name: str, value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgument(f"{name}: contains a lone UTF-16 surrogate (U+{ord(value[exc.start]):04X} at "
+                              f"character {exc.start}); strings must be valid Unicode") from None
+    return value
 
 
 def build_options(*, max_tokens: int | None, temperature: float | None, top_p: float | None,
                   top_k: int | None, seed: int | None, stop: str | Iterable[str] | None,
-                  stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                  stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                   min_tokens: int | None = 0, n: int | None = 1, logprobs: int | None = None,
                   enable_prefix_caching: bool = True, cache_salt: str = "",
                   skip_special_tokens: bool = True, default_temperature: float = 1.0) -> SamplingOptions:
-    """Checks every value and returns the options; InvalidArgument names the bad field."""
-    if max_tokens is not None and max_tokens <= 0:
-        raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
-    temperature = default_temperature if temperature is None else float(temperature)
-    if temperature < 0:
-        raise InvalidArgument(f"temperature must be >= 0, got {temperature}")
-    top_p = 1.0 if top_p is None or top_p == 0 else float(top_p)
+    """Checks every value and returns the options; InvalidArgument names the bad field.
+
+    ``top_p`` None means 1 (off); the gRPC front end passes None for its proto default 0.
+    """
+    if max_tokens is not None:
+        max_tokens = _integer("max_tokens", max_tokens)
+        if max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
+    temperature = default_temperature if temperature is None else _finite("temperature", temperature)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    top_p = 1.0 if top_p is None else _finite("top_p", top_p)
     if not 0 < top_p <= 1:
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
-    top_k = 0 if top_k is None or top_k == -1 else int(top_k)
-    if top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (or -1 for off), got {top_k}")
-    if seed is not None and not 0 <= int(seed) < 1 << 64:
-        raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
+    top_p = max(top_p, MIN_TOP_P)
+    top_k = 0 if top_k is None else _integer("top_k", top_k)
+    top_k = 0 if top_k == -1 else top_k
+    if not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidArgument(f"top_k must be in [0, {MAX_TOP_K}] (or -1 for off), got {top_k}")
+    if seed is not None:
+        seed = _integer("seed", seed)
+        if not 0 <= seed < 1 << 64:
+            raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 4 * MAX_STOP_STRINGS:
+        raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     if any(not isinstance(s, str) for s in stops):
         raise InvalidArgument("stop must be a string or a list of strings")
-    stops = tuple(s for s in stops if s)
+    stops = tuple(_unicode("stop", s) for s in stops if s)
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
-    n = 1 if n is None else int(n)
+    stop_token_ids = stop_token_ids or ()
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS_LISTED:
+        raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} distinct ids, got a list of "
+                              f"{len(stop_token_ids)}")
+    stop_ids = tuple(sorted({_integer("stop_token_ids", t) for t in stop_token_ids}))
+    n = 1 if n is None else _integer("n", n)
     if not 1 <= n <= MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {n}")
-    min_tokens = int(min_tokens or 0)
+    min_tokens = _integer("min_tokens", min_tokens or 0)
     if min_tokens < 0:
         raise InvalidArgument(f"min_tokens must be >= 0, got {min_tokens}")
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidArgument(f"min_tokens ({min_tokens}) must be <= max_tokens ({max_tokens})")
-    if logprobs is not None and not 0 <= int(logprobs) <= MAX_LOGPROBS:
-        raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if logprobs is not None:
+        logprobs = _integer("logprobs", logprobs)
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    cache_salt = cache_salt or ""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
+    cache_salt = _unicode("cache_salt", cache_salt)
     return SamplingOptions(
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=None if seed is None else int(seed), stop=stops,
-        stop_token_ids=tuple(int(t) for t in (stop_token_ids or ())), ignore_eos=bool(ignore_eos),
-        min_tokens=min_tokens, n=n, logprobs=None if logprobs is None else int(logprobs),
-        enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt or "",
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
+        stop_token_ids=stop_ids, ignore_eos=bool(ignore_eos), min_tokens=min_tokens, n=n, logprobs=logprobs,
+        enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         skip_special_tokens=skip_special_tokens,
     )
 
 
 def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_num_seqs: int,
-                     kv_allocation: str) -> None:
-    """Checks a request against the served model (``info``: executor Describe); fills in max_tokens."""
+                     kv_allocation: str, eos_token_ids: Iterable[int] | None = None) -> None:
+    """Checks a request against the served model (``info``: executor Describe); fills in max_tokens.
+
+    ``eos_token_ids``: the ids the engine will treat as EOS (default ``info.eos_token_ids``).
+    """
     if not prompt:
         raise InvalidArgument("prompt: empty (at least one token is needed)")
-    bad = next((t for t in prompt if t < 0 or t >= info.vocab_size), None)
-    if bad is not None:
-        raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
     length, limit = len(prompt), info.max_model_len
-    if length >= limit:
+    if length >= limit:  # before the per-token check: cheap, and bounds it
         raise InvalidArgument(f"prompt is too long: {length} tokens, but max_model_len is {limit} "
                               f"(prompt + output), leaving no room to generate")
+    if min(prompt) < 0 or max(prompt) >= info.vocab_size:
+        bad = next(t for t in prompt if t < 0 or t >= info.vocab_size)
+        raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
     if options.max_tokens is None or options.max_tokens == 0:
         options.max_tokens = limit - length
     elif length + options.max_tokens > limit:
         raise InvalidArgument(f"prompt ({length} tokens) + max_tokens ({options.max_tokens}) exceeds "
                               f"max_model_len {limit}")
+    if options.min_tokens > options.max_tokens:
+        raise InvalidArgument(f"min_tokens ({options.min_tokens}) exceeds max_tokens ({options.max_tokens}; "
+                              f"at most max_model_len - prompt length)")
     if options.n > max_num_seqs:
         raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {max_num_seqs}")
     usable = (info.num_blocks - 1) * info.block_size
@@ -82,6 +162,17 @@ def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_n
     if needed > usable:
         raise RequestTooLarge(f"request needs {needed} KV slots but the executor's cache has {usable} "
                               f"({info.num_blocks - 1} blocks of {info.block_size}); it can never fit")
-    bad_stop = next((t for t in options.stop_token_ids if t < 0 or t >= info.vocab_size), None)
-    if bad_stop is not None:
-        raise InvalidArgument(f"stop_token_ids: {bad_stop} is outside [0, {info.vocab_size})")
+    stop_ids = options.stop_token_ids
+    if stop_ids and (stop_ids[0] < 0 or stop_ids[-1] >= info.vocab_size):
+        bad = next(t for t in stop_ids if t < 0 or t >= info.vocab_size)
+        raise InvalidArgument(f"stop_token_ids: {bad} is outside [0, {info.vocab_size})")
+    if options.min_tokens > 0:
+        # What gateway.stopping.suppressed_token_ids keeps from being sampled until min_tokens exist.
+        eos = info.eos_token_ids if eos_token_ids is None else eos_token_ids
+        suppressed = set(stop_ids) | {t for t in eos if 0 <= t < info.vocab_size}
+        if len(suppressed) >= info.vocab_size:
+            raise InvalidArgument(f"stop_token_ids: with the EOS ids they cover all {info.vocab_size} tokens of "
+                                  f"the vocabulary, which min_tokens ({options.min_tokens}) keeps from being "
+                                  f"sampled: nothing could be generated")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} distinct ids, got {len(stop_ids)}")

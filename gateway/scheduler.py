@@ -11,7 +11,11 @@ Pure Python: no grpc, no tensors. One step is
    sequence that cannot fit even alone fails its request instead of looping;
 3. the engine runs the ready entries on the executor and hands the sampled
    tokens to ``apply_samples()``, which appends them, checks stop conditions and
-   collects per-request outputs; finished sequences are queued for freeing.
+   collects per-request outputs; finished sequences are queued for freeing, and
+   every executed entry for a written-KV report (``take_written_reports``), which
+   the engine sends with the next Allocate or Free so that kvmanager publishes
+   only blocks whose KV really is written. An entry the executor refused
+   (``fail_refused``) fails its request and is never reported.
 
 ``batching="static"`` is the baseline: a batch is admitted only when nothing
 runs, and runs to completion. ``n > 1`` prefills the prompt once (all but its
@@ -111,6 +115,7 @@ class Scheduler:
         self.requests: dict[str, GenerationRequest] = {}
         self.counters = SchedulerCounters()
         self._pending_frees: list[int] = []
+        self._written: dict[int, int] = {}  # seq_id -> tokens whose KV an Execute that returned wrote
         self._pending_forks: list[GenerationRequest] = []
         self._outputs: list[RequestOutput] = []
         self._admissions = 0
@@ -162,6 +167,17 @@ class Scheduler:
     def take_pending_frees(self) -> list[int]:
         frees, self._pending_frees = self._pending_frees, []
         return frees
+
+    def take_written_reports(self) -> tuple[list[int], list[int]]:
+        """(seq_ids, tokens written) of the entries executed since the last take."""
+        written, self._written = self._written, {}
+        return list(written), list(written.values())
+
+    def forget_connection_state(self) -> None:
+        """The kvmanager session is gone: nothing queued for it is worth sending."""
+        self._pending_frees = []
+        self._written = {}
+        self._pending_forks = []
 
     def take_pending_forks(self) -> list[GenerationRequest]:
         forks, self._pending_forks = self._pending_forks, []
@@ -236,7 +252,7 @@ class Scheduler:
                 continue  # already preempted as a victim this round
             others_hold = any(s.holds_blocks for s in self.running if s is not seq)
             if not seq.holds_blocks:
-                if others_hold:  # wait for running sequences to finish
+                if others_hold or self._pending_frees:  # wait for blocks held or being freed
                     self.running.remove(seq)
                     seq.status = SeqStatus.WAITING
                     requeue.append(seq)
@@ -275,6 +291,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = entry.start_position + entry.num_tokens
+            self._written[entry.seq_id] = seq.num_computed
             request = seq.request
             if sample is not None:
                 touched[request.request_id] = request
@@ -284,6 +301,23 @@ class Scheduler:
                 self._pending_forks.append(request)
         for request in touched.values():
             self._emit(request)
+
+    def preempt_all(self) -> None:
+        """Every running sequence lost its KV: requeue all of them for recompute, in
+        admission order, ahead of the waiting ones (no frees: their session is gone)."""
+        victims = sorted(self.running, key=lambda s: s.admitted_order)
+        for seq in victims:
+            seq.reset_for_recompute(self._new_seq_id())
+            self.counters.num_preemptions += 1
+        self.running = []
+        self.waiting.extendleft(reversed(victims))
+        self._pending_forks = []  # a parent that was about to fork is recomputed and forks again
+
+    def fail_refused(self, entries: list[ScheduledSeq], error: Exception) -> None:
+        """A dependency refused these entries' step: their requests fail, the rest go on."""
+        for request in {id(e.seq.request): e.seq.request for e in entries}.values():
+            if not request.finished:
+                self.fail_request(request, error)
 
     def complete_fork(self, request: GenerationRequest, block_table: list[int]) -> None:
         """The engine forked sequence 0 into the other choices: they join the running set."""

@@ -57,5 +57,18 @@ class Unavailable(KVServeError):
     code = "UNAVAILABLE"
 
 
+class StepRefused(KVServeError):
+    """A dependency refused a step this request was in (its input, not an outage):
+    only the requests of that step fail (HTTP 500, gRPC INTERNAL), naming the reason."""
+
+    code = "INTERNAL"
+
+
+class IncompatibleDependency(KVServeError):
+    """A dependency answers but cannot serve with this gateway (another tokenizer)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class StartupError(Exception):
     """A service cannot start (port in use, missing model); the CLI prints it as one line and exits 1."""

@@ -47,10 +47,32 @@ def _status_for(exc: KVServeError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
 
 
+class _Undecodable:
+    """A request message protobuf could not parse (e.g. a string field that is not UTF-8)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    """grpc answers a deserializer's exception with UNKNOWN; keep it to answer INVALID_ARGUMENT."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 — any parse failure is the sender's
+            return _Undecodable(exc)
+
+    return deserialize
+
+
 class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
     """Aborts an RPC with the status code a raised ``KVServeError`` names.
 
-    Any other exception becomes INTERNAL with its message, and is logged.
+    A request that does not parse is INVALID_ARGUMENT; any other exception becomes
+    INTERNAL with its message, and is logged.
     """
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -61,13 +83,13 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -81,6 +103,8 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior, method: str):
         async def unary(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
             try:
                 return await behavior(request, context)
             except grpc.aio.AbortError:
@@ -92,6 +116,8 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_stream(self, behavior, method: str):
         async def stream(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
             try:
                 async for item in behavior(request, context):
                     yield item

@@ -1,0 +1,934 @@
+"""Executor conformance rules: ``python -m kvserve.conformance executor HOST:PORT``.
+
+The checker knows nothing about the model. It reads ``Describe`` (vocab_size,
+block_size, num_blocks, max_model_len), draws token ids in ``[0, vocab_size)``
+from a seeded generator and compares the executor against itself: the same
+tokens through different KV layouts, batches and step splits must give the same
+greedy tokens and log-probabilities.
+
+Comparisons (``Comparison``): every run asks for greedy sampling (temperature 0)
+with ``top_logprobs = 5``. Two results of the same position agree when
+
+* the sampled token is the same, checked only where the reference's top-2
+  log-probability gap exceeds twice the tolerance (a near tie may flip between
+  two correct executors running in bfloat16);
+* the sampled log-probability (when the tokens agree) and the log-probability of
+  every token in both top-5 lists differ by at most ``atol + rtol * |reference|``
+  (``--atol``, default 0.05, ``--rtol``, default 0.01: loose enough for bf16);
+* the top-5 lists agree as sets: a token one list ranks above the other list's
+  last entry by more than the tolerance is in the other list too (so a near tie
+  at the top cannot make a comparison vacuous).
+
+Decode steps after the first sampled token are teacher-forced: every variant
+feeds the reference's tokens, so one near tie does not derail the steps after it.
+
+The checker writes KV into blocks ``1 .. num_blocks-1`` (never block 0, the null
+block) and assumes that nobody else uses the executor while it runs. Each rule
+takes the blocks it uses from that range afresh (``ExecutorContext.take``) and
+writes before it reads; only sequence A of the ``invalid.*`` rules keeps its
+blocks from one rule to the next.
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.conformance import Fail, RuleSet, Skip, expect_status, require, rpc_error_text
+from kvserve.v1 import executor_pb2 as pb
+from kvserve.v1 import executor_pb2_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Executor"].full_name  # "kvserve.v1.Executor"
+TOPK = 5
+DECODE_STEPS = 4
+DESCRIBE_DEADLINE_S = 3.0
+HEALTH_DEADLINE_S = 1.0
+BUSY_SECONDS = 1.0
+BUSY_MAX_TOKENS = 2048
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+rules = RuleSet()
+
+
+# ---- comparing results ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = 0.05
+    rtol: float = 0.01
+
+    def bound(self, reference: float) -> float:
+        return self.atol + self.rtol * abs(reference) if math.isfinite(reference) else 0.0
+
+    def close(self, value: float, reference: float) -> bool:
+        if math.isnan(value) or math.isnan(reference):
+            return False
+        if math.isinf(value) or math.isinf(reference):
+            return value == reference
+        return abs(value - reference) <= self.bound(reference)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token: its id, its log-probability and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def margin(self) -> float:
+        """Top-1 minus top-2 log-probability (inf when unknown)."""
+        return self.top[0][1] - self.top[1][1] if len(self.top) >= 2 else math.inf
+
+
+@dataclass
+class Comparison:
+    tolerance: Tolerance
+    problems: list[str] = field(default_factory=list)
+    tokens_compared: int = 0
+    tokens_skipped: int = 0
+    logprobs_compared: int = 0
+    max_diff: float = 0.0
+
+    def add(self, reference: Sampled, got: Sampled, where: str) -> None:
+        tol = self.tolerance
+        margin = reference.margin()
+        clear = margin > 2 * tol.bound(reference.top[0][1] if reference.top else reference.logprob)
+        if clear:
+            self.tokens_compared += 1
+            if got.token != reference.token:
+                self.problems.append(f"{where}: token {got.token} != reference {reference.token} "
+                                     f"(reference top-2 margin {margin:.3g})")
+        else:
+            self.tokens_skipped += 1
+        pairs = []
+        if got.token == reference.token:
+            pairs.append((f"{where}: logprob of token {got.token}", got.logprob, reference.logprob))
+        got_top = dict(got.top)
+        for token, logprob in reference.top:
+            if token in got_top:
+                pairs.append((f"{where}: top logprob of token {token}", got_top[token], logprob))
+        # The top lists agree as sets, within the tolerance: a token that one list ranks
+        # clearly above the other list's last entry must be in the other list too. (This
+        # keeps a near tie from making the comparison vacuous.)
+        for name, a, b in (("reference", reference.top, got.top), ("result", got.top, reference.top)):
+            if a and not b:
+                self.problems.append(f"{where}: the {'result' if name == 'reference' else 'reference'} has no "
+                                     "top_logprobs")
+                continue
+            if not a:
+                continue
+            b_tokens, b_last = dict(b), min(lp for _, lp in b)
+            for token, logprob in a:
+                if token not in b_tokens and logprob > b_last + tol.bound(logprob):
+                    self.problems.append(f"{where}: token {token} (logprob {logprob:.6g} in the {name}) is missing "
+                                         f"from the other top-{len(b)} list (last {b_last:.6g})")
+        for what, value, ref in pairs:
+            self.logprobs_compared += 1
+            if math.isfinite(value) and math.isfinite(ref):
+                self.max_diff = max(self.max_diff, abs(value - ref))
+            if not tol.close(value, ref):
+                self.problems.append(f"{what} {value:.6g} vs reference {ref:.6g} "
+                                     f"(tolerance {tol.bound(ref):.3g})")
+
+    def add_all(self, reference: list[Sampled], got: list[Sampled], where: str) -> None:
+        require(len(got) == len(reference), f"{where}: {len(got)} results, expected {len(reference)}")
+        for i, (r, g) in enumerate(zip(reference, got)):
+            self.add(r, g, f"{where} step {i}")
+
+    def verdict(self) -> str:
+        if self.problems:
+            more = f" (+{len(self.problems) - 3} more)" if len(self.problems) > 3 else ""
+            raise Fail("; ".join(self.problems[:3]) + more)
+        skipped = f", {self.tokens_skipped} near ties not compared" if self.tokens_skipped else ""
+        return (f"{self.tokens_compared} greedy tokens and {self.logprobs_compared} logprobs agree "
+                f"(max |diff| {self.max_diff:.2g}){skipped}")
+
+
+def sampled_from(reply: pb.ExecuteResponse, index: int) -> Sampled:
+    """The index-th sampled result of a reply."""
+    require(index < len(reply.sampled_token_ids),
+            f"reply has {len(reply.sampled_token_ids)} sampled tokens, expected at least {index + 1}")
+    require(len(reply.sampled_logprobs) == len(reply.sampled_token_ids),
+            "sampled_logprobs is not index-aligned with sampled_token_ids")
+    top: tuple = ()
+    if index < len(reply.top_logprobs):
+        entry = reply.top_logprobs[index]
+        top = tuple(zip(entry.token_ids, entry.logprobs))
+    return Sampled(reply.sampled_token_ids[index], reply.sampled_logprobs[index], top)
+
+
+def greedy(top_logprobs: int = TOPK, **extra) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, top_logprobs=top_logprobs, **extra)
+
+
+def sequence(seq_id: int, tokens: list[int], start: int, table: list[int], sampling: pb.SamplingParams | None = None
+             ) -> pb.ExecuteSequence:
+    """One ExecuteSequence; it samples when ``sampling`` is given."""
+    return pb.ExecuteSequence(seq_id=seq_id, token_ids=tokens, start_position=start, block_table=table,
+                              sample=sampling is not None, sampling=sampling)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+# ---- the context -------------------------------------------------------------------------
+
+
+@dataclass
+class Reference:
+    """The reference run: one prompt, prefilled in one Execute into contiguous blocks
+    and decoded ``DECODE_STEPS`` steps, alone. ``steps[0]`` is the token sampled after
+    the prompt, ``steps[i]`` the one after feeding ``steps[i-1].token``."""
+
+    prompt: list[int]
+    steps: list[Sampled]
+    table: list[int]
+
+    @property
+    def fed(self) -> list[int]:
+        """The tokens a teacher-forced decode feeds (all but the last sampled)."""
+        return [s.token for s in self.steps[:-1]]
+
+
+class ExecutorContext:
+    def __init__(self, address: str, tolerance: Tolerance, timeout: float = 120.0, seed: int = 20240601,
+                 connect_timeout: float = 30.0) -> None:
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self.tolerance = tolerance
+        self.timeout = timeout
+        self.seed = seed
+        options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = executor_pb2_grpc.ExecutorStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self._info: pb.DescribeResponse | None = None
+        self._describe_error: str | None = None
+        self.instance_ids: Counter[str] = Counter()
+        self.rng = random.Random(seed)
+        self._next_seq_id = (1 << 63) + self.rng.randrange(1 << 32)  # beyond 2^53 on purpose
+        self._ref: Reference | None = None
+        self._blocks: list[int] = []
+        self._reserved: set[int] = set()
+        self._victim: Victim | None = None
+        self.bad_cases: dict[str, tuple] = {}
+        self.rule_name = ""
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # -- per rule --
+    def begin_rule(self, name: str) -> None:
+        self.rule_name = name
+        if self._info is not None:
+            self._blocks = [b for b in range(1, self._info.num_blocks) if b not in self._reserved]
+
+    def take(self, n: int) -> list[int]:
+        """``n`` block ids not yet used by the current rule (ascending)."""
+        if n > len(self._blocks):
+            raise Skip(f"needs more KV blocks than the executor's {self.info.num_blocks}")
+        taken, self._blocks = self._blocks[:n], self._blocks[n:]
+        return taken
+
+    def take_scattered(self, n: int) -> list[int]:
+        """``n`` block ids, non-contiguous (every other id, where the cache is large enough)
+        and out of order."""
+        picked = self.take(2 * n)[::2] if len(self._blocks) >= 2 * n else self.take(n)
+        self.rng.shuffle(picked)
+        if n > 1 and picked == sorted(picked):
+            picked.reverse()
+        return picked
+
+    def victim(self) -> "Victim":
+        """Sequence A and the bad requests, set up once for all invalid.* rules; their
+        blocks are kept out of every later rule's reach."""
+        if self._victim is None:
+            victim = Victim(self)
+            spare = self.take(3)
+            self.write_garbage(spare)
+            self._victim = victim
+            self.bad_cases = bad_cases(self, victim, spare)
+            self._reserved = set(victim.table) | set(spare)
+        return self._victim
+
+    def seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.info.vocab_size) for _ in range(n)]
+
+    # -- describe --
+    def describe(self, timeout: float = DESCRIBE_DEADLINE_S) -> pb.DescribeResponse:
+        return self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+
+    @property
+    def info(self) -> pb.DescribeResponse:
+        if self._info is None and self._describe_error is None:  # describe.answers not selected (--only)
+            try:
+                grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout)
+                self.set_info(self.describe())
+            except (grpc.RpcError, grpc.FutureTimeoutError) as error:
+                self._describe_error = rpc_error_text(error) if isinstance(error, grpc.RpcError) else "cannot connect"
+        if self._info is None:
+            raise Skip(f"needs Describe ({self._describe_error})")
+        return self._info
+
+    def set_info(self, info: pb.DescribeResponse) -> None:
+        self._info = info
+        self._blocks = list(range(1, info.num_blocks))
+
+    # -- sizes --
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def prompt_len(self) -> int:
+        """Reference prompt length: three full blocks and half of one when everything fits,
+        so that prefixes, copies and chunks cross block boundaries."""
+        info = self.info
+        bs = info.block_size
+        target = 3 * bs + max(1, bs // 2)
+        # the largest rule holds ~4 sequences of this size plus a few spare blocks at once
+        max_blocks_per_seq = (info.num_blocks - 1 - 4) // 4
+        target = min(target, info.max_model_len - DECODE_STEPS, max_blocks_per_seq * bs - DECODE_STEPS, 1024)
+        if target < 2:
+            raise Skip(f"the executor is too small (num_blocks={info.num_blocks}, block_size={bs}, "
+                       f"max_model_len={info.max_model_len}) for sequences of {2 + DECODE_STEPS} tokens")
+        return target
+
+    @property
+    def seq_blocks(self) -> int:
+        """Blocks one reference-sized sequence (prompt + decode steps) needs."""
+        return blocks_for(self.prompt_len + DECODE_STEPS, self.block_size)
+
+    # -- execute --
+    def execute(self, sequences: list[pb.ExecuteSequence], copy_src=(), copy_dst=(),
+                timeout: float | None = None) -> pb.ExecuteResponse:
+        request = pb.ExecuteRequest(sequences=sequences, copy_src=list(copy_src), copy_dst=list(copy_dst))
+        reply = self.stub.Execute(request, timeout=timeout or self.timeout)
+        self.instance_ids[reply.instance_id] += 1
+        return reply
+
+    def prefill_greedy(self, seq_id: int, tokens: list[int], start: int, table: list[int]) -> Sampled:
+        return sampled_from(self.execute([sequence(seq_id, tokens, start, table, greedy())]), 0)
+
+    def decode_forced(self, seq_id: int, table: list[int], start: int, fed: list[int]) -> list[Sampled]:
+        """Teacher-forced decode: feeds ``fed`` one token a step from ``start``."""
+        return [self.prefill_greedy(seq_id, [token], start + i, table) for i, token in enumerate(fed)]
+
+    def write_garbage(self, table: list[int]) -> None:
+        """Fills every slot of ``table``'s blocks with KV of random tokens (poisoning them)."""
+        n = min(len(table) * self.block_size, self.info.max_model_len)
+        if n:
+            self.execute([sequence(self.seq_id(), self.tokens(n), 0, table[:blocks_for(n, self.block_size)])])
+
+    def run_reference(self, prompt: list[int], table: list[int]) -> Reference:
+        """Prefill ``prompt`` in one Execute, then decode greedily (free running), alone."""
+        seq_id = self.seq_id()
+        steps = [self.prefill_greedy(seq_id, prompt, 0, table)]
+        for i in range(DECODE_STEPS):
+            steps.append(self.prefill_greedy(seq_id, [steps[-1].token], len(prompt) + i, table))
+        return Reference(prompt, steps, table)
+
+    def reference(self) -> Reference:
+        """The reference run (computed once, into blocks taken by the current rule)."""
+        if self._ref is None:
+            prompt = self.tokens(self.prompt_len)
+            self._ref = self.run_reference(prompt, self.take(self.seq_blocks))
+        return self._ref
+
+
+# ---- describe and health -----------------------------------------------------------------
+
+
+@rules.rule("describe.answers", f"Describe answers within {DESCRIBE_DEADLINE_S:.0f} s")
+def describe_answers(ctx: ExecutorContext) -> str:
+    try:
+        grpc.channel_ready_future(ctx.channel).result(timeout=ctx.connect_timeout)
+    except grpc.FutureTimeoutError:
+        ctx._describe_error = f"cannot connect to {ctx.address}"
+        raise Fail(f"cannot connect to {ctx.address} within {ctx.connect_timeout:.0f} s") from None
+    t0 = time.monotonic()
+    try:
+        info = ctx.describe(timeout=DESCRIBE_DEADLINE_S)
+    except grpc.RpcError as error:
+        ctx._describe_error = rpc_error_text(error)
+        raise Fail(f"Describe failed: {rpc_error_text(error)}") from None
+    elapsed = time.monotonic() - t0
+    ctx.set_info(info)
+    return (f"{elapsed * 1e3:.0f} ms: model {info.model_name!r} ({info.architecture}), dtype {info.dtype!r}, "
+            f"device {info.device!r}, attention {info.attention_backend!r}, block_size {info.block_size}, "
+            f"num_blocks {info.num_blocks}, max_model_len {info.max_model_len}, vocab_size {info.vocab_size}")
+
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@rules.rule("describe.fields", "Describe's fields are usable: instance_id set, sizes >= their minimum")
+def describe_fields(ctx: ExecutorContext) -> str:
+    info = ctx.info
+    problems = []
+    if not info.instance_id:
+        problems.append("instance_id is empty")
+    for name, minimum in (("block_size", 1), ("num_blocks", 2), ("max_model_len", 1), ("vocab_size", 1)):
+        if getattr(info, name) < minimum:
+            problems.append(f"{name} = {getattr(info, name)} < {minimum}")
+    bad_eos = [t for t in info.eos_token_ids if not 0 <= t < info.vocab_size]
+    if bad_eos:
+        problems.append(f"eos_token_ids {bad_eos} outside [0, vocab_size)")
+    if info.tokenizer_fingerprint and not HEX64.fullmatch(info.tokenizer_fingerprint):
+        problems.append(f"tokenizer_fingerprint {info.tokenizer_fingerprint!r} is not lowercase hex sha256")
+    require(not problems, "; ".join(problems))
+    fingerprint = (f"tokenizer_fingerprint {info.tokenizer_fingerprint[:12]}…" if info.tokenizer_fingerprint
+                   else "tokenizer_fingerprint empty (no tokenizer.json?)")
+    return f"instance_id {info.instance_id!r}, {fingerprint}"
+
+
+@rules.rule("describe.consistent", "two Describe calls give identical responses")
+def describe_consistent(ctx: ExecutorContext) -> str:
+    first = ctx.info
+    second = ctx.describe()
+    if second != first:
+        changed = [f.name for f in pb.DescribeResponse.DESCRIPTOR.fields
+                   if getattr(first, f.name) != getattr(second, f.name)]
+        raise Fail(f"Describe changed between calls: {', '.join(changed)}")
+    return "two Describe calls gave identical responses"
+
+
+def health_check(stub: health_pb2_grpc.HealthStub, service: str) -> tuple[float, str]:
+    """(seconds, status name or error) of one Check."""
+    t0 = time.monotonic()
+    try:
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=HEALTH_DEADLINE_S)
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    except grpc.RpcError as error:
+        status = rpc_error_text(error)
+    return time.monotonic() - t0, status
+
+
+@rules.rule("health.serving", f'grpc.health.v1 answers SERVING for "" and "{SERVICE_NAME}"')
+def health_serving(ctx: ExecutorContext) -> str:
+    for service in ("", SERVICE_NAME):
+        elapsed, status = health_check(ctx.health, service)
+        require(status == "SERVING", f"Check(service={service!r}) gave {status}")
+        require(elapsed <= HEALTH_DEADLINE_S, f"Check(service={service!r}) took {elapsed:.2f} s")
+    return f'"" and "{SERVICE_NAME}" are SERVING'
+
+
+@rules.rule("health.during_execute",
+            f"health answers within {HEALTH_DEADLINE_S:.0f} s and Describe within {DESCRIBE_DEADLINE_S:.0f} s "
+            "while long Executes run")
+def health_during_execute(ctx: ExecutorContext) -> str:
+    info = ctx.info
+    bs, L = info.block_size, info.max_model_len
+    cap = min(BUSY_MAX_TOKENS, (info.num_blocks - 1) * bs)
+    seq_len = min(L, cap)
+    per_seq = blocks_for(seq_len, bs)
+    tables = [ctx.take(per_seq) for _ in range(max(1, min(cap // seq_len, (info.num_blocks - 1) // per_seq)))]
+    cap = min(cap, len(tables) * seq_len)
+    prompts = [ctx.tokens(seq_len) for _ in tables]
+
+    def batch(total: int) -> list[pb.ExecuteSequence]:
+        out = []
+        for i, table in enumerate(tables):
+            n = min(seq_len, total - i * seq_len)
+            if n <= 0:
+                break
+            out.append(sequence(ctx.seq_id(), prompts[i][:n], 0, table[:blocks_for(n, bs)], greedy(0)))
+        return out
+
+    durations: list[tuple[int, float]] = []
+    errors: list[str] = []
+    in_flight = threading.Event()
+
+    def worker() -> None:
+        # Executes of growing size (one at a time) until one takes the health deadline or
+        # the cap is reached, and at least BUSY_SECONDS have passed.
+        size, start = min(cap, max(bs, 64)), time.monotonic()
+        while not errors:
+            in_flight.set()
+            t0 = time.monotonic()
+            try:
+                ctx.execute(batch(size))
+            except grpc.RpcError as error:
+                errors.append(rpc_error_text(error))
+            finally:
+                in_flight.clear()
+            took = time.monotonic() - t0
+            durations.append((size, took))
+            if time.monotonic() - start >= BUSY_SECONDS and (took >= HEALTH_DEADLINE_S or size >= cap):
+                break
+            if took < HEALTH_DEADLINE_S:
+                size = min(cap, 2 * size)
+
+    # A second channel: the health checks do not share the Executes' connection.
+    with grpc.insecure_channel(ctx.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        describe = executor_pb2_grpc.ExecutorStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=ctx.connect_timeout)
+        thread = threading.Thread(target=worker, daemon=True)
+        thread.start()
+        health_times: list[float] = []
+        describe_times: list[float] = []
+        during = 0
+        problems: list[str] = []
+        while thread.is_alive() and not problems:
+            busy_before = in_flight.is_set()
+            elapsed, status = health_check(health, "")
+            health_times.append(elapsed)
+            if status != "SERVING" or elapsed > HEALTH_DEADLINE_S:
+                problems.append(f"health Check gave {status} after {elapsed:.2f} s during an Execute")
+            t0 = time.monotonic()
+            try:
+                describe.Describe(pb.DescribeRequest(), timeout=DESCRIBE_DEADLINE_S)
+            except grpc.RpcError as error:
+                problems.append(f"Describe during an Execute: {rpc_error_text(error)}")
+            describe_times.append(time.monotonic() - t0)
+            during += busy_before and in_flight.is_set()
+            time.sleep(0.02)
+        thread.join(timeout=ctx.timeout)
+    require(not errors, f"the long Execute failed: {errors[0]}" if errors else "")
+    require(not problems, "; ".join(problems[:2]))
+    size, longest = max(durations, key=lambda d: d[1])
+    detail = (f"{len(health_times)} health checks (max {max(health_times, default=0) * 1e3:.0f} ms) and Describes "
+              f"(max {max(describe_times, default=0) * 1e3:.0f} ms), {during} of them inside an Execute; "
+              f"{len(durations)} Executes, the longest {longest:.2f} s ({size} tokens)")
+    if longest < HEALTH_DEADLINE_S:
+        detail += f"; no Execute of up to {cap} tokens lasted {HEALTH_DEADLINE_S:.0f} s, so this proves little"
+    return detail
+
+
+# ---- execute: shape and determinism ------------------------------------------------------
+
+
+@rules.rule("execute.response_shape",
+            "ExecuteResponse: one sampled token per sample=true sequence in order, top_logprobs aligned and "
+            "sorted, greedy = argmax, num_tokens = tokens computed")
+def execute_response_shape(ctx: ExecutorContext) -> str:
+    info, bs = ctx.info, ctx.block_size
+    lens = [min(5, info.max_model_len), min(3, info.max_model_len), min(bs + 2, info.max_model_len)]
+    tables = [ctx.take(blocks_for(n, bs)) for n in lens]
+    seqs = [
+        sequence(ctx.seq_id(), ctx.tokens(lens[0]), 0, tables[0], greedy(3)),
+        sequence(ctx.seq_id(), ctx.tokens(lens[1]), 0, tables[1]),  # not sampled
+        sequence(ctx.seq_id(), ctx.tokens(lens[2]), 0, tables[2], greedy(0)),
+    ]
+    reply = ctx.execute(seqs)
+    problems = []
+    if len(reply.sampled_token_ids) != 2:
+        problems.append(f"{len(reply.sampled_token_ids)} sampled_token_ids for 2 sampled sequences")
+    if len(reply.sampled_logprobs) != len(reply.sampled_token_ids):
+        problems.append("sampled_logprobs not index-aligned with sampled_token_ids")
+    if len(reply.top_logprobs) != 2:
+        problems.append(f"{len(reply.top_logprobs)} top_logprobs entries, expected 2 (one per sampled sequence)")
+    else:
+        first, second = reply.top_logprobs
+        if len(first.token_ids) != 3 or len(first.logprobs) != 3:
+            problems.append(f"top_logprobs[0] has {len(first.token_ids)} tokens / {len(first.logprobs)} logprobs, "
+                            "expected 3")
+        if len(second.token_ids) or len(second.logprobs):
+            problems.append("top_logprobs[1] is not empty for a sequence that asked for none")
+        lps = list(first.logprobs)
+        if lps != sorted(lps, reverse=True):
+            problems.append(f"top_logprobs[0] not most likely first: {lps}")
+        if any(not 0 <= t < info.vocab_size for t in first.token_ids):
+            problems.append(f"top_logprobs[0] token ids outside the vocabulary: {list(first.token_ids)}")
+        if reply.sampled_token_ids and first.token_ids and len(lps) >= 2 and lps[0] - lps[1] > 1e-6:
+            if reply.sampled_token_ids[0] != first.token_ids[0]:
+                problems.append(f"greedy token {reply.sampled_token_ids[0]} is not the top-1 "
+                                f"token {first.token_ids[0]}")
+        if reply.sampled_logprobs and lps and not ctx.tolerance.close(reply.sampled_logprobs[0], lps[0]):
+            problems.append(f"greedy logprob {reply.sampled_logprobs[0]} != top-1 logprob {lps[0]}")
+    if any(not 0 <= t < info.vocab_size for t in reply.sampled_token_ids):
+        problems.append(f"sampled token outside the vocabulary: {list(reply.sampled_token_ids)}")
+    if any(not (lp <= 1e-4) for lp in reply.sampled_logprobs):
+        problems.append(f"log-probabilities above 0: {list(reply.sampled_logprobs)}")
+    if reply.num_tokens != sum(lens):
+        problems.append(f"num_tokens {reply.num_tokens}, expected {sum(lens)}")
+    plain = ctx.execute([sequence(ctx.seq_id(), ctx.tokens(2), 0, tables[0][:blocks_for(2, bs)], greedy(0))])
+    if len(plain.top_logprobs):
+        problems.append("top_logprobs not empty when no sequence asked for them")
+    require(not problems, "; ".join(problems))
+    return "sampled tokens, logprobs, top_logprobs and num_tokens as the proto says"
+
+
+@rules.rule("execute.repeatable", "the reference run again in the same blocks gives the same tokens and logprobs")
+def execute_repeatable(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    table = ref.table if not set(ref.table) & ctx._reserved else ctx.take(ctx.seq_blocks)
+    again = ctx.run_reference(ref.prompt, table)
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, again.steps, "second run")
+    return comparison.verdict()
+
+
+# ---- layout independence -----------------------------------------------------------------
+
+
+@rules.rule("layout.scattered_blocks",
+            "contiguous vs scattered (shuffled, non-contiguous) block ids: same tokens and logprobs")
+def layout_scattered(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    table = ctx.take_scattered(ctx.seq_blocks)
+    ctx.write_garbage(table)
+    seq_id = ctx.seq_id()
+    got = [ctx.prefill_greedy(seq_id, ref.prompt, 0, table)]
+    got += ctx.decode_forced(seq_id, table, len(ref.prompt), ref.fed)
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, got, f"block table {table}")
+    return comparison.verdict()
+
+
+def chunk_cuts(n: int) -> list[int]:
+    """Chunk boundaries inside [1, n) for a chunked prefill (uneven, crossing block edges)."""
+    return sorted({c for c in (max(1, n // 9), n // 3 + 1, (2 * n) // 3 - 1) if 0 < c < n})
+
+
+@rules.rule("layout.chunked_prefill",
+            "one-shot prefill vs chunked prefill (several Executes, start_position advancing, minimal block "
+            "tables, sampling only at the end)")
+def layout_chunked(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    bs = ctx.block_size
+    table = ctx.take(ctx.seq_blocks)
+    ctx.write_garbage(table)
+    seq_id = ctx.seq_id()
+    bounds = [0, *chunk_cuts(len(ref.prompt)), len(ref.prompt)]
+    for a, b in zip(bounds[:-2], bounds[1:-1]):
+        reply = ctx.execute([sequence(seq_id, ref.prompt[a:b], a, table[:blocks_for(b, bs)])])
+        require(len(reply.sampled_token_ids) == 0, "a chunk with sample=false returned a sampled token")
+    a = bounds[-2]
+    got = [ctx.prefill_greedy(seq_id, ref.prompt[a:], a, table[:blocks_for(len(ref.prompt), bs)])]
+    got += ctx.decode_forced(seq_id, table, len(ref.prompt), ref.fed)
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, got, f"chunks {[b - a for a, b in zip(bounds, bounds[1:])]}")
+    return comparison.verdict()
+
+
+@rules.rule("layout.block_copy",
+            "copy_src/copy_dst run before the forward: continuing from copied blocks gives the reference; "
+            "the sources stay intact")
+def layout_block_copy(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    bs, n = ctx.block_size, len(ref.prompt)
+    # The writer computes a prefix that ends inside a block (when block_size > 1).
+    prefix = ((n - 1) // bs) * bs - bs // 2 if bs > 1 else n - 2
+    prefix = max(1, min(prefix, n - 1))
+    last = (prefix - 1) // bs
+    copied = sorted({last, max(0, last - 1)})
+    writer = ctx.take(ctx.seq_blocks)
+    fresh = ctx.take(len(copied))
+    tail = ctx.take(ctx.seq_blocks - last - 1)
+    ctx.write_garbage(fresh + tail)
+    writer_id = ctx.seq_id()
+    ctx.execute([sequence(writer_id, ref.prompt[:prefix], 0, writer[:blocks_for(prefix, bs)])])
+    table = writer[:ctx.seq_blocks]
+    for i, dst in zip(copied, fresh):
+        table[i] = dst
+    table[last + 1:] = tail
+    reader_id = ctx.seq_id()
+    # The copy and the first read of the copies in one Execute: copies come first.
+    first = sampled_from(ctx.execute([sequence(reader_id, ref.prompt[prefix:], prefix, table, greedy())],
+                                     copy_src=[writer[i] for i in copied], copy_dst=fresh), 0)
+    got = [first] + ctx.decode_forced(reader_id, table, n, ref.fed)
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, got, f"copies {[writer[i] for i in copied]}->{fresh}")
+    # The writer continues from its own (source) blocks: the copy and the reader's writes
+    # into the destinations left them as they were.
+    source = [ctx.prefill_greedy(writer_id, ref.prompt[prefix:], prefix, writer)]
+    comparison.add_all(ref.steps[:1], source, "source blocks")
+    return comparison.verdict()
+
+
+@rules.rule("layout.prefix_from_earlier_step",
+            "a sequence whose block table starts with full blocks another sequence wrote in an earlier Execute, "
+            "computing only its tail, gives the reference")
+def layout_prefix(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    bs, n = ctx.block_size, len(ref.prompt)
+    full = (n - 1) // bs
+    if full == 0:
+        raise Skip("the reference prompt has no full block")
+    owner_table = ctx.take(ctx.seq_blocks)
+    own_tail = ctx.take(ctx.seq_blocks - full)
+    ctx.write_garbage(own_tail)
+    # The owner shares the first `full` blocks' tokens and continues differently.
+    owner_prompt = ref.prompt[:full * bs] + ctx.tokens(n - full * bs)
+    ctx.prefill_greedy(ctx.seq_id(), owner_prompt, 0, owner_table)
+    table = owner_table[:full] + own_tail
+    seq_id = ctx.seq_id()
+    got = [ctx.prefill_greedy(seq_id, ref.prompt[full * bs:], full * bs, table)]
+    got += ctx.decode_forced(seq_id, table, n, ref.fed)
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, got, f"{full} shared blocks")
+    return comparison.verdict()
+
+
+# ---- batching independence ---------------------------------------------------------------
+
+
+@rules.rule("batching.mixed",
+            "a sequence alone vs in batches with other sequences (prefill chunks and decodes mixed, in varying "
+            "order): same tokens and logprobs")
+def batching_mixed(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    bs, n = ctx.block_size, len(ref.prompt)
+    # Z: a shorter sequence that is already decoding when X arrives.
+    z_len = max(1, n // 2 + 1)
+    z_blocks = blocks_for(z_len + DECODE_STEPS + 1, bs)
+    ref_z = ctx.run_reference(ctx.tokens(z_len), ctx.take(z_blocks))
+    # Y: a third sequence in prefill chunks, then decoding on its own tokens (not compared).
+    y_len = max(2, n - 3)
+    y_prompt = ctx.tokens(y_len)
+    y_table = ctx.take(blocks_for(y_len + DECODE_STEPS + 1, bs))
+    x_table = ctx.take(ctx.seq_blocks)
+    z_table = ctx.take(z_blocks)
+    ctx.write_garbage(x_table + z_table)
+    x_id, y_id, z_id = ctx.seq_id(), ctx.seq_id(), ctx.seq_id()
+    comparison = Comparison(ctx.tolerance)
+    # Z's prefill runs alone, as in its reference.
+    comparison.add(ref_z.steps[0], ctx.prefill_greedy(z_id, ref_z.prompt, 0, z_table), "Z prefill")
+    y_cut = max(1, y_len // 2)
+    y_next, y_pos = y_prompt[y_cut:], y_cut
+    # Step 1: [Y chunk (no sample), X prefill, Z decode].
+    reply = ctx.execute([sequence(y_id, y_prompt[:y_cut], 0, y_table),
+                         sequence(x_id, ref.prompt, 0, x_table, greedy()),
+                         sequence(z_id, [ref_z.steps[0].token], z_len, z_table, greedy())])
+    comparison.add(ref.steps[0], sampled_from(reply, 0), "X prefill in a batch")
+    comparison.add(ref_z.steps[1], sampled_from(reply, 1), "Z decode in a batch")
+    # Decode steps of X and Z, with Y's rest and then Y's decodes; the order rotates.
+    for i in range(DECODE_STEPS):
+        parts = [
+            ("x", sequence(x_id, [ref.steps[i].token], n + i, x_table, greedy())),
+            ("y", sequence(y_id, y_next, y_pos, y_table, greedy())),
+        ]
+        if i + 1 < DECODE_STEPS:
+            parts.append(("z", sequence(z_id, [ref_z.steps[i + 1].token], z_len + i + 1, z_table, greedy())))
+        parts = parts[i % len(parts):] + parts[:i % len(parts)]
+        reply = ctx.execute([p for _, p in parts])
+        for k, (name, _) in enumerate(parts):
+            result = sampled_from(reply, k)
+            if name == "x":
+                comparison.add(ref.steps[i + 1], result, f"X decode {i + 1} in a batch")
+            elif name == "z":
+                comparison.add(ref_z.steps[i + 2], result, f"Z decode {i + 2} in a batch")
+            else:
+                y_pos += len(y_next)
+                y_next = [result.token]
+    return comparison.verdict()
+
+
+# ---- sampling ----------------------------------------------------------------------------
+
+
+@rules.rule("sampling.suppressed", "suppressed_token_ids are never sampled (greedy picks the next best)")
+def sampling_suppressed(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    table = ctx.take(ctx.seq_blocks)
+    banned = ref.steps[0].token
+    got = sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, table,
+                                             greedy(suppressed_token_ids=[banned]))]), 0)
+    require(got.token != banned, f"sampled the suppressed token {banned}")
+    # The best of the rest (not necessarily top[1]: the greedy token may tie with another).
+    rest = [(token, logprob) for token, logprob in ref.steps[0].top if token != banned]
+    if len(rest) >= 2 and rest[0][1] - rest[1][1] > 2 * ctx.tolerance.bound(rest[0][1]):
+        require(got.token == rest[0][0], f"sampled {got.token}, expected the next best {rest[0][0]}")
+        return f"suppressing {banned} gave the next best {got.token}"
+    return f"suppressing {banned} gave {got.token}"
+
+
+SEEDS = ((1 << 64) - 1 - 12345, 0)  # one beyond int64 (read it as uint64), and 0 (a set seed of 0 is a seed)
+
+
+def seeded(seed: int) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=1.0, seed=seed, top_logprobs=TOPK)
+
+
+@rules.rule("sampling.seeded",
+            "temperature 1 with a seed: the same (seed, position) gives the same token alone, repeated, and in "
+            "any batch (after unseeded draws)")
+def sampling_seeded(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    bs, n = ctx.block_size, len(ref.prompt)
+    tables = [ctx.take(ctx.seq_blocks) for _ in range(3)]
+    short = max(1, n // 3)
+    other_tables = [ctx.take(blocks_for(short + 1, bs)) for _ in range(2)]
+    comparison = Comparison(ctx.tolerance)
+    summary = []
+    for seed in SEEDS:
+        alone = sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, tables[0], seeded(seed))]), 0)
+        again = sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, tables[1], seeded(seed))]), 0)
+        require(again.token == alone.token,
+                f"seed {seed}: the same request twice sampled {alone.token} then {again.token}")
+        # In a batch: an unseeded draw first, another sequence with the same seed at another
+        # position, then the sequence itself.
+        batch = [sequence(ctx.seq_id(), ctx.tokens(short), 0, other_tables[0], pb.SamplingParams(temperature=1.0)),
+                 sequence(ctx.seq_id(), ctx.tokens(short + 1), 0, other_tables[1], seeded(seed)),
+                 sequence(ctx.seq_id(), ref.prompt, 0, tables[2], seeded(seed))]
+        in_batch = sampled_from(ctx.execute(batch), 2)
+        require(in_batch.token == alone.token,
+                f"seed {seed}: sampled {alone.token} alone but {in_batch.token} in a batch")
+        comparison.add(alone, in_batch, f"seed {seed} in a batch")
+        # A decode step: position n, alone and in a batch behind an unseeded draw.
+        step_alone = sampled_from(ctx.execute([sequence(ctx.seq_id(), [alone.token], n, tables[0],
+                                                        seeded(seed))]), 0)
+        step_batch = ctx.execute([
+            sequence(ctx.seq_id(), ctx.tokens(1), short, other_tables[0], pb.SamplingParams(temperature=1.0)),
+            sequence(ctx.seq_id(), [alone.token], n, tables[2], seeded(seed))])
+        require(sampled_from(step_batch, 1).token == step_alone.token,
+                f"seed {seed}, decode at position {n}: {step_alone.token} alone, "
+                f"{sampled_from(step_batch, 1).token} in a batch")
+        summary.append(f"seed {seed}: {alone.token}, {step_alone.token}")
+    comparison.verdict()
+    return "same tokens alone, repeated and in batches (" + "; ".join(summary) + ")"
+
+
+# ---- bad batches -------------------------------------------------------------------------
+
+
+class Victim:
+    """Sequence A: the reference prompt's KV in its own blocks, and a probe that reads all of
+    it (the reference's first decode step, which rewrites one slot with the same value)."""
+
+    def __init__(self, ctx: ExecutorContext) -> None:
+        self.ctx = ctx
+        self.ref = ctx.reference()
+        self.table = ctx.take(ctx.seq_blocks)
+        self.write()
+
+    def write(self) -> None:
+        got = self.ctx.prefill_greedy(self.ctx.seq_id(), self.ref.prompt, 0, self.table)
+        comparison = Comparison(self.ctx.tolerance)
+        comparison.add(self.ref.steps[0], got, "writing A")
+        comparison.verdict()
+
+    def intact(self) -> str | None:
+        """None when A's KV still gives the reference, else what changed (and A is rewritten)."""
+        n = len(self.ref.prompt)
+        got = self.ctx.prefill_greedy(self.ctx.seq_id(), [self.ref.steps[0].token], n, self.table)
+        comparison = Comparison(self.ctx.tolerance)
+        comparison.add(self.ref.steps[1], got, "A after the rejected call")
+        if comparison.problems:
+            self.write()
+            return "; ".join(comparison.problems[:2])
+        return None
+
+
+def bad_cases(ctx: ExecutorContext, victim: Victim, spare: list[int]) -> dict[str, tuple]:
+    """name -> (summary, request, fields the error should name)."""
+    info, bs = ctx.info, ctx.block_size
+    V, N, L = info.vocab_size, info.num_blocks, info.max_model_len
+    n = len(victim.ref.prompt)
+    a = victim.table
+    g1, g2, g3 = spare
+    # A valid sequence that would overwrite all of A's KV: in every bad batch, before the bad part.
+    clobber = sequence(ctx.seq_id(), ctx.tokens(n), 0, a[:blocks_for(n, bs)])
+    ok = sequence(ctx.seq_id(), ctx.tokens(1), 0, [g3], greedy(0))
+    past_end = blocks_for(L + 1, bs)
+
+    def req(sequences, copy_src=(), copy_dst=()):
+        return pb.ExecuteRequest(sequences=sequences, copy_src=list(copy_src), copy_dst=list(copy_dst))
+
+    def bad(tokens, start=0, table=(g3,)):
+        return sequence(ctx.seq_id(), tokens, start, list(table), greedy(0))
+
+    return {
+        "empty_batch": ("an empty batch (with a copy into A's blocks)",
+                        req([], [g1], [a[0]]), ("sequences",)),
+        "empty_token_ids": ("a sequence with no token_ids", req([clobber, bad([])]), ("token_ids",)),
+        "token_id_vocab": ("a token id == vocab_size", req([clobber, bad([1, V])]), ("token_ids",)),
+        "token_id_negative": ("a token id of -1", req([clobber, bad([-1])]), ("token_ids",)),
+        "block_id_range": ("a block id == num_blocks", req([clobber, bad([1] * (bs + 1), 0, [g3, N])]),
+                           ("block_table",)),
+        "block_table_short": ("a block table too short for the positions",
+                              req([clobber, bad([1] * (bs + 1), 0, [g3])]), ("block_table",)),
+        "max_model_len": ("start_position + len(token_ids) > max_model_len",
+                          req([clobber, bad([1, 1], L - 1, [g3] * past_end)]),
+                          ("start_position", "token_ids", "max_model_len")),
+        "copy_dst_repeated": ("a copy destination repeated (into A's block)",
+                              req([ok], [g1, g2], [a[0], a[0]]), ("copy_dst",)),
+        "copy_dst_is_source": ("a copy destination that is also a source (A's block)",
+                               req([ok], [g1, a[0]], [a[0], g2]), ("copy_dst", "copy_src")),
+        "copy_lengths": ("copy_src and copy_dst of different lengths",
+                         req([ok], [g1, g2], [a[0]]), ("copy_src", "copy_dst")),
+        "copy_block_range": ("a copy block id == num_blocks (after a valid copy into A's block)",
+                             req([ok], [g1, N], [a[0], g2]), ("copy_src", "copy_dst")),
+        "mixed_batch": ("a valid sequence writing A's blocks, a valid decode and a valid copy into A, then a "
+                        "sequence with a bad block id",
+                        req([clobber, ok, bad([1], 0, [N])], [g1], [a[(n - 1) // bs]]), ("block_table",)),
+    }
+
+
+def make_invalid_rule(case: str, summary: str):
+    def check(ctx: ExecutorContext) -> str:
+        victim = ctx.victim()
+        _, request, fields = ctx.bad_cases[case]
+        error = expect_status(lambda: ctx.stub.Execute(request, timeout=ctx.timeout), INVALID, summary)
+        details = error.details() or ""
+        damage = victim.intact()
+        require(damage is None, f"rejected, but A read back through its block table no longer gives the "
+                                f"reference (its KV changed?): {damage}")
+        require(any(f in details for f in fields),
+                f"INVALID_ARGUMENT does not name the field ({' or '.join(fields)}): {details!r}")
+        return f"INVALID_ARGUMENT ({details[:100]}); A's KV intact"
+    return check
+
+
+INVALID_CASES = (
+    ("empty_batch", "an empty batch"),
+    ("empty_token_ids", "a sequence with no token_ids"),
+    ("token_id_vocab", "a token id >= vocab_size"),
+    ("token_id_negative", "a negative token id"),
+    ("block_id_range", "a block id >= num_blocks"),
+    ("block_table_short", "a block table too short"),
+    ("max_model_len", "positions beyond max_model_len"),
+    ("copy_dst_repeated", "a repeated copy destination"),
+    ("copy_dst_is_source", "a copy destination that is also a source"),
+    ("copy_lengths", "copy lists of different lengths"),
+    ("copy_block_range", "a copy block id >= num_blocks"),
+    ("mixed_batch", "valid writes and copies into A next to an invalid sequence"),
+)
+
+
+for _case, _summary in INVALID_CASES:
+    rules.add(f"invalid.{_case}",
+              f"{_summary} is INVALID_ARGUMENT naming the field, and writes/copies nothing (A's KV intact)",
+              make_invalid_rule(_case, _summary))
+
+
+# ---- instance id -------------------------------------------------------------------------
+
+
+@rules.rule("execute.instance_id",
+            "every ExecuteResponse.instance_id equals Describe.instance_id, which did not change")
+def execute_instance_id(ctx: ExecutorContext) -> str:
+    info = ctx.info
+    if not ctx.instance_ids:
+        ctx.prefill_greedy(ctx.seq_id(), ctx.tokens(1), 0, ctx.take(1))
+    now = ctx.describe()
+    require(now.instance_id == info.instance_id,
+            f"Describe.instance_id changed during the run: {info.instance_id!r} -> {now.instance_id!r} "
+            "(did the executor restart?)")
+    wrong = {k: v for k, v in ctx.instance_ids.items() if k != info.instance_id}
+    require(not wrong, f"ExecuteResponse.instance_id differs from Describe's {info.instance_id!r}: "
+                       + ", ".join(f"{k!r} x{v}" for k, v in list(wrong.items())[:3]))
+    return f"{sum(ctx.instance_ids.values())} ExecuteResponses carried {info.instance_id!r}"
+
+
+NOTES = (
+    ("layout.same_step_visibility",
+     "not checked: a batch in which one sequence reads KV that another sequence of the same Execute writes "
+     "(the proto lets an executor run a batch's sequences in any order, so such a batch has no defined result)"),
+)

@@ -1,0 +1,293 @@
+"""The conformance kit (``python -m kvserve.conformance``) against the real services, a toy
+executor written to the contract, and deliberately broken variants of it.
+
+The toy executor (``ToyExecutor``) is what an executor in another language would be,
+minus the model: its "KV" is the token id stored in each slot, and its logits are a
+pseudo-random function of the token history it reads back through the block table. It
+follows every rule of ``protos/kvserve/v1/executor.proto``, so the kit must pass it;
+each ``FLAWS`` entry breaks one rule, and the kit must fail it and name the rule.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import subprocess
+import sys
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvserve.v1 import executor_pb2 as pb
+from kvserve.v1 import executor_pb2_grpc
+from tests.conftest import REPO_ROOT, service_env
+
+VERDICTS = ("PASS", "FAIL", "SKIP")
+
+
+def run_kit(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserve.conformance", *args], cwd=REPO_ROOT, env=service_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def verdicts(proc: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
+    """rule name -> (PASS/FAIL/SKIP, text) from the kit's output."""
+    out = {}
+    for line in proc.stdout.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind in VERDICTS:
+            name, _, text = rest.partition(": ")
+            out[name] = (kind, text)
+    return out
+
+
+def assert_all_pass(proc: subprocess.CompletedProcess) -> None:
+    found = verdicts(proc)
+    assert found, proc.stdout + proc.stderr
+    bad = {name: v for name, v in found.items() if v[0] != "PASS"}
+    assert proc.returncode == 0 and not bad, proc.stdout + proc.stderr
+
+
+# ---- the real services -------------------------------------------------------------------
+
+
+def test_real_executor_conforms(start_service, tiny_model_dir):
+    service = start_service("executor", "--model", str(tiny_model_dir), "--num-blocks", "64",
+                            "--max-model-len", "256", "--dtype", "float32")
+    # float32 on the CPU: layouts and batches agree to ~1e-6, so a tolerance far below the
+    # bf16 default (0.05) makes every comparison count.
+    proc = run_kit("executor", service.address, "--atol", "1e-3", "--rtol", "0")
+    assert_all_pass(proc)
+    names = verdicts(proc)
+    assert {"health.during_execute", "layout.block_copy", "layout.prefix_from_earlier_step", "batching.mixed",
+            "sampling.seeded", "invalid.mixed_batch", "execute.instance_id"} <= set(names)
+    assert "NOTE layout.same_step_visibility" in proc.stdout
+
+
+def test_real_kvmanager_conforms(start_service):
+    service = start_service("kvmanager")
+    proc = run_kit("kvmanager", service.address)
+    assert_all_pass(proc)
+    assert {"publish.not_in_handing_allocate", "publish.after_written", "publish.freed_unreported", "reset.in_use",
+            "register.new_instance_invalidates", "invalid.atomic_batch", "stats.invariants"} <= set(verdicts(proc))
+
+
+def test_help_list_and_bad_arguments():
+    proc = run_kit("--help")
+    assert proc.returncode == 0 and "executor" in proc.stdout and "kvmanager" in proc.stdout
+    proc = run_kit("executor", "--list")
+    assert proc.returncode == 0 and "layout.block_copy:" in proc.stdout and "invalid.mixed_batch:" in proc.stdout
+    assert run_kit("executor").returncode == 2  # no address
+    assert run_kit("nonsense", "127.0.0.1:1").returncode == 2
+
+
+def test_unreachable_service_fails():
+    proc = run_kit("executor", "127.0.0.1:1", "--connect-timeout", "1")
+    assert proc.returncode == 1
+    assert verdicts(proc)["describe.answers"][0] == "FAIL"
+
+
+def test_the_kit_imports_no_service_package():
+    code = ("import sys, kvserve.conformance.__main__, kvserve.conformance.executor_checks, "
+            "kvserve.conformance.kvmanager_checks\n"
+            "bad = sorted({m.split('.')[0] for m in sys.modules} & {'executor', 'gateway', 'kvmanager', 'torch'})\n"
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---- a toy executor, correct and broken ---------------------------------------------------
+
+
+class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
+    """An executor without a model. KV slot ``block * B + offset`` holds the token id
+    written there; the logits after a sequence are a pseudo-random function of the tokens
+    it reads back through its block table. ``flaw`` breaks one rule on purpose."""
+
+    VOCAB, BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 512, 4, 48, 64
+
+    def __init__(self, flaw: str | None = None) -> None:
+        self.flaw = flaw
+        self.kv: list[int | None] = [None] * (self.NUM_BLOCKS * self.BLOCK_SIZE)
+        self.by_seq: dict[int, dict[int, int]] = {}  # the "ignores_block_tables" flaw's store
+        self.instance_id = uuid.uuid4().hex
+        self.lock = threading.Lock()  # Executes apply one at a time
+        self.shared_rng = random.Random(0)
+
+    def Describe(self, request, context):
+        instance = uuid.uuid4().hex if self.flaw == "describe_changes" else self.instance_id
+        return pb.DescribeResponse(
+            model_name="toy", model_fingerprint="0" * 64, architecture="Toy", dtype="int", device="python",
+            attention_backend="lists", block_size=self.BLOCK_SIZE, num_blocks=self.NUM_BLOCKS,
+            max_model_len=self.MAX_MODEL_LEN, vocab_size=self.VOCAB, eos_token_ids=[2], num_layers=1,
+            instance_id=instance, tokenizer_fingerprint=hashlib.sha256(b"toy").hexdigest())
+
+    # -- validation: the whole batch before anything is touched --
+    def validate_sequence(self, i: int, seq) -> None:
+        B, N = self.BLOCK_SIZE, self.NUM_BLOCKS
+        if not seq.token_ids:
+            raise ValueError(f"sequences[{i}].token_ids: empty")
+        for j, token in enumerate(seq.token_ids):
+            if not 0 <= token < self.VOCAB:
+                raise ValueError(f"sequences[{i}].token_ids[{j}]: {token} outside [0, {self.VOCAB})")
+        end = seq.start_position + len(seq.token_ids)
+        if end > self.MAX_MODEL_LEN:
+            raise ValueError(f"sequences[{i}].start_position: reaches {end} > max_model_len")
+        if len(seq.block_table) * B < end:
+            raise ValueError(f"sequences[{i}].block_table: too short for {end} positions")
+        for j, block in enumerate(seq.block_table):
+            if block >= N:
+                raise ValueError(f"sequences[{i}].block_table[{j}]: {block} outside [0, {N})")
+
+    def validate_copies(self, request) -> None:
+        if len(request.copy_src) != len(request.copy_dst):
+            raise ValueError("copy_dst: length differs from copy_src")
+        for name in ("copy_src", "copy_dst"):
+            for j, block in enumerate(getattr(request, name)):
+                if block >= self.NUM_BLOCKS:
+                    raise ValueError(f"{name}[{j}]: {block} outside [0, {self.NUM_BLOCKS})")
+        if len(set(request.copy_dst)) != len(request.copy_dst):
+            raise ValueError("copy_dst: a destination repeats")
+        if set(request.copy_dst) & set(request.copy_src):
+            raise ValueError("copy_dst: a destination is also a source")
+
+    # -- the step --
+    def slot(self, seq, position: int) -> int:
+        return seq.block_table[position // self.BLOCK_SIZE] * self.BLOCK_SIZE + position % self.BLOCK_SIZE
+
+    def write(self, seq) -> None:
+        for k, token in enumerate(seq.token_ids):
+            position = seq.start_position + k
+            if self.flaw == "ignores_block_tables":
+                self.by_seq.setdefault(seq.seq_id, {})[position] = token
+            else:
+                self.kv[self.slot(seq, position)] = token
+
+    def history(self, seq) -> tuple:
+        end = seq.start_position + len(seq.token_ids)
+        if self.flaw == "ignores_block_tables":
+            return tuple(self.by_seq.get(seq.seq_id, {}).get(p) for p in range(end))
+        return tuple(self.kv[self.slot(seq, p)] for p in range(end))
+
+    def copy(self, request) -> None:
+        B = self.BLOCK_SIZE
+        for src, dst in zip(request.copy_src, request.copy_dst):
+            self.kv[dst * B:(dst + 1) * B] = self.kv[src * B:(src + 1) * B]
+
+    def sample(self, seq, history: tuple) -> tuple[int, float, list[tuple[int, float]]]:
+        digest = hashlib.blake2b(repr(history).encode(), digest_size=8).digest()
+        gen = random.Random(int.from_bytes(digest, "little"))
+        logits = [4.0 * gen.gauss(0.0, 1.0) for _ in range(self.VOCAB)]
+        params = seq.sampling
+        for token in params.suppressed_token_ids:
+            logits[token] = -math.inf
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        scaled = [x / temperature for x in logits]
+        top = max(scaled)
+        log_z = top + math.log(sum(math.exp(x - top) for x in scaled))
+        logprobs = [x - log_z for x in scaled]
+        if params.temperature == 0:
+            token = max(range(self.VOCAB), key=lambda v: logits[v])
+            if self.flaw == "random_tokens":
+                token = self.shared_rng.randrange(self.VOCAB)
+        else:
+            position = seq.start_position + len(seq.token_ids)
+            if params.HasField("seed") and self.flaw != "unseeded":
+                rng = random.Random(f"{params.seed}:{position}")
+            else:
+                rng = self.shared_rng
+            token = max(range(self.VOCAB), key=lambda v: math.exp(logprobs[v]) / rng.expovariate(1.0))
+        ranked = sorted(range(self.VOCAB), key=lambda v: -logprobs[v])[:params.top_logprobs]
+        return token, logprobs[token], [(v, logprobs[v]) for v in ranked]
+
+    def Execute(self, request, context):
+        with self.lock:
+            try:
+                if not request.sequences:
+                    raise ValueError("sequences: empty batch")
+                self.validate_copies(request)
+                if self.flaw == "writes_before_validating":
+                    for i, seq in enumerate(request.sequences):  # writes each sequence as it goes
+                        self.validate_sequence(i, seq)
+                        self.write(seq)
+                else:
+                    for i, seq in enumerate(request.sequences):
+                        self.validate_sequence(i, seq)
+            except ValueError as error:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            if self.flaw != "copies_after_forward":
+                self.copy(request)
+            reply = pb.ExecuteResponse(instance_id=self.instance_id)
+            if self.flaw == "changing_instance_id":
+                reply.instance_id = uuid.uuid4().hex
+            histories = []
+            for seq in request.sequences:
+                if self.flaw != "writes_before_validating":
+                    self.write(seq)
+                histories.append(self.history(seq))
+            if self.flaw == "copies_after_forward":
+                self.copy(request)
+            any_top = any(s.sample and s.sampling.top_logprobs for s in request.sequences)
+            for seq, history in zip(request.sequences, histories):
+                if not seq.sample:
+                    continue
+                token, logprob, top = self.sample(seq, history)
+                reply.sampled_token_ids.append(token)
+                reply.sampled_logprobs.append(logprob)
+                if any_top:
+                    reply.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+            reply.num_tokens = sum(len(s.token_ids) for s in request.sequences)
+            return reply
+
+
+@pytest.fixture
+def toy_executor():
+    """``start(flaw)`` serves a ToyExecutor (and grpc.health) on a free port; returns its address."""
+    servers = []
+
+    def start(flaw: str | None = None) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        executor_pb2_grpc.add_ExecutorServicer_to_server(ToyExecutor(flaw), server)
+        health_servicer = health.HealthServicer()
+        for name in ("", "kvserve.v1.Executor"):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(grace=None)
+
+
+def test_a_correct_toy_executor_conforms(toy_executor):
+    assert_all_pass(run_kit("executor", toy_executor()))
+
+
+FLAWS = {
+    # flaw: rules that must FAIL
+    "random_tokens": {"execute.repeatable", "layout.scattered_blocks", "batching.mixed"},
+    "ignores_block_tables": {"layout.block_copy", "layout.prefix_from_earlier_step"},
+    "copies_after_forward": {"layout.block_copy"},
+    "writes_before_validating": {"invalid.mixed_batch", "invalid.token_id_vocab"},
+    "unseeded": {"sampling.seeded"},
+    "changing_instance_id": {"execute.instance_id"},
+    "describe_changes": {"describe.consistent"},
+}
+
+
+@pytest.mark.parametrize("flaw", sorted(FLAWS))
+def test_the_kit_fails_a_broken_executor(toy_executor, flaw):
+    proc = run_kit("executor", toy_executor(flaw))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failed = {name for name, (kind, _) in verdicts(proc).items() if kind == "FAIL"}
+    assert FLAWS[flaw] <= failed, proc.stdout
+    for name in FLAWS[flaw]:
+        assert f"FAIL {name}: " in proc.stdout
+    assert f"(failed: " in proc.stdout.splitlines()[-1]

@@ -1,0 +1,338 @@
+"""The gateway's real step loop (``Engine._step``: scheduler, preemption, forks,
+written-KV reports, refused steps, executor restarts) driven against the real
+kvmanager domain, with a shadow executor as the oracle.
+
+The shadow executor keeps, per KV slot, the token id written there and whether it
+was written with a valid context. Every Execute first checks that each position a
+sequence attends to (``[0, start_position)`` through its block table) holds that
+sequence's own token, validly written, then writes its tokens. It samples a
+token from what it *read* (a function of every position's token), so a prefix hit
+on KV nobody wrote shows as a failed read or as output that differs from the
+reference computed from the prompt alone. Hypothesis drives submits, aborts,
+steps, refused requests, executor restarts, another session holding blocks and
+prefix-cache resets on tiny pools.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import grpc
+import pytest
+from collections import Counter
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from gateway.clients import DependencyError, ExecuteOutput, ExecutorInfo
+from gateway.detokenizer import ModelTokenizer
+from gateway.engine import Engine, EngineConfig
+from gateway.metrics import GatewayMetrics
+from gateway.scheduler import AllocationResult, RequestTooLarge, SampledToken, SchedulerConfig
+from gateway.sequence import FinishReason, SamplingOptions
+from kvmanager.manager import KVManager
+from kvmanager.pool import AllocationRequest, PoolConfig
+from kvserve.errors import KVServeError, StepRefused
+from kvserve.identity import tokenizer_fingerprint
+from tests.kvmanager_support import check_invariants, key_tokens
+
+POOL_ID = "shadow-pool"
+FIRST_TOKEN = 300  # ids the fake samples from: plain text tokens of the real tokenizer
+NUM_SAMPLED = 13
+PREFIXES = [[], [400] * 8, list(range(410, 422)), list(range(410, 418)) + [450, 451]]
+prompts = st.builds(lambda head, tail: head + tail, st.sampled_from(PREFIXES),
+                    st.lists(st.integers(500, 502), min_size=1, max_size=10))
+
+
+def next_token(context: list[int], choice_seed: int) -> int:
+    """What the fake model samples after ``context``: depends on every position."""
+    return FIRST_TOKEN + (sum((i + 1) * t for i, t in enumerate(context)) + choice_seed) % NUM_SAMPLED
+
+
+def reference_output(prompt: list[int], max_tokens: int, choice_seed: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens, choice_seed))
+    return tokens[len(prompt):]
+
+
+def rpc_error(exc: KVServeError) -> DependencyError:
+    code = getattr(grpc.StatusCode, exc.code)
+    return DependencyError("kvmanager", "in-process", grpc.aio.AioRpcError(
+        code, grpc.aio.Metadata(), grpc.aio.Metadata(), str(exc)))
+
+
+class InProcessKVManager:
+    """``gateway.clients.KVManagerClient``'s interface over the real ``KVManager`` domain."""
+
+    def __init__(self, manager: KVManager):
+        self.manager = manager
+
+    async def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except KVServeError as exc:
+            raise rpc_error(exc) from exc
+
+    async def register_pool(self, pool_id, info, enable_prefix_caching, kv_allocation):
+        config = PoolConfig(pool_id, info.num_blocks, info.block_size, info.model_fingerprint, enable_prefix_caching,
+                            max_model_len=info.max_model_len)
+        return await self._call(self.manager.register_pool, config, info.instance_id)
+
+    async def open_session(self, pool_id, ttl_ms, client_name):
+        session = await self._call(self.manager.open_session, pool_id, ttl_ms, client_name)
+        return session.session_id, session.ttl_ms
+
+    async def close_session(self, session_id, timeout=None):
+        return await self._call(self.manager.close_session, session_id)
+
+    async def reset_prefix_cache(self, pool_id):
+        return await self._call(self.manager.reset_prefix_cache, pool_id)
+
+    async def allocate(self, pool_id, session_id, free_seq_ids, plan, prefix_caching, written=((), ())):
+        requests = [AllocationRequest(e.seq_id, list(e.new_token_ids), e.num_new_tokens,
+                                      prefix_caching and e.seq.request.options.enable_prefix_caching,
+                                      e.seq.request.options.cache_salt) for e in plan]
+        results, usage = await self._call(self.manager.allocate, pool_id, session_id, list(free_seq_ids),
+                                          requests, *written)
+        return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
+                                 list(r.block_table), list(r.copy_src), list(r.copy_dst)) for r in results], usage
+
+    async def fork(self, pool_id, session_id, parent, children):
+        return await self._call(self.manager.fork, pool_id, session_id, parent, children)
+
+    async def free(self, pool_id, session_id, seq_ids, written=((), ())):
+        return await self._call(self.manager.free, pool_id, session_id, list(seq_ids), *written)
+
+    async def close(self):
+        pass
+
+
+class ShadowKVExecutor:
+    """``gateway.clients.ExecutorClient``'s interface over a KV store of token ids."""
+
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.slots: list[list[tuple[int, bool] | None]] = []
+        self.instance = itertools.count()
+        self.fingerprint = fingerprint
+        self.refused_requests: set[str] = set()
+        self.num_reads = 0
+        self.restart()
+
+    def restart(self) -> None:
+        self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
+        self.restarts = next(self.instance)
+        self.instance_id = f"instance-{self.restarts}"
+        self.fresh = True  # until the first Execute, whose output the gateway must drop
+
+    async def describe(self) -> ExecutorInfo:
+        self.fresh = False
+        return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
+                            self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint)
+
+    async def execute(self, ready) -> ExecuteOutput:
+        if any(e.seq.request.request_id in self.refused_requests for e in ready):
+            raise DependencyError("executor", "in-process", grpc.aio.AioRpcError(
+                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                "sequences[0].token_ids: refused"))
+        bs = self.block_size
+        garbage = self.fresh  # restarted since the gateway last described it: reads are garbage
+        for entry in ready:
+            for src, dst in entry.copies:
+                self.slots[dst] = list(self.slots[src])
+        sampled = []
+        for entry in ready:
+            table = entry.seq.block_table
+            context = []
+            for pos in range(entry.start_position):
+                slot = self.slots[table[pos // bs]][pos % bs]
+                if not garbage:
+                    assert slot is not None and slot[1], f"position {pos} of {entry.seq_id} was never written: {slot}"
+                    assert slot[0] == entry.seq.token_ids[pos], (
+                        f"seq {entry.seq_id} position {pos} attends to token {slot[0]}, "
+                        f"its token is {entry.seq.token_ids[pos]}")
+                context.append(slot[0] if slot else -1)
+            self.num_reads += entry.start_position
+            computed = entry.compute_token_ids()
+            for i, token in enumerate(computed):
+                pos = entry.start_position + i
+                self.slots[table[pos // bs]][pos % bs] = (token, not garbage)
+            if entry.sample:
+                options = entry.seq.request.options
+                sampled.append(SampledToken(next_token(context + computed, (options.seed or 0) + entry.seq.index)))
+        return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id)
+
+    async def close(self):
+        pass
+
+
+class GatewayKVMachine(RuleBasedStateMachine):
+    tokenizer: ModelTokenizer = None
+    seen: Counter = Counter()  # what the runs exercised, over all examples
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
+                max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched):
+        self.loop = asyncio.new_event_loop()
+        self.manager = KVManager(default_session_ttl_ms=10**7)
+        self.executor = ShadowKVExecutor(num_blocks, block_size, tokenizer_fingerprint(self.tokenizer.model_dir))
+        config = EngineConfig(pool_id=POOL_ID, session_ttl_ms=10**7, scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched))
+        self.engine = self.run(self._make_engine(config))
+        self.streams = {}
+        self.expected = {}
+        self.lengths = {}
+        self.restarts_seen = {}
+        self.ids = itertools.count()
+        self.other_session = None
+
+    async def _make_engine(self, config):
+        engine = Engine(config, self.tokenizer, GatewayMetrics("shadow"))
+        await engine.kvmanager.close()
+        await engine.executor.close()
+        engine.kvmanager, engine.executor = InProcessKVManager(self.manager), self.executor
+        return engine
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    @property
+    def pool(self):
+        return self.manager.pools.get(POOL_ID)
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 6), n=st.sampled_from([1, 1, 2]),
+          salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
+    def submit(self, prompt, max_tokens, n, salt, seed):
+        options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True)
+        request_id = f"r{next(self.ids)}"
+        try:
+            stream = self.run(self.engine.submit(prompt, options, request_id))
+        except KVServeError as exc:  # a prompt that can never fit this pool: a clear 4xx
+            assert any(reason in str(exc) for reason in ("KV slots", "max_model_len", "max_num_seqs")), exc
+            self.seen.update(["refused at the edge"])
+            return
+        self.streams[request_id] = stream
+        self.restarts_seen[request_id] = self.executor.restarts
+        self.expected[request_id] = [reference_output(prompt, max_tokens, (seed or 0) + i) for i in range(n)]
+        self.lengths[request_id] = len(prompt) + max_tokens
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.run(self._step())
+
+    async def _step(self):
+        await self.engine._run_step()
+        await self.engine._flush_frees()
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def abort(self, data):
+        self.engine.abort(data.draw(st.sampled_from(sorted(self.streams))))
+
+    @precondition(lambda self: self.streams)
+    @rule(data=st.data())
+    def refuse_request(self, data):
+        """The executor refuses every step this request is in (it fails alone)."""
+        self.executor.refused_requests.add(data.draw(st.sampled_from(sorted(self.streams))))
+
+    @rule()
+    def restart_executor(self):
+        self.executor.restart()
+
+    @precondition(lambda self: self.pool is not None)
+    @rule(prompt=prompts, written=st.booleans())
+    def other_gateway_holds_blocks(self, prompt, written):
+        """Another gateway's session allocates (and maybe executes) a prompt on the pool,
+        then stops: its blocks stay held until its lease would run out."""
+        if self.other_session is None:
+            self.other_session = self.manager.open_session(POOL_ID).session_id
+        seq_id = 10**12 + next(self.ids)
+        try:
+            results, _ = self.manager.allocate(POOL_ID, self.other_session, [], [AllocationRequest(
+                seq_id, prompt, len(prompt))])
+        except KVServeError:
+            return
+        if results[0].ok and written:
+            table = list(results[0].block_table)
+            bs = self.executor.block_size
+            for pos in range(results[0].start_position, len(prompt)):
+                self.executor.slots[table[pos // bs]][pos % bs] = (prompt[pos], True)
+            self.manager.free(POOL_ID, self.other_session, [], [seq_id], [len(prompt)])
+
+    @precondition(lambda self: self.pool is not None)
+    @rule()
+    def reset_prefix_cache(self):
+        self.manager.reset_prefix_cache(POOL_ID)
+
+    @invariant()
+    def findable_blocks_hold_their_tokens(self):
+        pool = self.pool if hasattr(self, "manager") else None
+        if pool is None or pool.executor_instance_id != self.executor.instance_id:
+            return  # kvmanager learns of a restart from the gateway's next step (Execute's instance_id)
+        check_invariants(pool)
+        for block in pool.block_pool.cached_blocks.values():
+            expected = [(t, True) for t in key_tokens(block.block_key, pool.block_size)]
+            assert self.executor.slots[block.block_id] == expected, f"findable block {block.block_id} holds other KV"
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(400):
+            if not self.engine.scheduler.has_work() and not self.engine._inbox:
+                break
+            self.run(self._step())
+        assert not self.engine.scheduler.has_work(), "requests stuck"
+        for request_id, stream in self.streams.items():
+            self.check_outputs(request_id, stream)
+        if self.pool is not None and self.engine._session_id is not None:
+            assert not self.pool.session_seq_ids.get(self.engine._session_id), "blocks leaked"
+        self.loop.close()
+
+    def check_outputs(self, request_id, stream):
+        outputs = []
+        while not stream.queue.empty():
+            outputs.append(stream.queue.get_nowait())
+        assert outputs and outputs[-1].finished, f"{request_id} never finished"
+        error = outputs[-1].error
+        if isinstance(error, RequestTooLarge):  # longer than the pool, or the other gateway's blocks are in the way
+            usable = (self.executor.num_blocks - 1) * self.executor.block_size
+            assert self.other_session is not None or self.lengths[request_id] > usable, error
+            self.seen.update(["cannot fit beside the other gateway's blocks"])
+            return
+        assert error is None or (isinstance(error, StepRefused) and request_id in self.executor.refused_requests), error
+        tokens: dict[int, list[int]] = {}
+        reasons = {}
+        for output in outputs:
+            for choice in output.choices:
+                tokens.setdefault(choice.index, []).extend(choice.token_ids)
+                reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+        for index, expected in enumerate(self.expected[request_id]):
+            got = tokens.get(index, [])
+            if error is not None or reasons.get(index) is FinishReason.ABORT:  # cut short: what came is right
+                assert got == expected[:len(got)], f"{request_id} choice {index}: {got} is not a prefix of {expected}"
+                self.seen.update(["refused request failed alone" if error else "aborted"])
+                continue
+            assert got == expected, f"{request_id} choice {index}: {got} != {expected}"
+            if outputs[-1].cached_tokens:
+                self.seen.update(["finished after a prefix hit"])
+            if self.restarts_seen.get(request_id, 0) != self.executor.restarts:
+                self.seen.update(["finished across an executor restart"])
+            self.seen.update(["finished with the reference output"])
+
+
+@pytest.mark.timeout(600)
+def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
+    GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
+    GatewayKVMachine.seen = Counter()
+    run_state_machine_as_test(GatewayKVMachine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    seen = GatewayKVMachine.seen
+    print(dict(seen))
+    # The checks above only mean something if the runs went where the bugs live.
+    for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
+                           ("finished across an executor restart", 10), ("refused request failed alone", 10),
+                           ("aborted", 10)]:
+        assert seen[what] >= at_least, (what, dict(seen))
