@@ -14,9 +14,12 @@ Failures have a bounded blast radius:
 * an executor that restarted (a new ``instance_id`` in an Execute reply) lost
   every block's KV: the step's output is dropped and every running sequence is
   recomputed from the tokens the gateway holds; nothing fails;
-* an unreachable dependency fails every live request with UNAVAILABLE (503) and
-  the reason; the session is closed (freeing every block) and set up again on
-  the next request, so the gateway recovers without a restart.
+* an unreachable dependency (a killed executor or kvmanager, a lost session):
+  the session is dropped and set up again as soon as both answer, and every
+  running sequence is recomputed from its tokens, so greedy and seeded outputs
+  are token-identical to an uninterrupted run. Only when nothing could serve for
+  ``unavailable_timeout_s`` do the requests in flight fail, with UNAVAILABLE (503)
+  and the reason. New requests while a dependency is down get 503 at once.
 
 The pool is registered with the executor's ``instance_id``, so kvmanager drops
 the hashes of a restarted executor's blocks, even those another session holds.
@@ -24,6 +27,7 @@ the hashes of a restarted executor's blocks, even those another session holds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import time
@@ -36,14 +40,19 @@ from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, Exec
 from gateway.detokenizer import ModelTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.params import validate_request
-from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler, SchedulerConfig
+from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerCounters
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
 from gateway.streams import RequestStream
 from kvserve.errors import AlreadyExists, IncompatibleDependency, ResourceExhausted, StepRefused, Unavailable
 from kvserve.identity import tokenizer_fingerprint
 from kvserve.logs import get_logger
+from kvserve.ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_KVMANAGER_ADDRESS
 
 log = get_logger("gateway.engine")
+
+
+# Pause between attempts to set a session up again while a dependency is unreachable.
+UNAVAILABLE_RETRY_S = 0.25
 
 
 class KVStateLost(Unavailable):
@@ -57,13 +66,15 @@ class ExecutorRestarted(KVStateLost):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    kvmanager_address: str = "localhost:50052"
-    executor_address: str = "localhost:50053"
+    kvmanager_address: str = DEFAULT_KVMANAGER_ADDRESS
+    executor_address: str = DEFAULT_EXECUTOR_ADDRESS
     pool_id: str = ""
     kv_allocation: str = "paged"
     enable_prefix_caching: bool = True
     session_ttl_ms: int = 10_000
     max_queue_len: int = 1024
+    # How long requests in flight wait (to be recomputed) for an unreachable dependency.
+    unavailable_timeout_s: float = 30.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -95,7 +106,8 @@ class Engine:
         self._accepting = True
         self._tasks: list[asyncio.Task] = []
         self._closing: asyncio.Task | None = None
-        self._reported = (0, 0)
+        self._unavailable_since: float | None = None
+        self._reported = SchedulerCounters()  # what the metrics have been told so far
         self._tokenizer_fingerprint = tokenizer_fingerprint(tokenizer.model_dir)
 
     # --- lifecycle -------------------------------------------------------------
@@ -204,6 +216,7 @@ class Engine:
             self.info = info
             self._session_id = session_id
             self._connection_lost = None
+            self._unavailable_since = None
             log.info("connected", pool_id=pool_id, session_id=session_id, num_blocks=info.num_blocks,
                      block_size=info.block_size, max_model_len=info.max_model_len, model=info.model_name)
 
@@ -215,13 +228,22 @@ class Engine:
                       gateway_model=str(self.tokenizer.model_dir))
             raise IncompatibleDependency(
                 f"the executor serves {info.model_name!r} with another tokenizer than this gateway's "
-                f"--model {self.tokenizer.model_dir.name!r} (tokenizer.json sha256 {info.tokenizer_fingerprint[:12]} "
+                f"model directory {self.tokenizer.model_dir.name!r} (tokenizer.json sha256 {info.tokenizer_fingerprint[:12]} "
                 f"vs {self._tokenizer_fingerprint[:12]}); start the gateway with the executor's model")
 
     def _reset_connection(self, reason: str, *, recompute: bool = False) -> None:
-        """Forgets the session. With ``recompute`` (the dependencies are up but the KV is
-        gone) every running sequence is recomputed; otherwise every live request fails
-        with UNAVAILABLE."""
+        """Forgets the session and recomputes every running sequence once it is set up
+        again: at once with ``recompute`` (the dependencies are up but the KV is gone),
+        else while a dependency has been unreachable for less than
+        ``unavailable_timeout_s``. After that, every live request fails with UNAVAILABLE."""
+        if not recompute and (self._live or self.scheduler.has_work()):
+            now = time.monotonic()
+            if self._unavailable_since is None:
+                self._unavailable_since = now
+            waited = now - self._unavailable_since
+            recompute = waited < self.config.unavailable_timeout_s
+            if not recompute:
+                reason = f"nothing could serve for {waited:.0f} s ({reason})"
         if recompute:
             self.scheduler.preempt_all()
         else:
@@ -237,7 +259,7 @@ class Engine:
         self._connection_lost = None
         if session_id is not None:
             self._closing = asyncio.get_running_loop().create_task(self._close_session_id(session_id))
-        log.warning("connection_reset", reason=reason)
+        log.warning("connection_reset", reason=reason, recompute=recompute)
 
     async def _close_session(self, timeout: float) -> None:
         session_id, self._session_id = self._session_id, None
@@ -285,7 +307,8 @@ class Engine:
             self._wakeup.clear()
             while self._inbox or self._aborts or self.scheduler.has_work() or self._connection_lost:
                 await self._run_step()
-                await asyncio.sleep(0)  # let streams flush and requests arrive
+                # Let streams flush and requests arrive; while a dependency is down, retry calmly.
+                await asyncio.sleep(0 if self._unavailable_since is None else UNAVAILABLE_RETRY_S)
             await self._flush_frees()
             self._publish_queue()
             self._idle.set()
@@ -337,7 +360,6 @@ class Engine:
             scheduler.complete_fork(request, table)
         plan = scheduler.schedule()
         ready, usage = [], None
-        preemptions = scheduler.counters.num_preemptions
         while plan:
             t0 = time.perf_counter()
             results, usage = await self._allocate(pool_id, session_id, plan)
@@ -353,8 +375,7 @@ class Engine:
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
         self._deliver(scheduler.take_outputs())
-        self.metrics.on_preemptions(scheduler.counters.num_preemptions - preemptions)
-        self._publish_prefix_counters()
+        self._publish_counters()
         self._publish_queue()
         self.metrics.on_step(step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
                              forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
@@ -466,12 +487,14 @@ class Engine:
                 self.metrics.on_request_finished(e2e_s=now - request.arrival_time, reason=reason)
             request.sink(output)
 
-    def _publish_prefix_counters(self) -> None:
-        counters = self.scheduler.counters
-        queries, hits = counters.prefix_cache_queries, counters.prefix_cache_hits
-        previous_queries, previous_hits = self._reported
-        self.metrics.on_prefix_lookup(queries - previous_queries, hits - previous_hits)
-        self._reported = (queries, hits)
+    def _publish_counters(self) -> None:
+        """The scheduler's counters since the last call, including what happened between
+        steps (preemptions when the KV was lost)."""
+        now, before = self.scheduler.counters, self._reported
+        self.metrics.on_preemptions(now.num_preemptions - before.num_preemptions)
+        self.metrics.on_prefix_lookup(now.prefix_cache_queries - before.prefix_cache_queries,
+                                      now.prefix_cache_hits - before.prefix_cache_hits)
+        self._reported = dataclasses.replace(now)
 
     def _publish_queue(self) -> None:
         running = {seq.request.request_id for seq in self.scheduler.running}

@@ -46,11 +46,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
-            raise InvalidArgument("max_num_seqs must be >= 1")
+            raise InvalidArgument(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise InvalidArgument("max_num_batched_tokens must be >= 1")
+            raise InvalidArgument(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.batching not in ("continuous", "static"):
-            raise InvalidArgument("batching must be 'continuous' or 'static'")
+            raise InvalidArgument(f"batching: must be 'continuous' or 'static', got {self.batching!r}")
 
 
 @dataclass
@@ -280,8 +280,7 @@ class Scheduler:
         """Drops entries whose sequence was preempted or finished since they were allocated."""
         return [e for e in entries if e.seq.status is SeqStatus.RUNNING and e.seq.seq_id == e.seq_id]
 
-    def apply_samples(self, ready: list[ScheduledSeq], sampled: list[SampledToken],
-                      now: float | None = None) -> None:
+    def apply_samples(self, ready: list[ScheduledSeq], sampled: list[SampledToken]) -> None:
         """Records computed KV and appends sampled tokens; outputs go to ``take_outputs()``."""
         touched: dict[str, GenerationRequest] = {}
         samples = iter(sampled)
@@ -295,7 +294,7 @@ class Scheduler:
             request = seq.request
             if sample is not None:
                 touched[request.request_id] = request
-                if append_token(seq, sample.token_id, sample.logprob, sample.top_logprobs, now):
+                if append_token(seq, sample.token_id, sample.logprob, sample.top_logprobs):
                     self._retire(seq)
             elif request.fork_pending and seq.index == 0 and seq.num_to_compute() == 0:
                 self._pending_forks.append(request)
@@ -308,6 +307,7 @@ class Scheduler:
         victims = sorted(self.running, key=lambda s: s.admitted_order)
         for seq in victims:
             seq.reset_for_recompute(self._new_seq_id())
+            seq.request.num_cached_tokens = None  # the hit it had read lost KV: usage reports the next one
             self.counters.num_preemptions += 1
         self.running = []
         self.waiting.extendleft(reversed(victims))

@@ -1,0 +1,130 @@
+"""Nothing is lost while something can serve: a killed executor or kvmanager that comes
+back within ``--unavailable-timeout`` costs the requests in flight nothing (tiny model,
+fp32, real processes). Their sequences are recomputed from the tokens the gateway
+holds, so the output equals the same request computed fresh (a distinct
+``cache_salt``), token for token and logprob for logprob. Past the timeout they fail
+with 503 and the reason.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from conftest import free_port, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+FP32 = ("--dtype", "float32")
+PROMPT = list(range(1000, 1040))
+MAX_TOKENS = 400
+LOGPROB_TOLERANCE = 1e-3
+
+
+def body(**extra) -> dict:
+    return {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0, **extra}
+
+
+class Stream(threading.Thread):
+    """A streaming /v1/completions read in the background."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url = url
+        self.tokens: list[float] = []
+        self.text = ""
+        self.finish_reason = None
+        self.error = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.url + "/v1/completions", json=body(stream=True), timeout=120) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.error = chunk["error"]
+                    break
+                choice = chunk["choices"][0]
+                self.text += choice["text"]
+                self.tokens += choice["logprobs"]["token_logprobs"]
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+                if len(self.tokens) >= 20:
+                    self.started.set()
+        self.started.set()
+
+
+@pytest.fixture
+def stack(start_service, tiny_model_dir):
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
+    http_port = free_port()
+    gateway = start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                            "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                            "--unavailable-timeout", "60")
+    return {"kvmanager": kvmanager, "executor": executor, "gateway": gateway,
+            "url": f"http://127.0.0.1:{http_port}", "model": tiny_model_dir}
+
+
+def kill9(service) -> None:
+    service.proc.kill()
+    service.proc.wait()
+
+
+def fresh(url: str) -> tuple[str, list[float]]:
+    reply = httpx.post(url + "/v1/completions", json=body(cache_salt="fresh"), timeout=120).json()
+    choice = reply["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"]
+
+
+def preemptions(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_preemptions_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("vllm:num_preemptions_total not in /metrics")
+
+
+def assert_identical(stream: Stream, reference: tuple[str, list[float]], what: str) -> None:
+    assert stream.error is None, f"{what}: the stream failed: {stream.error}"
+    assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS, what
+    assert stream.text == reference[0], what
+    worst = max(abs(a - b) for a, b in zip(stream.tokens, reference[1]))
+    assert worst < LOGPROB_TOLERANCE, f"{what}: logprobs differ from a fresh run by {worst:.2g}"
+
+
+@pytest.mark.parametrize("victim", ["executor", "kvmanager"])
+def test_a_killed_dependency_that_comes_back_costs_the_streams_nothing(stack, start_service, victim):
+    url = stack["url"]
+    stream = Stream(url)
+    stream.start()
+    assert stream.started.wait(60) and stream.error is None
+    service = stack[victim]
+    kill9(service)
+    args = ("--model", str(stack["model"]), *FP32) if victim == "executor" else ()
+    start_service(victim, *args, port=service.port, timeout=300)
+    stream.join(120)
+    assert not stream.is_alive()
+    assert_identical(stream, fresh(url), f"{victim} killed mid-stream")
+    assert preemptions(url) >= 1  # the stream's sequence really was recomputed
+
+
+def test_in_flight_requests_fail_with_503_only_after_the_timeout(start_service, tiny_model_dir):
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                  "--unavailable-timeout", "2")
+    url = f"http://127.0.0.1:{http_port}"
+    stream = Stream(url)
+    stream.start()
+    assert stream.started.wait(60)
+    kill9(executor)
+    stream.join(60)
+    assert not stream.is_alive()
+    assert stream.error is not None and stream.error["code"] == 503, stream.error
+    assert "nothing could serve for" in stream.error["message"] and "executor" in stream.error["message"]
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 503, 10)
