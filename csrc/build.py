@@ -13,6 +13,11 @@ the host compiler, ``-march=native`` (the build directory is keyed by the CPU's
 feature flags, so a cache shared between machines never runs foreign code). Builds are cached under
 ``$KVSERVE_EXTENSIONS_DIR`` (default ``$TORCH_EXTENSIONS_DIR/kvserve`` or
 ``~/.cache/kvserve/torch_extensions``) and rebuilt when a source changes.
+
+The sources are found next to this file (``CSRC``), in a source checkout and in an
+installed kvserve alike: the distribution installs ``csrc/`` (this file, the kernel
+sources and ``cpu/``; see ``pyproject.toml``) as a top-level package beside
+``executor/``, which loads this file from there (``executor/attention/csrc_loader.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+# The kernel sources: this file's directory, in a checkout and in site-packages alike.
 CSRC = Path(__file__).resolve().parent
 BINDING = "bindings.cpp"
 # One translation unit per dtype so they compile in parallel (MAX_JOBS).

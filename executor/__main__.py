@@ -11,22 +11,24 @@ from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer, TorchThread
-from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.config import EnvArgumentParser, add_server_flags, config_from_args
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
 from kvserve.paths import default_model_dir
+from kvserve.ports import DEFAULT_EXECUTOR_PORT
 from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
-DEFAULT_PORT = 50053
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
 log = get_logger("executor")
 
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="python -m executor", description=__doc__.splitlines()[0].strip("`: "))
-    add_server_flags(parser, default_port=DEFAULT_PORT)
-    parser.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face model directory")
+    add_server_flags(parser, default_port=DEFAULT_EXECUTOR_PORT)
+    # Each dest that names a RunnerOptions field sets it (see main).
+    parser.add_argument("--model", dest="model_dir", metavar="MODEL", type=Path, default=default_model_dir(),
+                        help="Hugging Face model directory")
     parser.add_argument("--served-model-name", default=None, help="model name to report (default: the directory name)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
@@ -57,27 +59,23 @@ def check_model_dir(model_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure_logging(args.log_level)
     tune_host_allocator()
 
     async def serve() -> None:
-        check_model_dir(args.model)
-        options = RunnerOptions(
-            model_dir=args.model, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
-            block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-            served_model_name=args.served_model_name, seed=args.seed,
-        )
+        check_model_dir(args.model_dir)
+        options = config_from_args(RunnerOptions, args)
         torch_thread = TorchThread(args.num_threads)  # all torch work happens there, see executor.service
         try:
             runner = await torch_thread.run(ModelRunner, options)
         except (UnsupportedModel, ValueError, ImportError, OSError) as exc:
             torch_thread.close()
-            raise StartupError(str(exc)) from exc
+            raise StartupError(parser.in_flag_terms(str(exc))) from exc
         except Exception as exc:  # noqa: BLE001 — e.g. a corrupt safetensors file: still one line
             torch_thread.close()
-            raise StartupError(f"cannot load {args.model}: {type(exc).__name__}: {exc}") from exc
+            raise StartupError(f"cannot load {args.model_dir}: {type(exc).__name__}: {exc}") from exc
         servicer = ExecutorServicer(runner, torch_thread)
         server = GrpcServer("executor", args.host, args.port,
                             [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)])

@@ -26,9 +26,9 @@ def resolve_device(name: str) -> torch.device:
             return torch.device("cuda", 0)
         return torch.device("cpu")
     if name == "musa" and not _musa_available():
-        raise ValueError("--device musa: torch_musa is not installed or sees no device")
+        raise ValueError("device: musa asked for, but torch_musa is not installed or sees no device")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device")
+        raise ValueError("device: cuda asked for, but torch sees no CUDA device")
     device = torch.device(name)
     return torch.device(device.type, 0) if device.type != "cpu" and device.index is None else device
 
@@ -62,7 +62,7 @@ def tune_host_allocator() -> bool:
 
     glibc serves allocations above its mmap threshold with fresh mmap'd pages and gives
     them back on free, so every step's large temporaries (gathered K/V, MLP activations)
-    page-fault again: on this 2-core machine that was half of a batch-32 decode step.
+    page-fault again, a cost paid per step that grows with the batch (docs/executor.md).
     Raising the mmap and trim thresholds (what tcmalloc/jemalloc do by default) stops it.
     Process-wide, so the entry point calls it; returns False where libc has no mallopt.
     """

@@ -50,16 +50,16 @@ def size_kv_cache(
     (free, total, activation_peak) bytes measured after loading the weights); on the CPU 1 GiB."""
     per_block = kv_bytes_per_block(config, block_size, dtype)
     if num_blocks is not None:
-        blocks, source = num_blocks, "--num-blocks"
+        blocks, source = num_blocks, "num_blocks"
     elif kv_cache_memory is not None:
-        blocks, source = kv_cache_memory // per_block, f"--kv-cache-memory={kv_cache_memory}"
+        blocks, source = kv_cache_memory // per_block, f"kv_cache_memory={kv_cache_memory}"
     elif device.type != "cpu" and device_memory is not None:
         free, total, activation_peak = device_memory
         if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} outside (0, 1]")
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
         budget = int(total * gpu_memory_utilization) - (total - free) - activation_peak
         blocks = max(budget, 0) // per_block
-        source = f"--gpu-memory-utilization={gpu_memory_utilization}"
+        source = f"gpu_memory_utilization={gpu_memory_utilization}"
     else:
         blocks, source = DEFAULT_CPU_KV_BYTES // per_block, "cpu default (1 GiB)"
     if blocks < MIN_BLOCKS:

@@ -22,7 +22,6 @@ from executor.model import ModelConfig, Transformer, UnsupportedModel, cpu_weigh
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Checkpoint tensors that are derived, not weights.
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
-LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -167,8 +167,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be pre-packed for oneDNN on the CPU (1.3-1.9x faster bf16 matmuls
-    on this machine, same results); the unpacked weight stays as the loaded parameter."""
+    """nn.Linear whose bf16 weight can be pre-packed for oneDNN on the CPU: F.linear re-packs the
+    weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once
+    (same results; docs/executor.md has the speed-up). The unpacked weight stays as the loaded
+    parameter."""
 
     packed_weight: torch.Tensor | None = None
 
@@ -186,7 +188,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalized in float32 and cast back before the weight, exactly as transformers does.
-        # (F.rms_norm measured slower than these four small kernels on the CPU.)
+        # Four small kernels rather than F.rms_norm, which was no faster on the CPU.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

@@ -66,7 +66,9 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
-class ExecutorInfo:
+class RunnerDescription:
+    """What this runner serves; field for field ``kvserve.v1.DescribeResponse``."""
+
     model_name: str
     model_fingerprint: str
     architecture: str
@@ -96,7 +98,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(options.dtype, config, self.device)
         self.block_size = options.block_size
         if self.block_size < 1:
-            raise ValueError(f"--block-size {self.block_size} must be >= 1")
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.backend = create_backend(options.attention_backend, self.device)
         start = time.monotonic()
@@ -110,13 +112,15 @@ class ModelRunner:
                                            self.dtype, self.device)
             for _ in range(config.num_layers)
         ]
-        log.info(f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
-        log.info(f"Maximum concurrency for {self.max_model_len} tokens per request: "
-                 f"{max_concurrency(self.num_blocks, self.block_size, self.max_model_len):.2f}x")
-        log.info("kv_cache_allocated", num_blocks=self.num_blocks, bytes=sizing.total_bytes, sized_by=sizing.source,
-                 attention_backend=self.backend.name)
+        concurrency = max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
+        # ``vllm`` carries vLLM's start-up sentences verbatim, for the log scrapers written for them.
+        log.info("kv_cache_allocated", num_blocks=self.num_blocks, block_size=self.block_size,
+                 bytes=sizing.total_bytes, sized_by=sizing.source, attention_backend=self.backend.name,
+                 vllm=f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
+        log.info("max_concurrency", max_model_len=self.max_model_len, concurrency=round(concurrency, 2),
+                 vllm=f"Maximum concurrency for {self.max_model_len} tokens per request: {concurrency:.2f}x")
         self.generator = torch.Generator().manual_seed(options.seed)
-        self.info = ExecutorInfo(
+        self.info = RunnerDescription(
             model_name=options.served_model_name or model_dir.resolve().name,
             model_fingerprint=model_fingerprint(model_dir),
             architecture=config.architecture,

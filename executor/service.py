@@ -5,11 +5,12 @@ All torch work — loading the model and every step — runs in one worker threa
 forward pass and two steps never run at once. One thread, not merely one at a
 time: each thread that runs parallel torch ops gets its own OpenMP team, and with
 two teams on a small machine libgomp stops spinning between parallel regions (its
-"throttled" mode), which made every step ~30% slower.
+"throttled" mode), which slows every step (docs/executor.md has the numbers).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -76,15 +77,7 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         self._torch_thread = torch_thread
 
     async def Describe(self, request, context):
-        info = self.runner.info
-        return executor_pb2.DescribeResponse(
-            model_name=info.model_name, model_fingerprint=info.model_fingerprint, architecture=info.architecture,
-            dtype=info.dtype, device=info.device, attention_backend=info.attention_backend,
-            block_size=info.block_size, num_blocks=info.num_blocks, kv_bytes_per_block=info.kv_bytes_per_block,
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-            num_layers=info.num_layers, model_path=info.model_path, instance_id=info.instance_id,
-            tokenizer_fingerprint=info.tokenizer_fingerprint,
-        )
+        return executor_pb2.DescribeResponse(**dataclasses.asdict(self.runner.info))
 
     async def Execute(self, request, context):
         start = time.perf_counter()

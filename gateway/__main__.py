@@ -15,10 +15,11 @@ from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
-from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.config import EnvArgumentParser, add_server_flags, config_from_args
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
 from kvserve.paths import default_model_dir
+from kvserve.ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_ADDRESS
 from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -28,10 +29,11 @@ log = get_logger("gateway")
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="gateway", description="kvserve gateway: requests, continuous batching, "
                                "OpenAI-compatible HTTP and gRPC APIs")
-    add_server_flags(parser, default_port=50051)
-    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port")
-    parser.add_argument("--kvmanager-address", default="localhost:50052", help="kvmanager gRPC address")
-    parser.add_argument("--executor-address", default="localhost:50053", help="executor gRPC address")
+    add_server_flags(parser, default_port=DEFAULT_GATEWAY_PORT)
+    # Each dest that names an EngineConfig or SchedulerConfig field sets it (see serve).
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OpenAI-compatible HTTP port")
+    parser.add_argument("--kvmanager-address", default=DEFAULT_KVMANAGER_ADDRESS, help="kvmanager gRPC address")
+    parser.add_argument("--executor-address", default=DEFAULT_EXECUTOR_ADDRESS, help="executor gRPC address")
     parser.add_argument("--model", type=Path, default=default_model_dir(),
                         help="model directory (tokenizer.json, chat template)")
     parser.add_argument("--served-model-name", default=None, help="model name in the APIs (default: "
@@ -49,6 +51,9 @@ def build_parser() -> EnvArgumentParser:
                         help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
     parser.add_argument("--pool-id", default="", help="kvmanager pool name (default: executor@<address>)")
     parser.add_argument("--session-ttl-ms", type=int, default=10_000, help="kvmanager session lease")
+    parser.add_argument("--unavailable-timeout", dest="unavailable_timeout_s", type=float, default=30.0,
+                        help="seconds requests in flight wait (to be recomputed) for an unreachable executor or "
+                             "kvmanager before they fail with 503")
     return parser
 
 
@@ -60,21 +65,16 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-async def serve(args) -> None:
+async def serve(args, parser: EnvArgumentParser) -> None:
     configure_logging(args.log_level)
     if not (args.model / "tokenizer.json").exists():
         raise StartupError(f"--model {args.model}: no tokenizer.json there")
     try:
-        scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.batching)
+        config = config_from_args(EngineConfig, args, scheduler=config_from_args(SchedulerConfig, args))
     except ValueError as exc:
-        raise StartupError(str(exc)) from exc
+        raise StartupError(parser.in_flag_terms(str(exc))) from exc
     tokenizer = ModelTokenizer(args.model)
     metrics = GatewayMetrics(args.served_model_name or args.model.name)
-    config = EngineConfig(
-        kvmanager_address=args.kvmanager_address, executor_address=args.executor_address, pool_id=args.pool_id,
-        kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
-        session_ttl_ms=args.session_ttl_ms, max_queue_len=args.max_queue_len, scheduler=scheduler_config,
-    )
     engine = Engine(config, tokenizer, metrics)
     batching = {"batching": args.batching, "kv_allocation": args.kv_allocation,
                 "enable_prefix_caching": args.enable_prefix_caching}
@@ -110,8 +110,9 @@ async def serve(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return run_service("gateway", lambda: serve(args))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return run_service("gateway", lambda: serve(args, parser))
 
 
 if __name__ == "__main__":

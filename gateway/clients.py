@@ -7,7 +7,7 @@ dependency is down says why.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import grpc
 
@@ -61,7 +61,7 @@ class DependencyError(Unavailable):
 
 @dataclass(frozen=True)
 class ExecutorInfo:
-    """What the executor serves (from Describe)."""
+    """What the gateway uses of the executor's Describe (same field names)."""
 
     model_name: str
     model_fingerprint: str
@@ -75,6 +75,12 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     instance_id: str = ""
     tokenizer_fingerprint: str = ""
+
+    @classmethod
+    def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:
+        values = {f.name: getattr(reply, f.name) for f in fields(cls)}
+        values["eos_token_ids"] = tuple(reply.eos_token_ids)
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -117,13 +123,7 @@ class ExecutorClient(_Client):
     async def describe(self, timeout: float = 3.0) -> ExecutorInfo:
         reply = await self._call(self._stub.Describe, executor_pb2.DescribeRequest(), timeout)
         self.block_size = reply.block_size
-        return ExecutorInfo(
-            model_name=reply.model_name, model_fingerprint=reply.model_fingerprint, dtype=reply.dtype,
-            device=reply.device, attention_backend=reply.attention_backend, block_size=reply.block_size,
-            num_blocks=reply.num_blocks, max_model_len=reply.max_model_len, vocab_size=reply.vocab_size,
-            eos_token_ids=tuple(reply.eos_token_ids), instance_id=reply.instance_id,
-            tokenizer_fingerprint=reply.tokenizer_fingerprint,
-        )
+        return ExecutorInfo.from_proto(reply)
 
     async def execute(self, ready: list[ScheduledSeq]) -> ExecuteOutput:
         copy_src: list[int] = []

@@ -5,6 +5,7 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.params import build_options
 from gateway.sequence import FinishReason, RequestOutput
+from gateway.model_name import check_model_name
 from kvserve.errors import InvalidArgument, Unavailable
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -28,9 +29,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         engine = self._engine
-        if request.model and request.model != engine.model_name:
-            raise InvalidArgument(f"model: {request.model!r} does not exist; this server serves "
-                                  f"{engine.model_name!r}")
+        check_model_name(request.model, engine.model_name)
         kind = request.WhichOneof("prompt")
         limit = engine.max_model_len
         if kind == "text":  # protobuf strings are valid UTF-8: no lone surrogates can arrive here

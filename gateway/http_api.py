@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API (FastAPI): thin routes over the engine.
 
-Routes convert JSON ⇄ domain objects only; errors use OpenAI's error JSON
+Routes are module-level functions on ``router`` that reach the engine and the
+tokenizer through ``request.app.state``; ``create_app`` builds the app around
+them. Routes convert JSON ⇄ domain objects only; errors use OpenAI's error JSON
 (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status of
 the domain error. A request body over ``MAX_BODY_BYTES`` is refused with 413
 before it is parsed; long prompts are tokenized off the event loop.
@@ -15,7 +17,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
+from gateway.model_name import check_model_name
 from gateway.openai_protocol import (
     ChatCompletionBody, ChoiceAccumulator, CompletionBody, ResponseFormatter, message_dicts,
 )
@@ -130,159 +133,195 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     return (f"{where}: {message}" if where else message), where or None
 
 
-def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
-    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _tokenizer(request: Request) -> ModelTokenizer:
+    return request.app.state.tokenizer
+
+
+async def _validation(request: Request, exc: RequestValidationError):
+    message, where = _validation_message(list(exc.errors()))
+    return error_response(400, message, "invalid_request_error", where)
+
+
+async def _http(request: Request, exc: StarletteHTTPException):
+    return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+async def _domain(request: Request, exc: KVServeError):
+    status, kind = error_for(exc)
+    return error_response(status, str(exc), kind)
+
+
+async def _internal(request: Request, exc: Exception):
+    log.error("http_internal_error", error=repr(exc), exc_info=exc)
+    return error_response(500, f"internal error: {exc!r}", "internal_error")
+
+
+EXCEPTION_HANDLERS = {
+    RequestValidationError: _validation,
+    StarletteHTTPException: _http,
+    KVServeError: _domain,
+    Exception: _internal,
+}
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    engine = _engine(request)
     served_name = engine.model_name
+    entry = {"id": served_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+             "root": served_name, "parent": None, "max_model_len": engine.max_model_len}
+    return {"object": "list", "data": [entry]}
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        message, where = _validation_message(list(exc.errors()))
-        return error_response(400, message, "invalid_request_error", where)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+@router.get("/health")
+async def health(request: Request):
+    status = await _engine(request).dependency_health()
+    ok = all(status.values())
+    body = {"status": "ok" if ok else "unavailable",
+            **{name: "SERVING" if up else "UNREACHABLE" for name, up in status.items()}}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.exception_handler(KVServeError)
-    async def _domain(request: Request, exc: KVServeError):
-        status, kind = error_for(exc)
-        return error_response(status, str(exc), kind)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.error("http_internal_error", error=repr(exc), exc_info=exc)
-        return error_response(500, f"internal error: {exc!r}", "internal_error")
+@router.get("/metrics")
+async def metrics(request: Request):
+    engine = _engine(request)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(engine.refresh_pool_stats(), 1.0)
+    return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def check_model(name: str | None) -> None:
-        if name and name != served_name:
-            raise InvalidArgument(f"model: {name!r} does not exist; this server serves {served_name!r}")
 
-    @app.get("/v1/models")
-    async def models():
-        entry = {"id": served_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-                 "root": served_name, "parent": None, "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [entry]}
+@router.post("/v1/completions")
+async def completions(body: CompletionBody, request: Request):
+    engine, tokenizer = _engine(request), _tokenizer(request)
+    check_model_name(body.model, engine.model_name)
+    if body.echo:
+        raise InvalidArgument("echo: not supported")
+    prompts = body.prompt
+    if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+        prompts = [prompts]
+    if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+        raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
+    prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
+                  else list(p) for p in prompts]
+    return await _generate("completion", body, prompt_ids, body.logprobs, request)
 
-    @app.get("/health")
-    async def health():
-        status = await engine.dependency_health()
-        ok = all(status.values())
-        body = {"status": "ok" if ok else "unavailable",
-                **{name: "SERVING" if up else "UNREACHABLE" for name, up in status.items()}}
-        return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics():
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(engine.refresh_pool_stats(), 1.0)
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionBody, request: Request):
+    engine, tokenizer = _engine(request), _tokenizer(request)
+    check_model_name(body.model, engine.model_name)
+    if not body.messages:
+        raise InvalidArgument("messages: at least one message is needed")
+    prompt_ids = await tokenizer.chat_prompt_async(message_dicts(body.messages), body.add_generation_prompt,
+                                                   engine.max_model_len)
+    if body.max_completion_tokens is not None and body.max_tokens is None:
+        body.max_tokens = body.max_completion_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _generate("chat", body, [prompt_ids], logprobs, request)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        check_model(body.model)
-        if body.echo:
-            raise InvalidArgument("echo: not supported")
-        prompts = body.prompt
-        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
-            prompts = [prompts]
-        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
-            raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
-        prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
-                      else list(p) for p in prompts]
-        return await _generate("completion", body, prompt_ids, body.logprobs, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionBody, request: Request):
-        check_model(body.model)
-        if not body.messages:
-            raise InvalidArgument("messages: at least one message is needed")
-        prompt_ids = await tokenizer.chat_prompt_async(message_dicts(body.messages), body.add_generation_prompt,
-                                                       engine.max_model_len)
-        if body.max_completion_tokens is not None and body.max_tokens is None:
-            body.max_tokens = body.max_completion_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await _generate("chat", body, [prompt_ids], logprobs, request)
-
-    async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request):
-        unsupported = body.unsupported()
-        if unsupported:
-            raise InvalidArgument(f"{unsupported}: not supported by this server")
-        options = build_options(
-            max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
-            skip_special_tokens=body.skip_special_tokens,
-        )
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        if len(prompts) == 1:
-            stream = await engine.submit(prompts[0], options, request_id)
-        else:
-            stream = MergedStream(request_id, [], options.n)
-            try:
-                for i, prompt_ids in enumerate(prompts):
-                    stream.streams.append(await engine.submit(prompt_ids, replace(options), f"{request_id}-{i}"))
-            except Exception:
-                stream.abort_all(engine.abort)
-                raise
-        num_choices = options.n * len(prompts)
-        formatter = ResponseFormatter(kind, request_id, served_name, tokenizer, logprobs is not None, num_choices)
-        if body.stream:
-            return StreamingResponse(_sse(stream, formatter, body.include_usage), media_type="text/event-stream")
-        return await _collect(stream, formatter, num_choices, request)
-
-    def _abort(stream: RequestStream | MergedStream) -> None:
-        if isinstance(stream, MergedStream):
+async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request):
+    engine = _engine(request)
+    unsupported = body.unsupported()
+    if unsupported:
+        raise InvalidArgument(f"{unsupported}: not supported by this server")
+    options = build_options(
+        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
+        skip_special_tokens=body.skip_special_tokens,
+    )
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    if len(prompts) == 1:
+        stream = await engine.submit(prompts[0], options, request_id)
+    else:
+        stream = MergedStream(request_id, [], options.n)
+        try:
+            for i, prompt_ids in enumerate(prompts):
+                stream.streams.append(await engine.submit(prompt_ids, replace(options), f"{request_id}-{i}"))
+        except Exception:
             stream.abort_all(engine.abort)
-        else:
-            engine.abort(stream.request_id)
+            raise
+    num_choices = options.n * len(prompts)
+    formatter = ResponseFormatter(kind, request_id, engine.model_name, _tokenizer(request), logprobs is not None,
+                                  num_choices)
+    if body.stream:
+        return StreamingResponse(_sse(engine, stream, formatter, body.include_usage), media_type="text/event-stream")
+    return await _collect(engine, stream, formatter, num_choices, request)
 
-    async def _sse(stream: RequestStream | MergedStream, formatter: ResponseFormatter, include_usage: bool):
-        finished = False
-        try:
-            async for output in stream:
-                for chunk in formatter.chunks(output):
-                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-                if output.finished:
-                    finished = True
-                    if include_usage:
-                        yield f"data: {json.dumps(formatter.usage_chunk(output))}\n\n"
-            yield "data: [DONE]\n\n"
-        except KVServeError as exc:
-            finished = True
-            status, kind = error_for(exc)
-            error = {"error": {"message": str(exc), "type": kind, "param": None, "code": status}}
-            yield f"data: {json.dumps(error)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away mid-stream
-                _abort(stream)
 
-    async def _collect(stream: RequestStream | MergedStream, formatter: ResponseFormatter, n: int, request: Request):
-        choices = [ChoiceAccumulator() for _ in range(n)]
+def _abort(engine: Engine, stream: RequestStream | MergedStream) -> None:
+    if isinstance(stream, MergedStream):
+        stream.abort_all(engine.abort)
+    else:
+        engine.abort(stream.request_id)
 
-        async def drain():
-            last = None
-            async for output in stream:
-                for delta in output.choices:
-                    choices[delta.index].add(delta)
-                last = output
-            return last
 
-        task = asyncio.ensure_future(drain())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=1.0)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    _abort(stream)
-            last = task.result()
-        finally:
-            if not task.done():
-                task.cancel()
-                _abort(stream)
-        return JSONResponse(formatter.response(choices, last))
+async def _sse(engine: Engine, stream: RequestStream | MergedStream, formatter: ResponseFormatter,
+               include_usage: bool):
+    finished = False
+    try:
+        async for output in stream:
+            for chunk in formatter.chunks(output):
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            if output.finished:
+                finished = True
+                if include_usage:
+                    yield f"data: {json.dumps(formatter.usage_chunk(output))}\n\n"
+        yield "data: [DONE]\n\n"
+    except KVServeError as exc:
+        finished = True
+        status, kind = error_for(exc)
+        error = {"error": {"message": str(exc), "type": kind, "param": None, "code": status}}
+        yield f"data: {json.dumps(error)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:  # the client went away mid-stream
+            _abort(engine, stream)
 
+
+async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatter: ResponseFormatter, n: int,
+                   request: Request):
+    choices = [ChoiceAccumulator() for _ in range(n)]
+
+    async def drain():
+        last = None
+        async for output in stream:
+            for delta in output.choices:
+                choices[delta.index].add(delta)
+            last = output
+        return last
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                break
+            if await request.is_disconnected():
+                _abort(engine, stream)
+        last = task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            _abort(engine, stream)
+    return JSONResponse(formatter.response(choices, last))
+
+
+def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app: the routes reach ``engine`` and ``tokenizer`` through ``request.app.state``."""
+    app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.tokenizer = tokenizer
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    for exc_class, handler in EXCEPTION_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
+    app.include_router(router)
     return app

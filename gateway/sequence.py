@@ -104,8 +104,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     finish_reported: bool = False
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -161,7 +159,6 @@ class GenerationRequest:
     sequences: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
     num_cached_tokens: int | None = None
-    abort_requested: bool = False
     finished: bool = False
     max_stop_len: int = 0
 

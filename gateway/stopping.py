@@ -8,8 +8,6 @@ characters are held back so that a stop string is never streamed in part.
 """
 from __future__ import annotations
 
-import time
-
 from gateway.sequence import ChoiceDelta, FinishReason, Sequence
 
 
@@ -22,15 +20,10 @@ def suppressed_token_ids(seq: Sequence) -> list[int]:
 
 
 def append_token(seq: Sequence, token_id: int, logprob: float | None = None,
-                 top_logprobs: list[tuple[int, float]] | None = None,
-                 now: float | None = None) -> bool:
+                 top_logprobs: list[tuple[int, float]] | None = None) -> bool:
     """Appends one sampled token; returns True when the sequence finished with it."""
     request = seq.request
     options = request.options
-    now = time.monotonic() if now is None else now
-    if seq.first_token_time is None:
-        seq.first_token_time = now
-    seq.last_token_time = now
     seq.token_ids.append(token_id)
     seq.pending_token_ids.append(token_id)
     if options.logprobs is not None:

@@ -5,14 +5,15 @@ import asyncio
 import contextlib
 import sys
 
-from kvmanager.manager import MAX_TTL_MS, KVManager
+from kvmanager.manager import KVManager
 from kvmanager.service import SERVICE_NAME, KVManagerService
 from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.errors import InvalidArgument
 from kvserve.logs import configure_logging, get_logger
+from kvserve.ports import DEFAULT_KVMANAGER_PORT
 from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
 from kvserve.v1 import kvmanager_pb2_grpc
 
-DEFAULT_PORT = 50052
 PROG = "kvmanager"
 log = get_logger("kvmanager")
 
@@ -23,7 +24,7 @@ def build_parser() -> EnvArgumentParser:
         description="The kvserve KV cache manager: paged block pools with refcounts, "
         "copy-on-write, prefix caching and client leases, over gRPC.",
     )
-    add_server_flags(parser, default_port=DEFAULT_PORT)
+    add_server_flags(parser, default_port=DEFAULT_KVMANAGER_PORT)
     parser.add_argument("--default-session-ttl-ms", type=int, default=30_000,
                         help="lease length of a session opened with ttl_ms=0")
     parser.add_argument("--reap-interval-ms", type=int, default=250,
@@ -41,8 +42,7 @@ async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
             log.error("reap_failed", error=repr(exc))
 
 
-async def serve(args) -> None:
-    manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True)
+async def serve(args, manager: KVManager) -> None:
     server = GrpcServer(PROG, args.host, args.port, [
         Service(SERVICE_NAME, KVManagerService(manager), kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
     ])
@@ -59,12 +59,14 @@ async def serve(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 < args.default_session_ttl_ms <= MAX_TTL_MS:
-        parser.error(f"--default-session-ttl-ms: must be 1..{MAX_TTL_MS}")
+    try:  # KVManager validates the TTL; a bad one is a flag error (exit 2)
+        manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True)
+    except InvalidArgument as exc:
+        parser.error(parser.in_flag_terms(str(exc)))
     if args.reap_interval_ms <= 0:
         parser.error("--reap-interval-ms: must be > 0")
     configure_logging(args.log_level)
-    return run_service(PROG, lambda: serve(args))
+    return run_service(PROG, lambda: serve(args, manager))
 
 
 if __name__ == "__main__":

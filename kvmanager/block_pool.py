@@ -12,11 +12,11 @@ A block is in exactly one state:
   * free      — ``ref_cnt == 0``, in the free queue; it may still carry a hash
                 ("cached"), and then a prefix hit takes it back (``touch``).
 
-A block carries a hash (is findable) only once its KV is written: ``KVPool``
+A block carries a hash (is findable) only once its KV is written: ``SequenceAllocator``
 calls ``cache_block`` when the client reports it, never when it hands it out.
 
 Who owns what: ``BlockPool`` alone changes ``ref_cnt``, the free-queue links,
-``block_hash``/``block_key`` and the counters; ``KVPool`` changes ``num_tokens``
+``block_hash``/``block_key`` and the counters; ``SequenceAllocator`` changes ``num_tokens``
 only through ``fill``.
 """
 from __future__ import annotations

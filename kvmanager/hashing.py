@@ -8,8 +8,8 @@ Choice: **xxh3-128** (the ``xxhash`` package), chained as vLLM v1 does:
 Why xxh3-128 and not sha256:
 
 * It sits on the scheduler's hot path (every full block of every prompt is
-  hashed once); for one 16-token block key xxh3-128 takes ~0.18 us in CPython,
-  sha256 and blake2b ~0.75 us (measured here), and 128 bits make an *accidental*
+  hashed once), where a non-cryptographic hash costs a fraction of sha256 or
+  blake2b (docs/kvmanager.md has the numbers), and 128 bits make an *accidental*
   collision negligible (birthday bound ~ n^2 / 2^129: 10^12 blocks give ~10^-15).
 * It is deterministic across processes, machines and restarts: no seed from
   the process (Python's ``hash()`` is salted per process), token ids are packed
@@ -30,7 +30,6 @@ from collections.abc import Sequence
 
 import xxhash
 
-HASH_BYTES = 16
 _DOMAIN = b"kvserve.prefix.v1\x00"
 
 

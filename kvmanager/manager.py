@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
-from kvmanager.pool import AllocationPolicy, AllocationRequest, KVPool, KVSequence, PoolConfig, StepAllocation
+from kvmanager.pool import AllocationPolicy, AllocationRequest, SequenceAllocator, KVSequence, PoolConfig, StepAllocation
 from kvmanager.sessions import Session, SessionRegistry
 from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
@@ -98,7 +98,7 @@ class KVManager:
             raise InvalidArgument(f"default_session_ttl_ms: must be 1..{MAX_TTL_MS}")
         self.default_session_ttl_ms = default_session_ttl_ms
         self.freeze_gc = freeze_gc
-        self.pools: dict[str, KVPool] = {}
+        self.pools: dict[str, SequenceAllocator] = {}
         self.sessions = SessionRegistry(clock)
         self.hubs: dict[str, EventHub] = {}
 
@@ -124,7 +124,7 @@ class KVManager:
                 )
             self._hub(config.pool_id).publish([AllBlocksCleared()])
             existing.block_pool.unlink()
-        pool = self.pools[config.pool_id] = KVPool(config)
+        pool = self.pools[config.pool_id] = SequenceAllocator(config)
         pool.executor_instance_id = executor_instance_id
         if self.freeze_gc:
             gc.collect()
@@ -134,7 +134,7 @@ class KVManager:
                  prefix_caching=config.enable_prefix_caching, replaced=existing is not None)
         return True
 
-    def pool(self, pool_id: str) -> KVPool:
+    def pool(self, pool_id: str) -> SequenceAllocator:
         if not pool_id:
             raise InvalidArgument("pool_id: must not be empty")
         pool = self.pools.get(pool_id)
@@ -164,7 +164,7 @@ class KVManager:
         self.reap_expired()
         return self._invalidate(self.pool(pool_id), reason="reset_requested")
 
-    def _invalidate(self, pool: KVPool, reason: str, **details) -> int:
+    def _invalidate(self, pool: SequenceAllocator, reason: str, **details) -> int:
         num_cleared = pool.invalidate_prefix_cache()
         self._publish(pool)
         log.info("prefix_cache_invalidated", pool_id=pool.config.pool_id, reason=reason,
@@ -221,7 +221,7 @@ class KVManager:
             raise InvalidArgument("session_id: must not be empty")
         return self.sessions.get(session_id)
 
-    def _pool_and_session(self, pool_id: str, session_id: str) -> tuple[KVPool, Session]:
+    def _pool_and_session(self, pool_id: str, session_id: str) -> tuple[SequenceAllocator, Session]:
         """The pool and the caller's live session on it; using it renews its lease."""
         self.reap_expired()
         pool = self.pool(pool_id)
@@ -325,7 +325,7 @@ class KVManager:
         self._publish(pool)
         return num_blocks_freed
 
-    def _check_written(self, pool: KVPool, session_id: str, seq_ids: Sequence[int],
+    def _check_written(self, pool: SequenceAllocator, session_id: str, seq_ids: Sequence[int],
                        num_tokens: Sequence[int]) -> list[tuple[KVSequence, int]]:
         """Validates written-KV reports; returns (sequence, tokens written) pairs."""
         if len(seq_ids) != len(num_tokens):
@@ -341,7 +341,7 @@ class KVManager:
         return written
 
     @staticmethod
-    def _own_sequence(pool: KVPool, session_id: str, seq_id: int, field: str) -> KVSequence:
+    def _own_sequence(pool: SequenceAllocator, session_id: str, seq_id: int, field: str) -> KVSequence:
         seq = pool.sequences.get(seq_id)
         if seq is None:
             raise NotFound(f"{field}: unknown sequence {seq_id}")
@@ -366,7 +366,7 @@ class KVManager:
             hub = self.hubs[pool_id] = EventHub()
         return hub
 
-    def _publish(self, pool: KVPool) -> None:
+    def _publish(self, pool: SequenceAllocator) -> None:
         events = pool.drain_events()
         if events:
             self._hub(pool.config.pool_id).publish(events)

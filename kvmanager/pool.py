@@ -81,7 +81,7 @@ class StepAllocation:
 class KVSequence:
     """A sequence as the KV manager sees it: its block table and its published prefix.
 
-    Owned and mutated only by ``KVPool``; the blocks in ``block_table`` are
+    Owned and mutated only by ``SequenceAllocator``; the blocks in ``block_table`` are
     shared objects whose refcounts ``BlockPool`` owns.
     """
 
@@ -119,7 +119,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class KVPool:
+class SequenceAllocator:
     """One paged KV cache: its blocks, its sequences and its counters."""
 
     def __init__(self, config: PoolConfig) -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 from kvserve.config import EnvArgumentParser
 from kvserve.launcher import StackConfig, start_stack
 from kvserve.paths import default_model_dir
+from kvserve.ports import (
+    DEFAULT_EXECUTOR_PORT, DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_PORT,
+)
 
 
 def _run_module(module: str, args: list[str]) -> int:
@@ -38,11 +41,11 @@ def _ensure_default_model(model_dir: Path) -> None:
 def up(argv: list[str]) -> int:
     parser = EnvArgumentParser(prog="kvserve up", description="Run kvmanager, executor and gateway locally.")
     parser.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face model directory")
-    parser.add_argument("--host", default="127.0.0.1", help="address all three listen on")
-    parser.add_argument("--http-port", type=int, default=8000, help="gateway OpenAI-compatible HTTP port")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
-    parser.add_argument("--kvmanager-port", type=int, default=50052, help="kvmanager gRPC port")
-    parser.add_argument("--executor-port", type=int, default=50053, help="executor gRPC port")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address all three listen on")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="gateway OpenAI-compatible HTTP port")
+    parser.add_argument("--grpc-port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway gRPC port")
+    parser.add_argument("--kvmanager-port", type=int, default=DEFAULT_KVMANAGER_PORT, help="kvmanager gRPC port")
+    parser.add_argument("--executor-port", type=int, default=DEFAULT_EXECUTOR_PORT, help="executor gRPC port")
     parser.add_argument("--executor-args", default="", help="extra executor flags, e.g. '--num-blocks 4096'")
     parser.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--batching static'")
     parser.add_argument("--kvmanager-args", default="", help="extra kvmanager flags")

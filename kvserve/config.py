@@ -4,8 +4,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, NoReturn
+from dataclasses import fields
+from typing import Any, NoReturn, TypeVar
 
+from kvserve.ports import DEFAULT_HOST
+
+T = TypeVar("T")
 ENV_PREFIX = "KVSERVE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -35,6 +39,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, environ: dict[str, str] | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
         self._environ = os.environ if environ is None else environ
+        self._flags: dict[str, str] = {}  # dest → its long flag
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
@@ -47,7 +52,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
         if raw is not None:
             kwargs["default"] = self._convert_env(var, raw, kwargs)
             kwargs.pop("required", None)
-        return super().add_argument(*names, **kwargs)
+        action = super().add_argument(*names, **kwargs)
+        self._flags[action.dest] = long_flags[0]
+        return action
+
+    def in_flag_terms(self, message: str) -> str:
+        """A domain error names a field (``block_size: must be ...``); on the command line,
+        the flag whose ``dest`` it is names it (``--block-size: must be ...``)."""
+        field, sep, rest = message.partition(": ")
+        flag = self._flags.get(field) if sep else None
+        return f"{flag}: {rest}" if flag else message
 
     def _convert_env(self, var: str, raw: str, kwargs: dict[str, Any]) -> Any:
         action = kwargs.get("action")
@@ -67,9 +81,16 @@ class EnvArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def config_from_args(cls: type[T], args: argparse.Namespace, **given: Any) -> T:
+    """The dataclass ``cls`` from the parsed flags whose ``dest`` names one of its fields,
+    and ``given`` (e.g. a nested config); a field no flag sets keeps its default."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if f.init and hasattr(args, f.name)}
+    return cls(**{**values, **given})
+
+
 def add_server_flags(parser: EnvArgumentParser, *, default_port: int) -> None:
     """The flags every gRPC service has."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"

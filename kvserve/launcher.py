@@ -16,6 +16,9 @@ from typing import IO
 
 from kvserve.errors import StartupError
 from kvserve.health import wait_until_serving
+from kvserve.ports import (
+    DEFAULT_EXECUTOR_PORT, DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_PORT,
+)
 from kvserve.server import LAUNCHER_PID_ENV, check_port_free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +58,7 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-def spawn(module: str, args: list[str], *, host: str = "127.0.0.1", port: int,
+def spawn(module: str, args: list[str], *, host: str = DEFAULT_HOST, port: int,
           log_path: Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
     """Starts ``python -m module --host H --port P *args`` without waiting."""
     child_env = dict(os.environ if env is None else env)
@@ -76,7 +79,7 @@ def start_healthy(module: str, args: list[str], *, timeout: float, **kwargs) -> 
     """``spawn`` and wait for SERVING; on failure the process is killed and the error says why."""
     # Checked here too: otherwise an older server on the port would answer the health check.
     try:
-        check_port_free(f"{kwargs.get('host', '127.0.0.1')}:{kwargs['port']}")
+        check_port_free(f"{kwargs.get('host', DEFAULT_HOST)}:{kwargs['port']}")
     except StartupError as exc:
         raise RuntimeError(f"{module}: {exc}") from exc
     service = spawn(module, args, **kwargs)
@@ -94,11 +97,11 @@ class StackConfig:
     """Where the three services listen and what each is given beyond that."""
 
     model_dir: Path
-    host: str = "127.0.0.1"
-    kvmanager_port: int = 50052
-    executor_port: int = 50053
-    gateway_port: int = 50051
-    http_port: int = 8000
+    host: str = DEFAULT_HOST
+    kvmanager_port: int = DEFAULT_KVMANAGER_PORT
+    executor_port: int = DEFAULT_EXECUTOR_PORT
+    gateway_port: int = DEFAULT_GATEWAY_PORT
+    http_port: int = DEFAULT_HTTP_PORT
     kvmanager_args: list[str] = field(default_factory=list)
     executor_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)

@@ -3,8 +3,9 @@ reflection, graceful shutdown, bad command lines, compose.yaml."""
 from __future__ import annotations
 
 import ast
-import filecmp
+import importlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -18,15 +19,123 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from conftest import REPO_ROOT, service_env
 from kvserve.config import EnvArgumentParser
-from kvserve.protogen import generate
+from kvserve.protogen import file_descriptors, generate
 
 def test_committed_stubs_match_the_protos(tmp_path):
+    """The committed stubs say what protos/ says, whichever grpcio-tools wrote them: per
+    .proto the same FileDescriptorProto, in *_pb2_grpc.py the same service and method
+    comments, in *_pb2.pyi the same classes and fields. Bytes are not compared: every
+    grpcio-tools release writes its own version checks and layout. And the grpcio and
+    protobuf floors in pyproject.toml admit the committed stubs' import-time checks."""
+    regenerate = "run `python -m kvserve.protogen`"
     written = generate(tmp_path)
     assert written, "protoc produced nothing"
+    fresh = {str(path.relative_to(tmp_path)) for path in written}
+    committed = {str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "kvserve" / "v1").glob("*_pb2*")}
+    assert not fresh - committed, f"{sorted(fresh - committed)} missing: {regenerate}"
+    assert not committed - fresh, f"{sorted(committed - fresh)} have no .proto any more: delete them"
+
+    from google.protobuf import descriptor_pb2
+
+    for proto, expected in file_descriptors().items():
+        module = importlib.import_module(proto.removesuffix(".proto").replace("/", ".") + "_pb2")
+        path = REPO_ROOT / (proto.removesuffix(".proto") + "_pb2.py")
+        assert os.path.samefile(module.__file__, path), f"imported {module.__file__}, not {path}"
+        found = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
+        assert _without_derived_json_names(found) == _without_derived_json_names(expected), (
+            f"{path} is stale ({proto} says something else): {regenerate}"
+        )
     for path in written:
-        committed = REPO_ROOT / path.relative_to(tmp_path)
-        assert committed.exists(), f"{committed} missing: run `python -m kvserve.protogen`"
-        assert filecmp.cmp(path, committed, shallow=False), f"{committed} is stale: run `python -m kvserve.protogen`"
+        path_committed = REPO_ROOT / path.relative_to(tmp_path)
+        if path.name.endswith("_pb2_grpc.py"):
+            assert _servicer_docstrings(path_committed) == _servicer_docstrings(path), (
+                f"{path_committed} is stale (service or rpc comments differ): {regenerate}"
+            )
+        elif path.suffix == ".pyi":
+            assert _declared_names(path_committed) == _declared_names(path), f"{path_committed} is stale: {regenerate}"
+
+    _assert_floors_admit_the_committed_stubs()
+
+
+def _without_derived_json_names(file):
+    """``file`` without the json_names that only repeat the field name in lowerCamelCase:
+    protoc's descriptor set spells them out, the descriptor embedded in *_pb2.py does not."""
+    file = type(file).FromString(file.SerializeToString())
+
+    def json_name(name: str) -> str:  # protobuf's ToJsonName
+        parts = name.split("_")
+        return parts[0] + "".join(part[:1].upper() + part[1:] for part in parts[1:])
+
+    def strip(messages) -> None:
+        for message in messages:
+            for field in [*message.field, *message.extension]:
+                if field.json_name == json_name(field.name):
+                    field.ClearField("json_name")
+            strip(message.nested_type)
+
+    strip(file.message_type)
+    for field in file.extension:
+        if field.json_name == json_name(field.name):
+            field.ClearField("json_name")
+    return file
+
+
+def _servicer_docstrings(path) -> dict[str, str | None]:
+    """``{Servicer class or Servicer.method: docstring}``: the .proto's service and rpc comments."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Servicer"):
+            found[node.name] = ast.get_docstring(node)
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef):
+                    found[f"{node.name}.{method.name}"] = ast.get_docstring(method)
+    return found
+
+
+def _declared_names(path) -> dict[str, list[str]]:
+    """``{class (qualified, "" for the module): annotated names}`` of a .pyi: messages and
+    their fields, enums and their values."""
+    found = {}
+
+    def visit(body, scope: str) -> None:
+        found[scope] = sorted(n.target.id for n in body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name))
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{scope}.{node.name}" if scope else node.name)
+
+    visit(ast.parse(path.read_text()).body, "")
+    return found
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _assert_floors_admit_the_committed_stubs() -> None:
+    """*_pb2_grpc.py refuses a grpcio older than GRPC_GENERATED_VERSION and *_pb2.py a
+    protobuf older than its gencode (ValidateProtobufRuntimeVersion): pyproject.toml's
+    floors must be at least those, or a fresh install can resolve versions that fail at import."""
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+
+    def floor(package: str) -> tuple[int, ...]:
+        match = re.search(rf'"{package}\s*>=\s*([0-9][0-9.]*)', pyproject)
+        assert match, f"pyproject.toml has no {package}>= floor"
+        return _version(match.group(1))
+
+    for path in sorted((REPO_ROOT / "kvserve" / "v1").glob("*_pb2*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                    and any(isinstance(t, ast.Name) and t.id == "GRPC_GENERATED_VERSION" for t in node.targets)):
+                needed, package = _version(node.value.value), "grpcio"
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "ValidateProtobufRuntimeVersion"):
+                needed, package = tuple(arg.value for arg in node.args[1:4]), "protobuf"
+            else:
+                continue
+            assert floor(package) >= needed, (
+                f"{path.name} needs {package}>={'.'.join(map(str, needed))}; "
+                f"pyproject.toml allows {package}>={'.'.join(map(str, floor(package)))}: raise the floor"
+            )
 
 
 def _imported_top_level_modules(path) -> set[str]:

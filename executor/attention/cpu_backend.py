@@ -15,7 +15,7 @@ gather is small next to the attention, and oneDNN's GEMMs beat anything hand-wri
 here. The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
 shapes every group takes the torch path.
 
-The kernel is compiled on first use (``csrc/build.py``, about 15 s, cached on disk
+The kernel is compiled on first use (``csrc/build.py``; ``make install`` does it ahead; cached on disk
 and keyed by the CPU's features); ``create_backend("auto")`` falls back to the torch
 backend with a warning where no compiler is available.
 """
