@@ -14,7 +14,8 @@ Failures have a bounded blast radius:
 * an executor that restarted (a new ``instance_id`` in an Execute reply) lost
   every block's KV: the step's output is dropped and every running sequence is
   recomputed from the tokens the gateway holds; nothing fails;
-* an unreachable dependency (a killed executor or kvmanager, a lost session):
+* an unreachable dependency (a killed executor or kvmanager, a lost session, an
+  Execute that outlasts ``step_timeout_s`` because the executor is stopped or hung):
   the session is dropped and set up again as soon as both answer, and every
   running sequence is recomputed from its tokens, so greedy and seeded outputs
   are token-identical to an uninterrupted run. Only when nothing could serve for
@@ -75,6 +76,8 @@ class EngineConfig:
     max_queue_len: int = 1024
     # How long requests in flight wait (to be recomputed) for an unreachable dependency.
     unavailable_timeout_s: float = 30.0
+    # An Execute that takes longer counts as an unreachable executor (stopped, hung).
+    step_timeout_s: float = 120.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -88,7 +91,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.kvmanager = KVManagerClient(config.kvmanager_address)
-        self.executor = ExecutorClient(config.executor_address)
+        self.executor = ExecutorClient(config.executor_address, execute_timeout=config.step_timeout_s)
         self.info: ExecutorInfo | None = None
         seq_prefix = random.getrandbits(30) << 32
         self._seq_counter = iter(range(seq_prefix + 1, seq_prefix + (1 << 32)))
