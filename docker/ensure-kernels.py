@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Container wrapper: makes sure the compiled kernels exist for this machine, saying so in the
+log when it has to compile them, then runs the given command in its place.
+
+    kvserve-ensure-kernels -- python -m executor --port 50053
+
+The image holds the CPU attention kernel prebuilt for the CPU it was built on
+(``$KVSERVE_EXTENSIONS_DIR/cpu-<cpu features key>``, see csrc/build.py). On another CPU, or
+after an upgrade changed the kernel sources, the executor would compile it at start (about
+1-2 minutes, silently); this wrapper does it first and logs ``kernel_compile_started`` /
+``kernel_compile_finished`` with the time taken. Where it cannot compile (no compiler: the
+``runtime-slim`` image) it logs ``kernel_compile_failed`` and the executor falls back to plain
+torch attention. ``$KVSERVE_ENSURE_KERNELS`` (or ``--kernels``) picks the kernels: ``cpu``
+(default), ``cuda``, ``musa`` or ``none``, space- or comma-separated.
+
+Compose mounts a volume at ``$KVSERVE_EXTENSIONS_DIR``; Docker fills it from the image the
+first time, so a compile done here is kept for the next ``docker compose up``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+APP = Path(os.environ.get("KVSERVE_APP_DIR", "/opt/kvserve/app"))
+
+
+def log(event: str, level: str = "info", **fields) -> None:
+    """One JSON line, shaped like the services' structlog output."""
+    record = {"event": event, "level": level, "logger": "kvserve.ensure_kernels",
+              "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), **fields}
+    print(json.dumps(record), flush=True)
+
+
+def build_script():
+    path = APP / "csrc" / "build.py"
+    spec = importlib.util.spec_from_file_location("kvserve_csrc_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stale(output: Path, sources: list[Path]) -> bool:
+    if not output.is_file():
+        return True
+    built = output.stat().st_mtime
+    return any(src.stat().st_mtime > built for src in sources if src.exists())
+
+
+def plan(build, kernel: str) -> tuple[Path, list[Path]]:
+    """(the library the build writes, the sources it depends on) for ``kernel``."""
+    root = build.build_root()
+    if kernel == "cpu":
+        sources = list(build.CPU_SOURCES) + sorted((build.CSRC / "cpu").glob("*.h"))
+        return root / f"cpu-{build.cpu_features_key()}" / "kvserve_cpu_kernels.so", sources
+    sources = [build.CSRC / name for name in [build.BINDING, *build.KERNEL_UNITS, *build.HEADERS]]
+    if kernel == "cuda":
+        return root / "cuda" / "kvserve_kernels.so", sources
+    if kernel == "musa":
+        return root / "musa" / "build" / "kvserve_kernels_musa.so", sources
+    raise SystemExit(f"ensure-kernels: unknown kernel {kernel!r} (cpu, cuda, musa or none)")
+
+
+def ensure(kernel: str) -> None:
+    build = build_script()
+    output, sources = plan(build, kernel)
+    if not _stale(output, sources):
+        log("kernel_ready", kernel=kernel, path=str(output))
+        return
+    log("kernel_compile_started", kernel=kernel, directory=str(output.parent),
+        note="no prebuilt kernel for this machine; compiling (about 1-2 minutes; kept in the volume)")
+    start = time.monotonic()
+    try:
+        if kernel == "cpu":
+            build.load_cpu()
+        else:
+            build.load(kernel)
+    except Exception as exc:  # noqa: BLE001 - the executor decides what a missing kernel means
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        telling = [line for line in lines if "error" in line.lower() or "not found" in line]
+        log("kernel_compile_failed", level="warning", kernel=kernel, seconds=round(time.monotonic() - start, 1),
+            error=(telling or lines)[0][:300], note="the executor falls back to torch attention where it can")
+        return
+    log("kernel_compile_finished", kernel=kernel, seconds=round(time.monotonic() - start, 1), path=str(output))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
+    parser = argparse.ArgumentParser(prog="kvserve-ensure-kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default=os.environ.get("KVSERVE_ENSURE_KERNELS", "cpu"))
+    args = parser.parse_args(argv)
+    for kernel in args.kernels.replace(",", " ").split():
+        if kernel != "none":
+            ensure(kernel)
+    if command:
+        os.execvp(command[0], command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
