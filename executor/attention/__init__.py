@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 
 import torch
 
@@ -39,8 +40,14 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
     name = default_backend_name(device)
     if name != "cpu":
         return _instantiate(name, device)
+    # The first start on a CPU compiles the kernels (cached on disk per CPU feature set):
+    # say so, since it can take a minute or two on a small machine.
+    started = time.monotonic()
+    log.info("cpu_kernels_loading", detail="compiled on the first start on this CPU, cached afterwards")
     try:
-        return _instantiate(name, device)
+        backend = _instantiate(name, device)
+        log.info("cpu_kernels_loaded", seconds=round(time.monotonic() - started, 2))
+        return backend
     except (ImportError, OSError, RuntimeError) as exc:
         # No C++ compiler (or ninja) here: the torch backend computes the same attention, slower.
         log.warning("cpu_kernels_unavailable", fallback="torch", error=_build_error_summary(exc))
