@@ -11,12 +11,15 @@ from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer, TorchThread
-from kvserve.config import EnvArgumentParser, add_server_flags, config_from_args
+from kvserve.auth import token_or_none
+from kvserve.config import (
+    EnvArgumentParser, add_server_flags, add_service_token_flag, check_server_flags, config_from_args,
+)
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
 from kvserve.paths import default_model_dir
 from kvserve.ports import DEFAULT_EXECUTOR_PORT
-from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.server import GrpcServer, Service, TlsFiles, run_service, wait_for_shutdown_signal
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
 SERVICE_NAME = executor_pb2.DESCRIPTOR.services_by_name["Executor"].full_name
@@ -26,6 +29,7 @@ log = get_logger("executor")
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(prog="python -m executor", description=__doc__.splitlines()[0].strip("`: "))
     add_server_flags(parser, default_port=DEFAULT_EXECUTOR_PORT)
+    add_service_token_flag(parser)
     # Each dest that names a RunnerOptions field sets it (see main).
     parser.add_argument("--model", dest="model_dir", metavar="MODEL", type=Path, default=default_model_dir(),
                         help="Hugging Face model directory")
@@ -61,6 +65,7 @@ def check_model_dir(model_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_server_flags(parser, args)
     configure_logging(args.log_level)
     tune_host_allocator()
 
@@ -78,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             raise StartupError(f"cannot load {args.model_dir}: {type(exc).__name__}: {exc}") from exc
         servicer = ExecutorServicer(runner, torch_thread)
         server = GrpcServer("executor", args.host, args.port,
-                            [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)])
+                            [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)],
+                            auth=token_or_none(args.service_token), auth_what="service token",
+                            tls=TlsFiles.from_args(args))
         await server.start()
         log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
                  attention_backend=runner.info.attention_backend,

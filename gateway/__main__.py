@@ -9,18 +9,20 @@ from pathlib import Path
 
 import uvicorn
 
+from gateway.clients import ChannelSecurity
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, EngineConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import SchedulerConfig
-from kvserve.config import EnvArgumentParser, add_server_flags, config_from_args
+from kvserve.auth import token_or_none
+from kvserve.config import EnvArgumentParser, add_server_flags, check_server_flags, config_from_args
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
 from kvserve.paths import default_model_dir
 from kvserve.ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_GATEWAY_PORT, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_ADDRESS
-from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.server import GrpcServer, Service, TlsFiles, run_service, wait_for_shutdown_signal
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger("gateway")
@@ -51,9 +53,21 @@ def build_parser() -> EnvArgumentParser:
                         help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
     parser.add_argument("--pool-id", default="", help="kvmanager pool name (default: executor@<address>)")
     parser.add_argument("--session-ttl-ms", type=int, default=10_000, help="kvmanager session lease")
+    parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=120.0,
+                        help="seconds an Execute may take before the executor counts as unreachable (stopped, "
+                             "hung): the step's sequences are recomputed")
     parser.add_argument("--unavailable-timeout", dest="unavailable_timeout_s", type=float, default=30.0,
                         help="seconds requests in flight wait (to be recomputed) for an unreachable executor or "
                              "kvmanager before they fail with 503")
+    parser.add_argument("--api-key", default=None, secret=True,
+                        help="require 'Authorization: Bearer <key>' on the OpenAI API (/v1/*; 401 otherwise) and "
+                             "'authorization: Bearer <key>' gRPC metadata on kvserve.v1.Gateway (UNAUTHENTICATED); "
+                             "/health, /metrics, gRPC health and reflection stay open")
+    parser.add_argument("--service-token", default=None, secret=True,
+                        help="sent as 'authorization: Bearer <token>' on every call to kvmanager and executor "
+                             "(their --service-token)")
+    parser.add_argument("--tls-ca-file", default=None,
+                        help="PEM CA bundle: reach kvmanager and executor over TLS, trusting it")
     return parser
 
 
@@ -70,7 +84,8 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     if not (args.model / "tokenizer.json").exists():
         raise StartupError(f"--model {args.model}: no tokenizer.json there")
     try:
-        config = config_from_args(EngineConfig, args, scheduler=config_from_args(SchedulerConfig, args))
+        config = config_from_args(EngineConfig, args, scheduler=config_from_args(SchedulerConfig, args),
+                                  channel_security=ChannelSecurity(args.service_token or None, args.tls_ca_file))
     except ValueError as exc:
         raise StartupError(parser.in_flag_terms(str(exc))) from exc
     tokenizer = ModelTokenizer(args.model)
@@ -79,12 +94,15 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     batching = {"batching": args.batching, "kv_allocation": args.kv_allocation,
                 "enable_prefix_caching": args.enable_prefix_caching}
     servicer = GatewayServicer(engine, tokenizer, batching)
+    api_key = token_or_none(args.api_key)
+    tls = TlsFiles.from_args(args)
     grpc_server = GrpcServer("gateway", args.host, args.port, [Service(
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, servicer,
-        gateway_pb2_grpc.add_GatewayServicer_to_server)])
-    app = create_app(engine, tokenizer)
+        gateway_pb2_grpc.add_GatewayServicer_to_server)], auth=api_key, auth_what="API key", tls=tls)
+    app = create_app(engine, tokenizer, api_key=api_key)
+    ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl))
     await engine.start()
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())
@@ -96,7 +114,8 @@ async def serve(args, parser: EnvArgumentParser) -> None:
         await asyncio.sleep(0.02)
     log.info("gateway_started", grpc=grpc_server.address, http=f"{args.host}:{args.http_port}",
              model=metrics.model_name, batching=args.batching, kv_allocation=args.kv_allocation,
-             prefix_caching=args.enable_prefix_caching)
+             prefix_caching=args.enable_prefix_caching, api_key=api_key is not None, tls=tls is not None,
+             service_token=bool(args.service_token), dependencies_tls=bool(args.tls_ca_file))
     signal_task = asyncio.create_task(wait_for_shutdown_signal())
     done, _ = await asyncio.wait({signal_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
     log.info("gateway_stopping", signal=str(signal_task.result()) if signal_task in done else "http exited")
@@ -112,6 +131,7 @@ async def serve(args, parser: EnvArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_server_flags(parser, args)
     return run_service("gateway", lambda: serve(args, parser))
 
 

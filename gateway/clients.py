@@ -3,16 +3,22 @@
 Every RPC failure becomes ``DependencyError`` (an ``Unavailable``) naming the
 service, its address and the status, so a request that fails because a
 dependency is down says why.
+
+``ChannelSecurity`` (the gateway's ``--service-token`` and ``--tls-ca-file``) is
+what both channels carry: every call gets ``authorization: Bearer <token>``
+metadata, and with a CA file the channels speak TLS. The engine passes it from
+its config to both clients.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import grpc
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.stopping import suppressed_token_ids
+from kvserve.auth import BearerCallInterceptor, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
 from kvserve.server import MAX_MESSAGE_BYTES
@@ -91,12 +97,27 @@ class ExecuteOutput:
     instance_id: str = ""
 
 
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """Credentials of the channels to kvmanager and executor."""
+
+    service_token: str | None = None  # sent as ``authorization: Bearer <token>`` on every call
+    tls_ca_file: str | Path | None = None  # TLS, trusting this PEM CA bundle
+
+    def open_channel(self, address: str) -> grpc.aio.Channel:
+        interceptors = [BearerCallInterceptor(self.service_token)] if self.service_token else None
+        if self.tls_ca_file:
+            return grpc.aio.secure_channel(address, channel_credentials(self.tls_ca_file), options=CHANNEL_OPTIONS,
+                                           interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+
+
 class _Client:
     service = ""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: ChannelSecurity | None = None):
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (security or ChannelSecurity()).open_channel(address)
 
     async def healthy(self, timeout: float = 1.0) -> bool:
         return await check_async(self.channel, timeout=timeout)
@@ -114,8 +135,8 @@ class _Client:
 class ExecutorClient(_Client):
     service = "executor"
 
-    def __init__(self, address: str, execute_timeout: float = 300.0):
-        super().__init__(address)
+    def __init__(self, address: str, execute_timeout: float = 300.0, security: ChannelSecurity | None = None):
+        super().__init__(address, security)
         self._stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._execute_timeout = execute_timeout
         self.block_size = 16
@@ -136,7 +157,7 @@ class ExecutorClient(_Client):
                 copy_src.append(src)
                 copy_dst.append(dst)
             end = entry.start_position + entry.num_tokens
-            table = entry.seq.block_table[: math.ceil(end / block_size)]
+            table = entry.seq.block_table[: -(-end // block_size)]
             sequence = executor_pb2.ExecuteSequence(
                 seq_id=entry.seq_id, token_ids=entry.compute_token_ids(),
                 start_position=entry.start_position, block_table=table, sample=entry.sample,
@@ -176,8 +197,8 @@ def _fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq) -> 
 class KVManagerClient(_Client):
     service = "kvmanager"
 
-    def __init__(self, address: str, timeout: float = 10.0):
-        super().__init__(address)
+    def __init__(self, address: str, timeout: float = 10.0, security: ChannelSecurity | None = None):
+        super().__init__(address, security)
         self._stub = kvmanager_pb2_grpc.KVManagerStub(self.channel)
         self._timeout = timeout
 

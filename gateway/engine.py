@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient
+from gateway.clients import (
+    ChannelSecurity, DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient,
+)
 from gateway.detokenizer import ModelTokenizer
 from gateway.metrics import GatewayMetrics
 from gateway.params import validate_request
@@ -78,6 +80,8 @@ class EngineConfig:
     unavailable_timeout_s: float = 30.0
     # An Execute that takes longer counts as an unreachable executor (stopped, hung).
     step_timeout_s: float = 120.0
+    # Credentials of the channels to kvmanager and executor (service token, TLS CA).
+    channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -90,8 +94,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.kvmanager = KVManagerClient(config.kvmanager_address)
-        self.executor = ExecutorClient(config.executor_address, execute_timeout=config.step_timeout_s)
+        self.kvmanager = KVManagerClient(config.kvmanager_address, security=config.channel_security)
+        self.executor = ExecutorClient(config.executor_address, execute_timeout=config.step_timeout_s,
+                                       security=config.channel_security)
         self.info: ExecutorInfo | None = None
         seq_prefix = random.getrandbits(30) << 32
         self._seq_counter = iter(range(seq_prefix + 1, seq_prefix + (1 << 32)))
@@ -123,7 +128,7 @@ class Engine:
         try:
             await self.ensure_connected()
         except Unavailable as exc:
-            log.warning("dependencies_unavailable_at_start", reason=str(exc))
+            log.info("dependencies_unavailable_at_start", reason=str(exc))
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stops accepting, aborts everything in flight, frees its blocks, closes the session."""
@@ -249,6 +254,7 @@ class Engine:
                 reason = f"nothing could serve for {waited:.0f} s ({reason})"
         if recompute:
             self.scheduler.preempt_all()
+            self._publish_counters()
         else:
             error = Unavailable(reason)
             for request, _ in self._inbox:

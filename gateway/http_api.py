@@ -5,7 +5,9 @@ tokenizer through ``request.app.state``; ``create_app`` builds the app around
 them. Routes convert JSON ⇄ domain objects only; errors use OpenAI's error JSON
 (``{"error": {"message", "type", "param", "code"}}``) with the HTTP status of
 the domain error. A request body over ``MAX_BODY_BYTES`` is refused with 413
-before it is parsed; long prompts are tokenized off the event loop.
+before it is parsed; long prompts are tokenized off the event loop. With an API
+key, ``/v1/*`` needs ``Authorization: Bearer <key>`` (401 otherwise, before the
+body is read); ``/health`` and ``/metrics`` stay open, as in vLLM.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from gateway.openai_protocol import (
 from gateway.params import build_options
 from gateway.scheduler import RequestTooLarge
 from gateway.streams import MergedStream, RequestStream
+from kvserve.auth import BearerToken
 from kvserve.errors import InvalidArgument, KVServeError
 from kvserve.logs import get_logger
 
@@ -115,6 +118,35 @@ class BodySizeLimit:
         response = error_response(413, f"request body too large: {size}; the limit is {self.max_bytes} bytes "
                                        f"({self.max_bytes / 2**20:g} MiB)", "invalid_request_error")
         await response(scope, receive, send)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``; 401 with OpenAI's
+    error JSON otherwise. Other paths (``/health``, ``/metrics``) and CORS preflights pass."""
+
+    PROTECTED_PREFIX = "/v1"
+
+    def __init__(self, app, api_key: BearerToken):
+        self.app = app
+        self.api_key = api_key
+
+    def _protected(self, scope) -> bool:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            return False
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        return path == self.PROTECTED_PREFIX or path.startswith(self.PROTECTED_PREFIX + "/")
+
+    async def __call__(self, scope, receive, send):
+        if self._protected(scope):
+            values = [value for name, value in scope["headers"] if name == b"authorization"]
+            if len(values) != 1 or not self.api_key.matches_header(values[0]):
+                log.info("http_unauthorized", path=scope.get("path"), header_present=bool(values))
+                response = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                          "authentication_error")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
@@ -315,12 +347,16 @@ async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatt
     return JSONResponse(formatter.response(choices, last))
 
 
-def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app: the routes reach ``engine`` and ``tokenizer`` through ``request.app.state``."""
+def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES,
+               api_key: BearerToken | None = None) -> FastAPI:
+    """The app: the routes reach ``engine`` and ``tokenizer`` through ``request.app.state``.
+    ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``)."""
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # added last = outermost: nobody unauthenticated gets a body buffered
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)

@@ -7,11 +7,12 @@ import sys
 
 from kvmanager.manager import KVManager
 from kvmanager.service import SERVICE_NAME, KVManagerService
-from kvserve.config import EnvArgumentParser, add_server_flags
+from kvserve.auth import token_or_none
+from kvserve.config import EnvArgumentParser, add_server_flags, add_service_token_flag, check_server_flags
 from kvserve.errors import InvalidArgument
 from kvserve.logs import configure_logging, get_logger
 from kvserve.ports import DEFAULT_KVMANAGER_PORT
-from kvserve.server import GrpcServer, Service, run_service, wait_for_shutdown_signal
+from kvserve.server import GrpcServer, Service, TlsFiles, run_service, wait_for_shutdown_signal
 from kvserve.v1 import kvmanager_pb2_grpc
 
 PROG = "kvmanager"
@@ -25,6 +26,7 @@ def build_parser() -> EnvArgumentParser:
         "copy-on-write, prefix caching and client leases, over gRPC.",
     )
     add_server_flags(parser, default_port=DEFAULT_KVMANAGER_PORT)
+    add_service_token_flag(parser)
     parser.add_argument("--default-session-ttl-ms", type=int, default=30_000,
                         help="lease length of a session opened with ttl_ms=0")
     parser.add_argument("--reap-interval-ms", type=int, default=250,
@@ -45,7 +47,7 @@ async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
 async def serve(args, manager: KVManager) -> None:
     server = GrpcServer(PROG, args.host, args.port, [
         Service(SERVICE_NAME, KVManagerService(manager), kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
-    ])
+    ], auth=token_or_none(args.service_token), auth_what="service token", tls=TlsFiles.from_args(args))
     await server.start()
     reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
     signum = await wait_for_shutdown_signal()
@@ -59,6 +61,7 @@ async def serve(args, manager: KVManager) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_server_flags(parser, args)
     try:  # KVManager validates the TTL; a bad one is a flag error (exit 2)
         manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True)
     except InvalidArgument as exc:

@@ -9,6 +9,7 @@ owns the work, in a child process, so this package imports no service.
 from __future__ import annotations
 
 import argparse
+import secrets
 import shlex
 import signal
 import subprocess
@@ -50,6 +51,12 @@ def up(argv: list[str]) -> int:
     parser.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--batching static'")
     parser.add_argument("--kvmanager-args", default="", help="extra kvmanager flags")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
+    parser.add_argument("--api-key", default=None, secret=True,
+                        help="the gateway's --api-key: clients must send 'Authorization: Bearer <key>' (default: "
+                             "none, the API is open)")
+    parser.add_argument("--service-token", default=None, secret=True,
+                        help="the token kvmanager and executor require and the gateway sends (default: a random "
+                             "one per run, so only this gateway can call them)")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -59,6 +66,7 @@ def up(argv: list[str]) -> int:
         executor_port=args.executor_port, gateway_port=args.grpc_port, http_port=args.http_port,
         kvmanager_args=shlex.split(args.kvmanager_args), executor_args=shlex.split(args.executor_args),
         gateway_args=shlex.split(args.gateway_args), timeout=args.startup_timeout,
+        api_key=args.api_key or None, service_token=args.service_token or secrets.token_urlsafe(32),
     )
     # SIGTERM (docker stop, systemd) stops the stack the same way Ctrl-C does, and so
     # does SIGINT even where a shell started us in the background with SIGINT ignored.
@@ -76,8 +84,10 @@ def up(argv: list[str]) -> int:
         f"  OpenAI API   {stack.http_url}/v1   (try: curl {stack.http_url}/v1/models)\n"
         f"  gRPC gateway {stack.grpc_address}   (kvserve.v1.Gateway)\n"
         f"  metrics      {stack.http_url}/metrics\n"
-        f"  kvmanager    {stack.kvmanager.address}   executor {stack.executor.address}\n"
-        "Ctrl-C stops all three.\n",
+        f"  kvmanager    {stack.kvmanager.address}   executor {stack.executor.address}   "
+        f"(service token: {'--service-token' if args.service_token else 'generated for this run'})\n"
+        + ("  API key      required (Authorization: Bearer ...)\n" if args.api_key else "")
+        + "Ctrl-C stops all three.\n",
         flush=True,
     )
     try:

@@ -42,12 +42,15 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self._flags: dict[str, str] = {}  # dest → its long flag
         super().__init__(*args, **kwargs)
 
-    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+    def add_argument(self, *names: str, secret: bool = False, **kwargs: Any) -> argparse.Action:
+        """``secret=True``: ``--help`` never shows the value (from the environment or not)."""
         long_flags = [n for n in names if n.startswith("--")]
         if not long_flags or kwargs.get("action") in ("help", "version"):
             return super().add_argument(*names, **kwargs)
         var = env_name(long_flags[0])
         kwargs["help"] = f"{kwargs.get('help', '')} [env: {var}]".strip()
+        if secret:  # "%(default)" in the help keeps the formatter from appending the value
+            kwargs["help"] += "%(default).0s"
         raw = self._environ.get(var)
         if raw is not None:
             kwargs["default"] = self._convert_env(var, raw, kwargs)
@@ -98,3 +101,27 @@ def add_server_flags(parser: EnvArgumentParser, *, default_port: int) -> None:
     parser.add_argument(
         "--shutdown-grace", type=float, default=5.0, help="seconds in-flight RPCs get on SIGTERM"
     )
+    parser.add_argument("--tls-cert-file", default=None,
+                        help="PEM certificate (chain): serve TLS instead of plaintext (with --tls-key-file)")
+    parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
+
+
+def add_service_token_flag(parser: EnvArgumentParser) -> None:
+    """kvmanager's and executor's ``--service-token``: the secret their clients must send."""
+    parser.add_argument(
+        "--service-token", default=None, secret=True,
+        help="require gRPC metadata 'authorization: Bearer <token>' on every RPC but health and "
+             "reflection (UNAUTHENTICATED otherwise); the gateway's --service-token must match")
+
+
+def check_server_flags(parser: EnvArgumentParser, args: argparse.Namespace) -> None:
+    """Flag combinations ``add_server_flags`` cannot express: a one-line error, exit 2."""
+    from kvserve.auth import check_tls_flags
+
+    problem = check_tls_flags(args.tls_cert_file, args.tls_key_file)
+    if problem:
+        parser.error(problem)
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file"):
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path and not os.access(path, os.R_OK):  # before a model load, not after it
+            parser.error(f"{flag} {path}: not a readable file")

@@ -2,7 +2,11 @@
 
 Used by ``kvserve up`` (and so ``make run``), the benchmark sweep and the
 tests. Each service is ``python -m <package>``; the launcher passes ports and
-addresses on the command line, so ``KVSERVE_*`` variables still set the rest.
+addresses on the command line, so ``KVSERVE_*`` variables still set the rest
+(secrets go in the environment: ``KVSERVE_SERVICE_TOKEN``, ``KVSERVE_API_KEY``).
+
+``start_stack`` starts all three at once and waits for them together, so a
+stack is up about as soon as its slowest service (the executor's model load).
 """
 from __future__ import annotations
 
@@ -10,18 +14,29 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import grpc
+
+from kvserve.auth import bearer_metadata
 from kvserve.errors import StartupError
-from kvserve.health import wait_until_serving
+from kvserve.health import PROBE_OPTIONS, check
 from kvserve.ports import (
     DEFAULT_EXECUTOR_PORT, DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_PORT,
 )
 from kvserve.server import LAUNCHER_PID_ENV, check_port_free
+from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SERVICE_TOKEN_ENV = "KVSERVE_SERVICE_TOKEN"
+API_KEY_ENV = "KVSERVE_API_KEY"
+# Health is polled every POLL_INTERVAL_S with a fresh check that gives up after PROBE_TIMEOUT_S.
+POLL_INTERVAL_S = 0.1
+PROBE_TIMEOUT_S = 0.5
+GATEWAY_PROBE_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -75,20 +90,63 @@ def spawn(module: str, args: list[str], *, host: str = DEFAULT_HOST, port: int,
     return ServiceProcess(module, host, port, proc, log_path)
 
 
+class StartupFailed(RuntimeError):
+    """A service died or did not become healthy while the launcher waited for it."""
+
+    def __init__(self, service: ServiceProcess, reason: str, tail_chars: int = 3000):
+        self.service = service
+        tail = service.logs()[-tail_chars:]
+        super().__init__(f"{service.module} did not become healthy: {reason}" + (f"\n{tail}" if tail else ""))
+
+
+def _exit_reason(service: ServiceProcess) -> str:
+    code = service.proc.returncode
+    how = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+    return f"the process exited ({how}) during start-up"
+
+
+def wait_healthy(services: list[ServiceProcess], timeout: float, *, interval: float = POLL_INTERVAL_S) -> None:
+    """Waits until every one of ``services`` answers SERVING, polling them all in one loop.
+
+    Each poll is a fresh short-timeout health check (``kvserve.health.check``). Raises
+    ``StartupFailed`` naming the service, with its log tail, as soon as any of them exits
+    (one already healthy included), or naming the first still pending after ``timeout`` s.
+    """
+    deadline = time.monotonic() + timeout
+    pending = list(services)
+    while True:
+        for service in list(pending):
+            if check(service.address, timeout=PROBE_TIMEOUT_S):
+                pending.remove(service)
+        for service in services:
+            if not service.alive():
+                raise StartupFailed(service, _exit_reason(service))
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise StartupFailed(pending[0], f"{pending[0].address} not SERVING after {timeout:.0f}s")
+        time.sleep(interval)
+
+
+def _check_ports_free(host: str, named_ports: list[tuple[str, int]]) -> None:
+    """Checked before anything starts: otherwise an older server on the port would answer the
+    health check, and a clash found late would cost a model load."""
+    for module, port in named_ports:
+        try:
+            check_port_free(f"{host}:{port}")
+        except StartupError as exc:
+            raise RuntimeError(f"{module}: {exc}") from exc
+
+
 def start_healthy(module: str, args: list[str], *, timeout: float, **kwargs) -> ServiceProcess:
     """``spawn`` and wait for SERVING; on failure the process is killed and the error says why."""
-    # Checked here too: otherwise an older server on the port would answer the health check.
-    try:
-        check_port_free(f"{kwargs.get('host', DEFAULT_HOST)}:{kwargs['port']}")
-    except StartupError as exc:
-        raise RuntimeError(f"{module}: {exc}") from exc
+    _check_ports_free(kwargs.get("host", DEFAULT_HOST), [(module, kwargs["port"])])
     service = spawn(module, args, **kwargs)
     try:
-        wait_until_serving(service.address, timeout, is_alive=service.alive)
-    except (TimeoutError, RuntimeError) as exc:
+        wait_healthy([service], timeout)
+    except BaseException:
         service.stop(signal.SIGKILL)
-        tail = service.logs()[-3000:]
-        raise RuntimeError(f"{module} did not become healthy: {exc}" + (f"\n{tail}" if tail else "")) from exc
+        raise
     return service
 
 
@@ -108,6 +166,10 @@ class StackConfig:
     log_dir: Path | None = None
     env: dict[str, str] | None = None
     timeout: float = 300.0
+    # Given to all three (KVSERVE_SERVICE_TOKEN): kvmanager and executor require it, the gateway sends it.
+    service_token: str | None = None
+    # The gateway's --api-key (KVSERVE_API_KEY); the launcher's readiness probe sends it.
+    api_key: str | None = None
 
 
 @dataclass
@@ -135,27 +197,80 @@ class Stack:
         return {s.module: s.stop() for s in reversed(self.services())}
 
 
+def _wait_gateway_connected(gateway: ServiceProcess, services: list[ServiceProcess], api_key: str | None,
+                            deadline: float, *, interval: float = POLL_INTERVAL_S) -> None:
+    """Until the gateway has its kvmanager pool and session: ``GetModelInfo`` sets them up when
+    the gateway has none (it started before its dependencies answered) and fails UNAVAILABLE
+    while one of them does not answer. UNAUTHENTICATED (an API key the launcher was not told)
+    means the gateway serves; it connects on its first request. Any other error (e.g. a
+    tokenizer that is not the executor's, or a dependency refusing the gateway's service
+    token) means this stack cannot serve."""
+    metadata = bearer_metadata(api_key)
+    last = "no answer yet"
+    with grpc.insecure_channel(gateway.address, options=PROBE_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        while True:
+            try:
+                stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=GATEWAY_PROBE_TIMEOUT_S,
+                                  metadata=metadata)
+                return
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    return
+                last = f"{code.name}: {exc.details()}"
+                # A dependency refusing the gateway's service token will not change its mind.
+                refused = ": UNAUTHENTICATED:" in (exc.details() or "")
+                if refused or code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise StartupFailed(gateway, f"the gateway cannot serve: {last}") from exc
+            for service in services:
+                if not service.alive():
+                    raise StartupFailed(service, _exit_reason(service))
+            if time.monotonic() >= deadline:
+                raise StartupFailed(gateway, f"not connected to kvmanager and executor in time: {last}")
+            time.sleep(interval)
+
+
 def start_stack(config: StackConfig) -> Stack:
-    """Starts the three services in dependency order; stops what started if one fails."""
+    """Starts the three services at once and returns when the stack can serve.
+
+    kvmanager, executor and gateway are spawned together (the gateway tolerates dependencies
+    that do not answer yet), so start-up takes about as long as the slowest (the executor's
+    model load). Then: all three SERVING, and the gateway connected to both (see
+    ``_wait_gateway_connected``). If one dies or the timeout passes, all are stopped and the
+    error names the service, with its log tail.
+    """
+    _check_ports_free(config.host, [("kvmanager", config.kvmanager_port), ("executor", config.executor_port),
+                                    ("gateway", config.gateway_port), ("gateway (HTTP)", config.http_port)])
+    env = dict(os.environ if config.env is None else config.env)
+    if config.service_token:  # in the environment, not on command lines that `ps` shows
+        env[SERVICE_TOKEN_ENV] = config.service_token
+    gateway_env = dict(env)
+    if config.api_key:
+        gateway_env[API_KEY_ENV] = config.api_key
+    deadline = time.monotonic() + config.timeout
     started: list[ServiceProcess] = []
 
-    def start(module: str, port: int, args: list[str]) -> ServiceProcess:
+    def start(module: str, port: int, args: list[str], service_env: dict[str, str]) -> ServiceProcess:
         log_path = config.log_dir / f"{module}-{port}.log" if config.log_dir else None
-        service = start_healthy(module, args, host=config.host, port=port, log_path=log_path,
-                                env=config.env, timeout=config.timeout)
+        service = spawn(module, args, host=config.host, port=port, log_path=log_path, env=service_env)
         started.append(service)
         return service
 
     try:
-        kvmanager = start("kvmanager", config.kvmanager_port, config.kvmanager_args)
-        executor = start("executor", config.executor_port, ["--model", str(config.model_dir), *config.executor_args])
+        kvmanager = start("kvmanager", config.kvmanager_port, config.kvmanager_args, env)
+        executor = start("executor", config.executor_port,
+                         ["--model", str(config.model_dir), *config.executor_args], env)
         gateway = start(
             "gateway", config.gateway_port,
             ["--http-port", str(config.http_port), "--kvmanager-address", kvmanager.address,
              "--executor-address", executor.address, "--model", str(config.model_dir), *config.gateway_args],
+            gateway_env,
         )
+        wait_healthy(started, config.timeout)
+        _wait_gateway_connected(gateway, started, config.api_key or gateway_env.get(API_KEY_ENV), deadline)
     except BaseException:
         for service in reversed(started):
-            service.stop()
+            service.stop(timeout=10.0)
         raise
     return Stack(kvmanager, executor, gateway, config.http_port)

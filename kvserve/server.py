@@ -2,8 +2,10 @@
 
 ``GrpcServer`` wires a ``grpc.aio`` server with the standard health service,
 server reflection and ``DomainErrorInterceptor`` (domain errors → status
-codes); ``run_service`` runs a service's async main until SIGTERM/SIGINT and
-turns start-up failures into a one-line error and exit code 1.
+codes), optionally with bearer-token authentication (``kvserve.auth``; health
+and reflection stay open) and TLS; ``run_service`` runs a service's async main
+until SIGTERM/SIGINT and turns start-up failures into a one-line error and exit
+code 1.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.auth import BearerAuthInterceptor, BearerToken, server_credentials
 from kvserve.errors import KVServeError, StartupError
 from kvserve.logs import get_logger
 
@@ -145,19 +148,45 @@ def check_port_free(address: str) -> None:
             raise StartupError(f"cannot listen on {address}: {exc.strerror or exc}") from exc
 
 
-class GrpcServer:
-    """A ``grpc.aio`` server with health, reflection and the error interceptor."""
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a server's certificate (chain) and private key."""
 
-    def __init__(self, name: str, host: str, port: int, services: Iterable[Service]):
+    cert_file: str
+    key_file: str
+
+    @classmethod
+    def from_args(cls, args) -> TlsFiles | None:
+        """From ``--tls-cert-file`` / ``--tls-key-file`` (see ``kvserve.config.add_server_flags``)."""
+        return cls(args.tls_cert_file, args.tls_key_file) if args.tls_cert_file else None
+
+
+class GrpcServer:
+    """A ``grpc.aio`` server with health, reflection and the error interceptor.
+
+    ``auth``: every RPC but health and reflection needs ``authorization: Bearer <token>``
+    metadata (UNAUTHENTICATED otherwise; ``auth_what`` names the secret in that message).
+    ``tls``: serve TLS instead of plaintext.
+    """
+
+    def __init__(self, name: str, host: str, port: int, services: Iterable[Service], *,
+                 auth: BearerToken | None = None, auth_what: str = "token", tls: TlsFiles | None = None):
         self.name = name
         self.address = f"{host}:{port}"
         self.services = list(services)
         self.health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port = port
+        self.auth = auth
+        self.auth_what = auth_what
+        self.tls = tls
 
     async def start(self) -> None:
-        server = grpc.aio.server(interceptors=[DomainErrorInterceptor()], options=SERVER_OPTIONS)
+        credentials = server_credentials(self.tls.cert_file, self.tls.key_file) if self.tls else None
+        # Authentication first: a refused caller's message is never parsed.
+        interceptors = [BearerAuthInterceptor(self.auth, self.auth_what)] if self.auth else []
+        interceptors.append(DomainErrorInterceptor())
+        server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         for service in self.services:
             service.add_to_server(service.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -168,7 +197,10 @@ class GrpcServer:
         )
         check_port_free(self.address)
         try:
-            self.port = server.add_insecure_port(self.address)
+            if credentials is not None:
+                self.port = server.add_secure_port(self.address, credentials)
+            else:
+                self.port = server.add_insecure_port(self.address)
         except RuntimeError as exc:
             raise StartupError(f"cannot listen on {self.address}: port in use or address invalid") from exc
         if self.port == 0:
@@ -177,7 +209,8 @@ class GrpcServer:
         self._server = server
         for full_name in ["", *names]:
             await self.health.set(full_name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("grpc_server_started", service=self.name, address=self.address, services=names)
+        log.info("grpc_server_started", service=self.name, address=self.address, services=names,
+                 tls=credentials is not None, auth=self.auth is not None)
 
     async def stop(self, grace: float) -> None:
         """Reports NOT_SERVING, stops accepting, gives in-flight RPCs ``grace`` seconds."""

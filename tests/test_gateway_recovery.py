@@ -8,6 +8,7 @@ with 503 and the reason.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 
 import httpx
@@ -50,7 +51,7 @@ class Stream(threading.Thread):
                     break
                 choice = chunk["choices"][0]
                 self.text += choice["text"]
-                self.tokens += choice["logprobs"]["token_logprobs"]
+                self.tokens += (choice.get("logprobs") or {}).get("token_logprobs") or []
                 self.finish_reason = choice["finish_reason"] or self.finish_reason
                 if len(self.tokens) >= 20:
                     self.started.set()
@@ -128,3 +129,26 @@ def test_in_flight_requests_fail_with_503_only_after_the_timeout(start_service, 
     assert stream.error is not None and stream.error["code"] == 503, stream.error
     assert "nothing could serve for" in stream.error["message"] and "executor" in stream.error["message"]
     assert wait_for(lambda: httpx.get(url + "/health").status_code == 503, 10)
+
+
+def test_a_stopped_executor_past_the_step_timeout_is_recomputed_when_it_resumes(start_service, tiny_model_dir):
+    """SIGSTOP outlasting --step-timeout: the Execute gives up, the gateway waits for the executor
+    (within --unavailable-timeout) and recomputes after SIGCONT; the stream never errs."""
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                  "--step-timeout", "1.5", "--unavailable-timeout", "60")
+    url = f"http://127.0.0.1:{http_port}"
+    stream = Stream(url)
+    stream.start()
+    assert stream.started.wait(60) and stream.error is None
+    executor.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert wait_for(lambda: preemptions(url) >= 1, timeout=30), "the stuck Execute was never given up"
+    finally:
+        executor.proc.send_signal(signal.SIGCONT)
+    stream.join(120)
+    assert not stream.is_alive()
+    assert_identical(stream, fresh(url), "executor stopped mid-stream")
