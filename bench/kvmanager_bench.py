@@ -159,9 +159,38 @@ def over_grpc(quick: bool) -> None:
                 print(f"{num_seqs:>10} {statistics.median(samples):>10.3f} {p99:>8.3f} "
                       f"{statistics.fmean(samples):>8.3f} {server_cpu:>11.3f} {client_cpu:>11.3f} {len(samples):>6}")
                 stub.Free(pb.FreeRequest(pool_id="bench", session_id=session, seq_ids=ids))
+            routing_lookup(stub, session, quick)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def routing_lookup(stub, session: str, quick: bool) -> None:
+    """LookupPrefix (the routing question) for one prompt whose blocks are all published."""
+    from kvserve.v1 import kvmanager_pb2 as pb
+
+    print(f"gRPC loopback: LookupPrefix of one prompt against one pool, all its blocks published "
+          f"(block_size {BLOCK_SIZE}); client-side round trip")
+    print(f"{'blocks':>10} {'median ms':>10} {'p99 ms':>8} {'calls':>6}")
+    for num_blocks in (16, 256):
+        prompt = list(range(50_000, 50_000 + num_blocks * BLOCK_SIZE + 1))
+        seq_id = 10**9 + num_blocks
+        stub.Allocate(pb.AllocateRequest(pool_id="bench", session_id=session, sequences=[
+            pb.SequenceAllocation(seq_id=seq_id, token_ids=prompt, num_new_tokens=len(prompt),
+                                  enable_prefix_caching=True)]))
+        stub.Free(pb.FreeRequest(pool_id="bench", session_id=session, seq_ids=[seq_id],
+                                 written_seq_ids=[seq_id], written_num_tokens=[len(prompt)]))
+        request = pb.LookupPrefixRequest(pool_ids=["bench"], queries=[pb.PrefixQuery(token_ids=prompt)])
+        samples = []
+        for call in range((200 if quick else 1000) + 20):
+            t0 = time.perf_counter()
+            reply = stub.LookupPrefix(request)
+            if call >= 20:
+                samples.append((time.perf_counter() - t0) * 1e3)
+        assert reply.matches[0].pools[0].num_cached_tokens == num_blocks * BLOCK_SIZE
+        samples.sort()
+        p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+        print(f"{num_blocks:>10} {statistics.median(samples):>10.3f} {p99:>8.3f} {len(samples):>6}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
-from kvmanager.pool import AllocationPolicy, AllocationRequest, SequenceAllocator, KVSequence, PoolConfig, StepAllocation
+from kvmanager.pool import AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator, StepAllocation
 from kvmanager.sessions import Session, SessionRegistry
 from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
@@ -35,6 +35,7 @@ MAX_SEQ_ID = (1 << 64) - 1
 # each live sequence costs host memory whether or not it holds blocks.
 MAX_FORK_CHILDREN = 1024
 MAX_SEQUENCES_PER_POOL = 1 << 17
+MAX_PREFIX_QUERIES = 1024
 
 
 @dataclass(slots=True)
@@ -348,6 +349,22 @@ class KVManager:
         if seq.session_id != session_id:
             raise PermissionDenied(f"{field}: sequence {seq_id} belongs to another session")
         return seq
+
+    # -- routing -----------------------------------------------------------------
+
+    def lookup_prefix(self, pool_ids: Sequence[str], queries: Sequence) -> list[list[tuple[str, int]]]:
+        """Per query (objects with ``token_ids``, ``cache_salt``, ``adapter_id``), per pool:
+        (pool_id, tokens it holds published KV for). Read-only."""
+        if len(queries) > MAX_PREFIX_QUERIES:
+            raise InvalidArgument(f"queries: at most {MAX_PREFIX_QUERIES} per call, got {len(queries)}")
+        pools = [self.pool(pool_id) for pool_id in pool_ids] if pool_ids else \
+            [self.pools[pool_id] for pool_id in sorted(self.pools)]
+        for i, query in enumerate(queries):
+            tokens = query.token_ids
+            if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+                raise InvalidArgument(f"queries[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
+        return [[(pool.config.pool_id, pool.cached_prefix_length(q.token_ids, q.cache_salt, q.adapter_id))
+                 for pool in pools] for q in queries]
 
     # -- events ------------------------------------------------------------------
 

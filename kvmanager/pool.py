@@ -161,7 +161,7 @@ class SequenceAllocator:
                          extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
         hit_blocks: list[KVCacheBlock] = []
         if prefix_caching:
-            hit_blocks, seq.block_hashes = self._find_cached_prefix(seq, request.token_ids)
+            hit_blocks, seq.block_hashes = self._find_cached_prefix(seq.extra, request.token_ids)
         seq.block_table = hit_blocks.copy()
         seq.num_computed = seq.num_written = len(hit_blocks) * self.block_size
         result = self._allocate(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True)
@@ -174,7 +174,14 @@ class SequenceAllocator:
             result.num_cached_tokens = len(hit_blocks) * self.block_size
         return result
 
-    def _find_cached_prefix(self, seq: KVSequence, prompt: list[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
+    def cached_prefix_length(self, prompt: Sequence[int], cache_salt: str = "", adapter_id: str = "") -> int:
+        """Tokens of ``prompt`` an admission would find cached now (routing; changes nothing)."""
+        if not self.config.enable_prefix_caching:
+            return 0
+        hits, _ = self._find_cached_prefix(extra_keys(cache_salt, adapter_id), prompt)
+        return len(hits) * self.block_size
+
+    def _find_cached_prefix(self, extra: bytes, prompt: Sequence[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
         """Longest run of consecutive published full blocks, leaving at least the last
         prompt token to compute (a hit covers at most len(prompt) - 1 tokens)."""
         bs = self.block_size
@@ -183,7 +190,7 @@ class SequenceAllocator:
         hits: list[KVCacheBlock] = []
         hashes: list[bytes] = []
         for i in range(max_hit_blocks):
-            key = block_key(parent, seq.extra, prompt[i * bs:(i + 1) * bs])
+            key = block_key(parent, extra, prompt[i * bs:(i + 1) * bs])
             parent = hash_key(key)
             block = self.block_pool.lookup(parent, key)
             if block is None:

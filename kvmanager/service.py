@@ -98,6 +98,12 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
     async def ResetPrefixCache(self, request, context):
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=self.manager.reset_prefix_cache(request.pool_id))
 
+    async def LookupPrefix(self, request, context):
+        matches = self.manager.lookup_prefix(list(request.pool_ids), request.queries)
+        return pb.LookupPrefixResponse(matches=[
+            pb.PrefixMatches(pools=[pb.PoolPrefixHit(pool_id=pool_id, num_cached_tokens=n) for pool_id, n in hits])
+            for hits in matches])
+
     async def WatchEvents(self, request, context):
         queue: asyncio.Queue[EventBatch | None] = asyncio.Queue()
 

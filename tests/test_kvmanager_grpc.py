@@ -366,3 +366,14 @@ def test_state_conflicts_map_to_status_codes(stub, pool):
     stub.CloseSession(pb.CloseSessionRequest(session_id=session))
     assert stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, num_blocks=99, block_size=BS)).created
     assert stats(stub, pool).num_blocks == 99
+
+
+def test_lookup_prefix_over_grpc(stub, pool):
+    allocate(stub, pool, seq(1, list(range(9))))
+    query = pb.PrefixQuery(token_ids=list(range(9)))
+    reply = stub.LookupPrefix(pb.LookupPrefixRequest(pool_ids=[pool[0]], queries=[query, pb.PrefixQuery()]))
+    assert [[(h.pool_id, h.num_cached_tokens) for h in m.pools] for m in reply.matches] == [[(pool[0], 8)], [(pool[0], 0)]]
+    unknown = pb.LookupPrefixRequest(pool_ids=["no-such-pool"], queries=[query])
+    assert code_of(lambda: stub.LookupPrefix(unknown))[0] == grpc.StatusCode.NOT_FOUND
+    too_many = pb.LookupPrefixRequest(pool_ids=[pool[0]], queries=[query] * 1025)
+    assert code_of(lambda: stub.LookupPrefix(too_many))[0] == grpc.StatusCode.INVALID_ARGUMENT

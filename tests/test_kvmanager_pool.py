@@ -8,6 +8,7 @@ from kvmanager.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
+from kvserve.errors import InvalidArgument, NotFound
 from tests.kvmanager_support import ShadowExecutor, check_invariants
 
 BS = 4
@@ -405,3 +406,21 @@ def test_usage_counts_cached_free_blocks_as_free():
     h.free(1)
     s = h.stats
     assert (s.usage, s.num_free_blocks, s.num_cached_blocks, s.num_used_blocks) == (0.0, 10, 5, 0)
+
+
+def test_lookup_prefix_sees_only_published_blocks_and_changes_nothing():
+    h = Harness(num_blocks=20)
+    h.manager.register_pool(PoolConfig("q", 20, BS, "model-a", enable_prefix_caching=False))
+    r = h.prefill(1, list(range(9)), report=False)
+    assert h.manager.lookup_prefix(["p"], [Req(0, list(range(9)))]) == [[("p", 0)]]  # allocated, not written
+    h.report(r)
+    stats = h.stats
+    queries = [Req(0, list(range(9))), Req(0, list(range(8))), Req(0, list(range(12)), cache_salt="s"), Req(0, [])]
+    assert h.manager.lookup_prefix([], queries) == [
+        [("p", 8), ("q", 0)], [("p", 4), ("q", 0)], [("p", 0), ("q", 0)], [("p", 0), ("q", 0)]]
+    assert h.stats == stats  # no counter, no refcount, no LRU position moved
+    assert h.prefill(2, list(range(9))).num_cached_tokens == 8  # what the lookup promised
+    with pytest.raises(NotFound):
+        h.manager.lookup_prefix(["nope"], queries)
+    with pytest.raises(InvalidArgument):
+        h.manager.lookup_prefix(["p"], [Req(0, [-1])])

@@ -296,3 +296,41 @@ class BlockRemoved(_message.Message):
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PrefixQuery(_message.Message):
+    __slots__ = ("token_ids", "cache_salt", "adapter_id")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    adapter_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+
+class LookupPrefixRequest(_message.Message):
+    __slots__ = ("pool_ids", "queries")
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    queries: _containers.RepeatedCompositeFieldContainer[PrefixQuery]
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., queries: _Optional[_Iterable[_Union[PrefixQuery, _Mapping]]] = ...) -> None: ...
+
+class PoolPrefixHit(_message.Message):
+    __slots__ = ("pool_id", "num_cached_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_cached_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefixMatches(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolPrefixHit]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolPrefixHit, _Mapping]]] = ...) -> None: ...
+
+class LookupPrefixResponse(_message.Message):
+    __slots__ = ("matches",)
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    matches: _containers.RepeatedCompositeFieldContainer[PrefixMatches]
+    def __init__(self, matches: _Optional[_Iterable[_Union[PrefixMatches, _Mapping]]] = ...) -> None: ...

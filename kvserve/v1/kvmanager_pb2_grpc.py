@@ -85,6 +85,11 @@ class KVManagerStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.LookupPrefix = channel.unary_unary(
+                '/kvserve.v1.KVManager/LookupPrefix',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServicer:
@@ -175,6 +180,15 @@ class KVManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupPrefix(self, request, context):
+        """Routing: for each query, how many of its leading tokens each pool holds
+        published (findable) KV for — what an Allocate admitting it there would
+        report as num_cached_tokens right now. Read-only: changes no state or counter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +241,11 @@ def add_KVManagerServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.KVEventBatch.SerializeToString,
+            ),
+            'LookupPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupPrefix,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,6 +519,33 @@ class KVManager:
             '/kvserve.v1.KVManager/WatchEvents',
             kvserve_dot_v1_dot_kvmanager__pb2.WatchEventsRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManager/LookupPrefix',
+            kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
