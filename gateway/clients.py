@@ -229,16 +229,15 @@ class KVManagerClient(_Client):
     async def allocate(self, pool_id: str, session_id: str, free_seq_ids: list[int], plan: list[ScheduledSeq],
                        prefix_caching: bool, written: tuple[list[int], list[int]] = ((), ()),
                        ) -> tuple[list[AllocationResult], float]:
-        # Prefix caching and the salt are read only when a sequence is created: not sent per decode.
-        sequences = [
-            kvmanager_pb2.SequenceAllocation(
-                seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens,
-                enable_prefix_caching=prefix_caching and entry.seq.request.options.enable_prefix_caching,
-                cache_salt=entry.seq.request.options.cache_salt,
-            ) if not entry.seq.holds_blocks else kvmanager_pb2.SequenceAllocation(
+        sequences = []
+        for entry in plan:
+            sequence = kvmanager_pb2.SequenceAllocation(
                 seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens)
-            for entry in plan
-        ]
+            if not entry.seq.holds_blocks:  # read only when a sequence is created: not sent per decode
+                options = entry.seq.request.options
+                sequence.enable_prefix_caching = prefix_caching and options.enable_prefix_caching
+                sequence.cache_salt = options.cache_salt
+            sequences.append(sequence)
         request = kvmanager_pb2.AllocateRequest(
             pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences,
             written_seq_ids=written[0], written_num_tokens=written[1])
