@@ -15,6 +15,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
 from gateway.metrics import GatewayMetrics
+from gateway.routing import ROUTING_POLICIES
 from gateway.scheduler import SchedulerConfig
 from kvserve.auth import token_or_none
 from kvserve.config import EnvArgumentParser, add_server_flags, check_server_flags, config_from_args
@@ -35,7 +36,15 @@ def build_parser() -> EnvArgumentParser:
     # Each dest that names an EngineConfig or SchedulerConfig field sets it (see serve).
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OpenAI-compatible HTTP port")
     parser.add_argument("--kvmanager-address", default=DEFAULT_KVMANAGER_ADDRESS, help="kvmanager gRPC address")
-    parser.add_argument("--executor-address", default=DEFAULT_EXECUTOR_ADDRESS, help="executor gRPC address")
+    parser.add_argument("--executor-address", default=DEFAULT_EXECUTOR_ADDRESS,
+                        help="executor gRPC addresses, comma-separated: host:port, or dns:///name:port for every "
+                             "address the name resolves to, resolved again while serving (a Kubernetes headless "
+                             "Service, compose replicas)")
+    parser.add_argument("--executor-discovery-interval", dest="executor_discovery_interval_s", type=float,
+                        default=5.0, help="seconds between resolutions of dns:/// executor names")
+    parser.add_argument("--routing", choices=list(ROUTING_POLICIES), default="kv",
+                        help="which executor a request goes to: kv (cached prefix and load, see docs/gateway.md), "
+                             "least-loaded, round-robin")
     parser.add_argument("--model", type=Path, default=default_model_dir(),
                         help="model directory (tokenizer.json, chat template)")
     parser.add_argument("--served-model-name", default=None, help="model name in the APIs (default: "
@@ -51,14 +60,17 @@ def build_parser() -> EnvArgumentParser:
                         default=True, help="reuse cached KV blocks of shared prompt prefixes")
     parser.add_argument("--max-queue-len", type=int, default=1024,
                         help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
-    parser.add_argument("--pool-id", default="", help="kvmanager pool name (default: executor@<address>)")
+    parser.add_argument("--pool-id", default="", help="kvmanager pool name with one executor address; with "
+                        "several, each executor's pool is <pool-id>@<address> (default: executor@<address>)")
     parser.add_argument("--session-ttl-ms", type=int, default=10_000, help="kvmanager session lease")
-    parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=120.0,
-                        help="seconds an Execute may take before the executor counts as unreachable (stopped, "
-                             "hung): the step's sequences are recomputed")
+    parser.add_argument("--step-timeout", dest="step_timeout_s", type=float, default=None,
+                        help="seconds an Execute may take before the executor counts as unreachable (stopped, hung) "
+                             "and its requests move to another executor (or wait for this one); default: derived "
+                             "per executor, 10x the expected time of the step from its last 64 steps, between 5 "
+                             "and 120 s (120 s until it ran 8 steps)")
     parser.add_argument("--unavailable-timeout", dest="unavailable_timeout_s", type=float, default=30.0,
-                        help="seconds requests in flight wait (to be recomputed) for an unreachable executor or "
-                             "kvmanager before they fail with 503")
+                        help="seconds requests in flight wait (to be recomputed) while no executor can serve "
+                             "(all unreachable, or kvmanager) before they fail with 503")
     parser.add_argument("--api-key", default=None, secret=True,
                         help="require 'Authorization: Bearer <key>' on the OpenAI API (/v1/*; 401 otherwise) and "
                              "'authorization: Bearer <key>' gRPC metadata on kvserve.v1.Gateway (UNAUTHENTICATED); "

@@ -146,7 +146,7 @@ class ExecutorClient(_Client):
         self.block_size = reply.block_size
         return ExecutorInfo.from_proto(reply)
 
-    async def execute(self, ready: list[ScheduledSeq]) -> ExecuteOutput:
+    async def execute(self, ready: list[ScheduledSeq], timeout: float | None = None) -> ExecuteOutput:
         copy_src: list[int] = []
         copy_dst: list[int] = []
         sequences = []
@@ -167,7 +167,7 @@ class ExecutorClient(_Client):
                 want_top = want_top or bool(entry.seq.request.options.logprobs)
             sequences.append(sequence)
         request = executor_pb2.ExecuteRequest(copy_src=copy_src, copy_dst=copy_dst, sequences=sequences)
-        reply = await self._call(self._stub.Execute, request, self._execute_timeout)
+        reply = await self._call(self._stub.Execute, request, timeout or self._execute_timeout)
         logprobs = list(reply.sampled_logprobs)
         sampled = []
         for i, token_id in enumerate(reply.sampled_token_ids):
@@ -265,6 +265,14 @@ class KVManagerClient(_Client):
 
     async def get_stats(self, pool_id: str, timeout: float = 1.0) -> kvmanager_pb2.PoolStats:
         return await self._call(self._stub.GetStats, kvmanager_pb2.GetStatsRequest(pool_id=pool_id), timeout)
+
+    async def lookup_prefix(self, pool_ids: list[str], token_ids: list[int], cache_salt: str = "",
+                            timeout: float = 1.0) -> dict[str, int]:
+        """Tokens of ``token_ids`` whose KV each pool has published (the routing question)."""
+        query = kvmanager_pb2.PrefixQuery(token_ids=token_ids, cache_salt=cache_salt)
+        request = kvmanager_pb2.LookupPrefixRequest(pool_ids=pool_ids, queries=[query])
+        reply = await self._call(self._stub.LookupPrefix, request, timeout)
+        return {hit.pool_id: hit.num_cached_tokens for hit in reply.matches[0].pools} if reply.matches else {}
 
     async def reset_prefix_cache(self, pool_id: str) -> int:
         request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)

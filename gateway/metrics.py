@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PER_LABEL_METRICS = ("step_rpc", "step_time", "request_success", "dependency_up", "executor_up", "executor_steps",
+                     "executor_running", "executor_waiting", "routing_decisions", "requests_migrated")
 STEP_PHASES = ("step", "scheduler", "kvmanager_rpc", "executor_rpc", "executor_forward", "executor_total")
 
 
@@ -51,11 +53,23 @@ class GatewayMetrics:
         self.used_blocks = Gauge("kvserve:kv_used_blocks", "Blocks in use (kvmanager)", labels, registry=r)
         self.dependency_up = Gauge("kvserve:dependency_up", "Whether kvmanager/executor answer health checks",
                                    labels + ["service"], registry=r)
+        executor = labels + ["executor"]
+        self.executor_up = Gauge("kvserve:executor_up", "Whether the gateway can run steps on this executor",
+                                 executor, registry=r)
+        self.executor_steps = Counter("kvserve:executor_steps", "Steps run on this executor", executor, registry=r)
+        self.executor_running = Gauge("kvserve:executor_num_sequences_running", "Sequences running on this "
+                                      "executor", executor, registry=r)
+        self.executor_waiting = Gauge("kvserve:executor_num_requests_waiting", "Requests waiting for this "
+                                      "executor", executor, registry=r)
+        self.routing_decisions = Counter("kvserve:routing_decisions", "Requests routed, by executor and by the "
+                                         "policy that decided (kv, least-loaded, round-robin, only)",
+                                         executor + ["policy"], registry=r)
+        self.requests_migrated = Counter("kvserve:requests_migrated", "Requests taken off this executor (it "
+                                         "failed) to be recomputed on one that can serve", executor, registry=r)
         self.model_name = model_name
         self._peak = 0
         self._m = {name: metric.labels(model_name) for name, metric in self.__dict__.items()
-                   if hasattr(metric, "labels") and name not in ("step_rpc", "step_time", "request_success",
-                                                                 "dependency_up")}
+                   if hasattr(metric, "labels") and name not in PER_LABEL_METRICS}
         self._phase = {phase: self.step_time.labels(model_name, phase) for phase in STEP_PHASES}
         self._rpc = {svc: self.step_rpc.labels(model_name, svc) for svc in ("kvmanager", "executor")}
 
@@ -116,6 +130,28 @@ class GatewayMetrics:
 
     def on_dependency(self, service: str, up: bool) -> None:
         self.dependency_up.labels(self.model_name, service).set(1 if up else 0)
+
+    def on_executor_step(self, executor: str, running_seqs: int, waiting_requests: int) -> None:
+        self.executor_steps.labels(self.model_name, executor).inc()
+        self.executor_running.labels(self.model_name, executor).set(running_seqs)
+        self.executor_waiting.labels(self.model_name, executor).set(waiting_requests)
+
+    def set_executor_up(self, executor: str, up: bool) -> None:
+        self.executor_up.labels(self.model_name, executor).set(1 if up else 0)
+
+    def on_route(self, executor: str, policy: str) -> None:
+        self.routing_decisions.labels(self.model_name, executor, policy).inc()
+
+    def on_migrated(self, executor: str, count: int) -> None:
+        self.requests_migrated.labels(self.model_name, executor).inc(count)
+
+    def forget_executor(self, executor: str) -> None:
+        """An executor left: its gauges go (its counters stay, as Prometheus expects)."""
+        for gauge in (self.executor_up, self.executor_running, self.executor_waiting):
+            try:
+                gauge.remove(self.model_name, executor)
+            except KeyError:
+                pass
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -34,6 +34,16 @@ from gateway.stopping import append_token, finish_with, take_delta
 from kvserve.errors import InvalidArgument, ResourceExhausted
 
 
+def create_sequences(request: GenerationRequest, make_decoder: Callable[[], object],
+                     new_seq_id: Callable[[], int]) -> None:
+    """The request's ``n`` choices; with ``n > 1`` only choice 0 prefills, the others fork from it."""
+    n = request.options.n
+    request.fork_pending = n > 1 and request.num_prompt_tokens >= 2
+    for index in range(n):
+        request.sequences.append(Sequence(new_seq_id(), request, index, list(request.prompt_token_ids),
+                                          make_decoder()))
+
+
 class RequestTooLarge(ResourceExhausted):
     """A request that can never fit in the KV cache (HTTP 400, gRPC RESOURCE_EXHAUSTED)."""
 
@@ -124,14 +134,38 @@ class Scheduler:
 
     def add_request(self, request: GenerationRequest, make_decoder: Callable[[], object]) -> None:
         """Creates the request's ``n`` sequences and queues what can start."""
-        n = request.options.n
-        request.fork_pending = n > 1 and request.num_prompt_tokens >= 2
-        for index in range(n):
-            seq = Sequence(self._new_seq_id(), request, index, list(request.prompt_token_ids), make_decoder())
-            request.sequences.append(seq)
-        self.requests[request.request_id] = request
-        queued = request.sequences[:1] if request.fork_pending else request.sequences
-        self.waiting.extend(queued)
+        create_sequences(request, make_decoder, self._new_seq_id)
+        self.adopt([request])
+
+    def adopt(self, requests: list[GenerationRequest], *, front: bool = False) -> None:
+        """Queues requests whose sequences exist: new ones (at the back), or ones that
+        ran elsewhere and are recomputed from their tokens (``front``: ahead of the
+        waiting ones, in the given order, as preempted sequences are)."""
+        queued: list[Sequence] = []
+        for request in requests:
+            self.requests[request.request_id] = request
+            unfinished = [seq for seq in request.sequences if not seq.is_finished]
+            queued += unfinished[:1] if request.fork_pending else unfinished
+        if front:
+            self.waiting.extendleft(reversed(queued))
+        else:
+            self.waiting.extend(queued)
+
+    def release(self, requests: list[GenerationRequest]) -> None:
+        """Takes waiting requests out (to be adopted by another scheduler)."""
+        leaving = {id(request) for request in requests}
+        self.waiting = deque(seq for seq in self.waiting if id(seq.request) not in leaving)
+        for request in requests:
+            self.requests.pop(request.request_id, None)
+
+    def evacuate(self) -> list[GenerationRequest]:
+        """The executor or the session is gone: every unfinished request leaves with the
+        tokens it has, oldest first, to be recomputed wherever it is adopted next."""
+        self.preempt_all()
+        self.forget_connection_state()
+        requests = sorted((r for r in self.requests.values() if not r.finished), key=lambda r: r.arrival_time)
+        self.release(requests)
+        return requests
 
     def abort_request(self, request_id: str) -> bool:
         """Finishes every choice with ``abort``; blocks are freed with the next Allocate."""
@@ -159,6 +193,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending_forks)
+
+    def pending_tokens(self) -> int:
+        """Tokens to compute before a request queued now would run (prefills waiting or
+        in progress): what the router weighs as this scheduler's queue."""
+        return sum(seq.num_to_compute() for seq in self.waiting) + \
+            sum(seq.num_to_compute() for seq in self.running if seq.num_to_compute() > 1)
 
     @property
     def num_waiting_requests(self) -> int:

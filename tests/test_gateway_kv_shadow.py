@@ -1,6 +1,7 @@
-"""The gateway's real step loop (``Engine._step``: scheduler, preemption, forks,
-written-KV reports, refused steps, executor restarts) driven against the real
-kvmanager domain, with a shadow executor as the oracle.
+"""The gateway's real engine and step loop (``Engine`` routing and migration,
+``Backend._step``: scheduler, preemption, forks, written-KV reports, refused steps,
+executor restarts and outages) driven against the real kvmanager domain, with one
+or two shadow executors as the oracle.
 
 The shadow executor keeps, per KV slot, the token id written there and whether it
 was written with a valid context. Every Execute first checks that each position a
@@ -9,13 +10,16 @@ sequence's own token, validly written, then writes its tokens. It samples a
 token from what it *read* (a function of every position's token), so a prefix hit
 on KV nobody wrote shows as a failed read or as output that differs from the
 reference computed from the prompt alone. Hypothesis drives submits, aborts,
-steps, refused requests, executor restarts, another session holding blocks and
-prefix-cache resets on tiny pools.
+steps, refused requests, executor restarts, executors becoming unreachable (their
+requests move to the other executor, or wait for this one), another session holding
+blocks and prefix-cache resets on tiny pools.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -32,7 +36,7 @@ from gateway.scheduler import AllocationResult, RequestTooLarge, SampledToken, S
 from gateway.sequence import FinishReason, SamplingOptions
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest, PoolConfig
-from kvserve.errors import KVServeError, StepRefused
+from kvserve.errors import KVServeError, StepRefused, Unavailable
 from kvserve.identity import tokenizer_fingerprint
 from tests.kvmanager_support import check_invariants, key_tokens
 
@@ -98,6 +102,11 @@ class InProcessKVManager:
         return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
                                  list(r.block_table), list(r.copy_src), list(r.copy_dst)) for r in results], usage
 
+    async def lookup_prefix(self, pool_ids, token_ids, cache_salt="", timeout=1.0):
+        query = SimpleNamespace(token_ids=list(token_ids), cache_salt=cache_salt, adapter_id="")
+        (matches,) = await self._call(self.manager.lookup_prefix, pool_ids, [query])
+        return dict(matches)
+
     async def fork(self, pool_id, session_id, parent, children):
         return await self._call(self.manager.fork, pool_id, session_id, parent, children)
 
@@ -111,27 +120,36 @@ class InProcessKVManager:
 class ShadowKVExecutor:
     """``gateway.clients.ExecutorClient``'s interface over a KV store of token ids."""
 
-    def __init__(self, num_blocks: int, block_size: int, fingerprint: str):
+    def __init__(self, name: str, num_blocks: int, block_size: int, fingerprint: str, refused_requests: set[str]):
+        self.name = name
+        self.down = False
         self.num_blocks, self.block_size = num_blocks, block_size
         self.slots: list[list[tuple[int, bool] | None]] = []
         self.instance = itertools.count()
         self.fingerprint = fingerprint
-        self.refused_requests: set[str] = set()
+        self.refused_requests = refused_requests
         self.num_reads = 0
         self.restart()
 
     def restart(self) -> None:
         self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
         self.restarts = next(self.instance)
-        self.instance_id = f"instance-{self.restarts}"
+        self.instance_id = f"{self.name}-instance-{self.restarts}"
         self.fresh = True  # until the first Execute, whose output the gateway must drop
 
+    def _check_up(self) -> None:
+        if self.down:
+            raise DependencyError("executor", self.name, grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection refused"))
+
     async def describe(self) -> ExecutorInfo:
+        self._check_up()
         self.fresh = False
         return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
                             self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint)
 
-    async def execute(self, ready) -> ExecuteOutput:
+    async def execute(self, ready, timeout=None) -> ExecuteOutput:
+        self._check_up()
         if any(e.seq.request.request_id in self.refused_requests for e in ready):
             raise DependencyError("executor", "in-process", grpc.aio.AioRpcError(
                 grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
@@ -172,14 +190,22 @@ class GatewayKVMachine(RuleBasedStateMachine):
     seen: Counter = Counter()  # what the runs exercised, over all examples
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
-                max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40))
-    def setup(self, block_size, num_blocks, max_num_seqs, max_batched):
+                max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40), num_executors=st.sampled_from([1, 2]),
+                routing=st.sampled_from(["kv", "round-robin"]))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing):
         self.loop = asyncio.new_event_loop()
         self.manager = KVManager(default_session_ttl_ms=10**7)
-        self.executor = ShadowKVExecutor(num_blocks, block_size, tokenizer_fingerprint(self.tokenizer.model_dir))
-        config = EngineConfig(pool_id=POOL_ID, session_ttl_ms=10**7, scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched))
+        fingerprint = tokenizer_fingerprint(self.tokenizer.model_dir)
+        refused: set[str] = set()
+        self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused)
+                          for i in range(num_executors)}
+        self.executor = next(iter(self.executors.values()))
+        config = EngineConfig(pool_id=POOL_ID, executor_address=",".join(self.executors), routing=routing,
+                              session_ttl_ms=10**7, unavailable_timeout_s=10**6, scheduler=SchedulerConfig(
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched))
+        self.pool_ids = {address: config.pool_id_for(address) for address in self.executors}
         self.engine = self.run(self._make_engine(config))
+        self.failures = 0
         self.streams = {}
         self.expected = {}
         self.lengths = {}
@@ -190,8 +216,10 @@ class GatewayKVMachine(RuleBasedStateMachine):
     async def _make_engine(self, config):
         engine = Engine(config, self.tokenizer, GatewayMetrics("shadow"))
         await engine.kvmanager.close()
-        await engine.executor.close()
-        engine.kvmanager, engine.executor = InProcessKVManager(self.manager), self.executor
+        engine.kvmanager = InProcessKVManager(self.manager)
+        for address, backend in engine.backends.items():
+            await backend.executor.close()
+            backend.kvmanager, backend.executor = engine.kvmanager, self.executors[address]
         return engine
 
     def run(self, coro):
@@ -199,7 +227,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
 
     @property
     def pool(self):
-        return self.manager.pools.get(POOL_ID)
+        """The first executor's pool (the one another gateway shares)."""
+        return self.manager.pools.get(self.pool_ids[self.executor.name + ":1"])
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 6), n=st.sampled_from([1, 1, 2]),
           salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
@@ -208,12 +237,16 @@ class GatewayKVMachine(RuleBasedStateMachine):
         request_id = f"r{next(self.ids)}"
         try:
             stream = self.run(self.engine.submit(prompt, options, request_id))
+        except Unavailable as exc:  # nothing can serve: 503 at once
+            assert all(executor.down for executor in self.executors.values()), exc
+            self.seen.update(["refused: no executor up"])
+            return
         except KVServeError as exc:  # a prompt that can never fit this pool: a clear 4xx
             assert any(reason in str(exc) for reason in ("KV slots", "max_model_len", "max_num_seqs")), exc
             self.seen.update(["refused at the edge"])
             return
         self.streams[request_id] = stream
-        self.restarts_seen[request_id] = self.executor.restarts
+        self.restarts_seen[request_id] = self.failures
         self.expected[request_id] = [reference_output(prompt, max_tokens, (seed or 0) + i) for i in range(n)]
         self.lengths[request_id] = len(prompt) + max_tokens
 
@@ -223,8 +256,15 @@ class GatewayKVMachine(RuleBasedStateMachine):
             self.run(self._step())
 
     async def _step(self):
-        await self.engine._run_step()
-        await self.engine._flush_frees()
+        for backend in self.engine.backends.values():
+            if not backend.is_up:
+                with contextlib.suppress(Unavailable):
+                    await backend.connect()
+        await self.engine.dispatch()
+        for backend in self.engine.backends.values():
+            if backend.is_up:
+                await backend.run_step()
+                await backend.flush_frees()
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
@@ -237,9 +277,18 @@ class GatewayKVMachine(RuleBasedStateMachine):
         """The executor refuses every step this request is in (it fails alone)."""
         self.executor.refused_requests.add(data.draw(st.sampled_from(sorted(self.streams))))
 
-    @rule()
-    def restart_executor(self):
-        self.executor.restart()
+    @rule(which=st.integers(0, 1))
+    def restart_executor(self, which):
+        executors = list(self.executors.values())
+        executors[which % len(executors)].restart()
+        self.failures += 1
+
+    @rule(which=st.integers(0, 1), down=st.booleans())
+    def executor_unreachable(self, which, down):
+        """An executor stops answering (its requests move to the other one) or comes back."""
+        executors = list(self.executors.values())
+        executors[which % len(executors)].down = down
+        self.failures += down
 
     @precondition(lambda self: self.pool is not None)
     @rule(prompt=prompts, written=st.booleans())
@@ -247,10 +296,10 @@ class GatewayKVMachine(RuleBasedStateMachine):
         """Another gateway's session allocates (and maybe executes) a prompt on the pool,
         then stops: its blocks stay held until its lease would run out."""
         if self.other_session is None:
-            self.other_session = self.manager.open_session(POOL_ID).session_id
+            self.other_session = self.manager.open_session(self.pool.config.pool_id).session_id
         seq_id = 10**12 + next(self.ids)
         try:
-            results, _ = self.manager.allocate(POOL_ID, self.other_session, [], [AllocationRequest(
+            results, _ = self.manager.allocate(self.pool.config.pool_id, self.other_session, [], [AllocationRequest(
                 seq_id, prompt, len(prompt))])
         except KVServeError:
             return
@@ -259,35 +308,42 @@ class GatewayKVMachine(RuleBasedStateMachine):
             bs = self.executor.block_size
             for pos in range(results[0].start_position, len(prompt)):
                 self.executor.slots[table[pos // bs]][pos % bs] = (prompt[pos], True)
-            self.manager.free(POOL_ID, self.other_session, [], [seq_id], [len(prompt)])
+            self.manager.free(self.pool.config.pool_id, self.other_session, [], [seq_id], [len(prompt)])
 
     @precondition(lambda self: self.pool is not None)
     @rule()
     def reset_prefix_cache(self):
-        self.manager.reset_prefix_cache(POOL_ID)
+        self.manager.reset_prefix_cache(self.pool.config.pool_id)
 
     @invariant()
     def findable_blocks_hold_their_tokens(self):
-        pool = self.pool if hasattr(self, "manager") else None
-        if pool is None or pool.executor_instance_id != self.executor.instance_id:
-            return  # kvmanager learns of a restart from the gateway's next step (Execute's instance_id)
-        check_invariants(pool)
-        for block in pool.block_pool.cached_blocks.values():
-            expected = [(t, True) for t in key_tokens(block.block_key, pool.block_size)]
-            assert self.executor.slots[block.block_id] == expected, f"findable block {block.block_id} holds other KV"
+        if not hasattr(self, "manager"):
+            return
+        for address, executor in self.executors.items():
+            pool = self.manager.pools.get(self.pool_ids[address])
+            if pool is None or pool.executor_instance_id != executor.instance_id:
+                continue  # kvmanager learns of a restart from the gateway's next step (Execute's instance_id)
+            check_invariants(pool)
+            for block in pool.block_pool.cached_blocks.values():
+                expected = [(t, True) for t in key_tokens(block.block_key, pool.block_size)]
+                assert executor.slots[block.block_id] == expected, f"findable block {block.block_id} holds other KV"
 
     def teardown(self):
         if not hasattr(self, "engine"):
             return
+        for executor in self.executors.values():
+            executor.down = False
         for _ in range(400):
-            if not self.engine.scheduler.has_work() and not self.engine._inbox:
+            if not self.engine._live:
                 break
             self.run(self._step())
-        assert not self.engine.scheduler.has_work(), "requests stuck"
+        assert not self.engine._live, "requests stuck"
         for request_id, stream in self.streams.items():
             self.check_outputs(request_id, stream)
-        if self.pool is not None and self.engine._session_id is not None:
-            assert not self.pool.session_seq_ids.get(self.engine._session_id), "blocks leaked"
+        for address, backend in self.engine.backends.items():
+            pool = self.manager.pools.get(self.pool_ids[address])
+            if pool is not None and backend._session_id is not None:
+                assert not pool.session_seq_ids.get(backend._session_id), "blocks leaked"
         self.loop.close()
 
     def check_outputs(self, request_id, stream):
@@ -317,8 +373,10 @@ class GatewayKVMachine(RuleBasedStateMachine):
             assert got == expected, f"{request_id} choice {index}: {got} != {expected}"
             if outputs[-1].cached_tokens:
                 self.seen.update(["finished after a prefix hit"])
-            if self.restarts_seen.get(request_id, 0) != self.executor.restarts:
-                self.seen.update(["finished across an executor restart"])
+            if self.restarts_seen.get(request_id, 0) != self.failures:
+                self.seen.update(["finished across an executor failure"])
+                if len(self.executors) > 1:
+                    self.seen.update(["finished across a failure with two executors"])
             self.seen.update(["finished with the reference output"])
 
 
@@ -333,6 +391,7 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     print(dict(seen))
     # The checks above only mean something if the runs went where the bugs live.
     for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
-                           ("finished across an executor restart", 10), ("refused request failed alone", 10),
+                           ("finished across an executor failure", 10),
+                           ("finished across a failure with two executors", 10), ("refused request failed alone", 10),
                            ("aborted", 10)]:
         assert seen[what] >= at_least, (what, dict(seen))

@@ -301,8 +301,10 @@ def test_restarted_executor_invalidates_blocks_another_session_holds(tiny_model_
 @pytest.fixture(scope="module")
 def proxied(tiny_model_dir, tmp_path_factory):
     """kvmanager, executor, a proxy in front of the executor, and a gateway that talks to the proxy."""
+    # A fixed step deadline: the proxy holds a step across an executor restart, which the derived
+    # deadline would (rightly) take for a hang; here the restart must be seen by its instance_id.
     services = Services(tiny_model_dir, tmp_path_factory.mktemp("kv-correctness-proxied"),
-                        ["--num-blocks", "256", *FP32], [])
+                        ["--num-blocks", "256", *FP32], ["--step-timeout", "120"])
     proxy = ExecutorProxy(services.executor.address, refuse_token_id=MARKER)
     try:
         proxy.start()

@@ -1,0 +1,444 @@
+"""One executor behind the gateway: its pool in kvmanager, a session on it, and the
+scheduler of the requests routed there, driven by its own step loop (one batched
+kvmanager Allocate and one Execute per step).
+
+All scheduler state changes happen on this loop; the engine only leaves notes in
+the inbox (requests routed here) and in ``aborts``.
+
+Failures have a bounded blast radius:
+
+* a dependency that refuses a step (its content, not an outage: see
+  ``clients.REFUSALS``) fails only the requests in it: the step is retried one
+  request at a time (a refused call changes nothing on either service), and the
+  requests that are refused again fail with the reason (HTTP 500);
+* anything else (the executor restarted with a new ``instance_id``, is unreachable,
+  or outlasts its step deadline; kvmanager unreachable or lost the session; a bug in
+  a step) *evacuates* the backend: every request it holds leaves with the tokens it
+  has and is handed back to the engine, which routes it again (another executor, or
+  this one once it is back) to be recomputed, so greedy and seeded outputs are
+  token-identical to an uninterrupted run. The backend then closes its session
+  and reconnects (Describe, RegisterPool, OpenSession) until it can serve again.
+
+The step deadline (unless ``EngineConfig.step_timeout_s`` fixes it) is derived from
+the steps this executor ran: ten times what the slowest recent step would take for
+this step's tokens, at least ``MIN_STEP_DEADLINE_S`` and at most
+``MAX_STEP_DEADLINE_S`` (which is also the deadline until ``DEADLINE_WARMUP_STEPS``
+steps were seen, so a first compile or a cold cache is not mistaken for a hang).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient
+from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler
+from gateway.sequence import GenerationRequest, RequestOutput
+from kvserve.errors import IncompatibleDependency, StepRefused, Unavailable
+from kvserve.logs import get_logger
+
+log = get_logger("gateway.backend")
+
+# Pause between attempts to set a session up again while a dependency is unreachable.
+UNAVAILABLE_RETRY_S = 0.25
+MIN_STEP_DEADLINE_S = 5.0
+MAX_STEP_DEADLINE_S = 120.0
+STEP_DEADLINE_FACTOR = 10.0
+DEADLINE_WARMUP_STEPS = 8
+DEADLINE_WINDOW_STEPS = 64
+
+
+class KVStateLost(Unavailable):
+    """The dependencies answer, but the KV of the running sequences is gone or cannot be
+    trusted: the requests are recomputed (nobody's request fails)."""
+
+
+class ExecutorRestarted(KVStateLost):
+    """The executor answered with a new instance_id: its KV cache is new and empty."""
+
+
+@dataclass
+class BackendHooks:
+    """What a backend tells the engine."""
+
+    deliver: Callable[[list[RequestOutput]], None]
+    evacuated: Callable[["Backend", list[GenerationRequest], str], None]
+    came_up: Callable[["Backend"], None]
+    accept: Callable[["Backend", ExecutorInfo], None]  # raises IncompatibleDependency to refuse it
+    on_step: Callable[..., None]
+    publish_counters: Callable[[], None]
+
+
+class StepDeadline:
+    """How long this executor's next Execute may take (see the module docstring)."""
+
+    def __init__(self, fixed_s: float | None = None):
+        self.fixed_s = fixed_s
+        self._steps: deque[tuple[float, int]] = deque(maxlen=DEADLINE_WINDOW_STEPS)
+
+    def observe(self, seconds: float, num_tokens: int) -> None:
+        self._steps.append((seconds, max(1, num_tokens)))
+
+    def for_step(self, num_tokens: int) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if len(self._steps) < DEADLINE_WARMUP_STEPS:
+            return MAX_STEP_DEADLINE_S
+        slowest = max(s for s, _ in self._steps)
+        per_token = max(s / n for s, n in self._steps)
+        expected = slowest + per_token * num_tokens
+        return min(MAX_STEP_DEADLINE_S, max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_FACTOR * expected))
+
+
+class Backend:
+    def __init__(self, address: str, pool_id: str, engine_config, kvmanager: KVManagerClient,
+                 new_seq_id: Callable[[], int], hooks: BackendHooks):
+        self.address = address
+        self.pool_id = pool_id
+        self.config = engine_config
+        self.kvmanager = kvmanager
+        self.executor = ExecutorClient(address, execute_timeout=MAX_STEP_DEADLINE_S,
+                                       security=engine_config.channel_security)
+        self.hooks = hooks
+        self.scheduler = Scheduler(engine_config.scheduler, new_seq_id)
+        self.info: ExecutorInfo | None = None
+        self.deadline = StepDeadline(engine_config.step_timeout_s)
+        self.inbox: list[GenerationRequest] = []  # new requests routed here
+        self.migrated: list[GenerationRequest] = []  # requests another backend held: run them first
+        self.aborts: set[str] = set()
+        self.last_error: str = ""
+        self.num_steps = 0
+        self._session_id: str | None = None
+        self._connection_lost: str | None = None
+        self._connect_lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task] = []
+        self._closing: asyncio.Task | None = None
+
+    # --- what the engine and the router read -------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        return self._session_id is not None and self._connection_lost is None
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size if self.info else 16
+
+    def pending_tokens(self) -> int:
+        queued = sum(seq.num_to_compute() for r in self.inbox + self.migrated for seq in r.sequences
+                     if not seq.is_finished)
+        return self.scheduler.pending_tokens() + queued
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._loop(), name=f"backend-{self.address}"),
+                       asyncio.create_task(self._renew_session_loop(), name=f"renew-{self.address}"),
+                       asyncio.create_task(self._watch_channel(), name=f"watch-{self.address}")]
+
+    async def stop(self) -> None:
+        """Hands back whatever it holds, closes its session and its channel."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._evacuate("executor left the gateway's executor list")
+        if self._closing is not None:
+            await asyncio.wait({self._closing}, timeout=3.0)
+        await self.executor.close()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def enqueue(self, requests: list[GenerationRequest], *, migrated: bool = False) -> None:
+        (self.migrated if migrated else self.inbox).extend(requests)
+        self._idle.clear()
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        self.aborts.add(request_id)
+        self._idle.clear()
+        self._wakeup.set()
+
+    def connection_lost(self, reason: str) -> None:
+        """Something outside the step loop saw this backend's session or executor go."""
+        if self._session_id is not None:
+            self._connection_lost = reason
+            self._wakeup.set()
+
+    # --- connection --------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Sets up pool and session when there is none; raises Unavailable with the reason."""
+        async with self._connect_lock:
+            if self.is_up:
+                return
+            if self._connection_lost is not None:
+                self._evacuate(self._connection_lost)
+            if self._closing is not None:  # the old session's blocks must be free before the cache reset
+                await asyncio.wait({self._closing}, timeout=3.0)
+                self._closing = None
+            try:
+                info = await self.executor.describe()
+                self.hooks.accept(self, info)
+                await self.kvmanager.register_pool(self.pool_id, info, self.config.enable_prefix_caching,
+                                                   self.config.kv_allocation)
+                if not info.instance_id:  # an executor that cannot say whether it restarted
+                    await self.kvmanager.reset_prefix_cache(self.pool_id)
+                session_id, _ = await self.kvmanager.open_session(
+                    self.pool_id, self.config.session_ttl_ms, self.config.session_name)
+            except (DependencyError, IncompatibleDependency) as exc:
+                self.last_error = str(exc)
+                raise Unavailable(f"cannot serve: {exc}") from exc
+            if self.info is not None and self.info.instance_id != info.instance_id:
+                self.deadline = StepDeadline(self.config.step_timeout_s)
+            self.info = info
+            self._session_id = session_id
+            self._connection_lost = None
+            self.last_error = ""
+            log.info("connected", executor=self.address, pool_id=self.pool_id, session_id=session_id,
+                     num_blocks=info.num_blocks, block_size=info.block_size, max_model_len=info.max_model_len,
+                     model=info.model_name, instance_id=info.instance_id)
+        self.hooks.came_up(self)
+        self._wakeup.set()
+
+    def _evacuate(self, reason: str) -> None:
+        """Hands every request back to the engine (to be recomputed) and forgets the session."""
+        self._take_inbox()
+        self._apply_aborts()
+        self.hooks.deliver(self.scheduler.take_outputs())
+        requests = self.scheduler.evacuate()
+        self.hooks.publish_counters()
+        session_id, self._session_id = self._session_id, None
+        self._connection_lost = None
+        if session_id is not None:
+            self._closing = asyncio.get_running_loop().create_task(self._close_session_id(session_id))
+            log.warning("backend_evacuated", executor=self.address, reason=reason, num_requests=len(requests))
+        self.hooks.evacuated(self, requests, reason)
+
+    async def _close_session_id(self, session_id: str, timeout: float = 2.0) -> None:
+        try:
+            await self.kvmanager.close_session(session_id, timeout=timeout)
+        except DependencyError as exc:
+            log.info("close_session_failed", executor=self.address, reason=str(exc))
+
+    async def _renew_session_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(self.config.session_ttl_ms / 3000.0, 0.05))
+            session_id = self._session_id
+            if session_id is None:
+                continue
+            try:
+                await self.kvmanager.renew_session(session_id)
+            except DependencyError as exc:
+                if self._session_id == session_id:
+                    self.connection_lost(f"kvmanager session lost: {exc}")
+
+    async def _watch_channel(self) -> None:
+        """A broken connection (process restarted or gone) means the KV content is lost."""
+        channel = self.executor.channel
+        state = channel.get_state(try_to_connect=False)
+        while True:
+            await channel.wait_for_state_change(state)
+            new_state = channel.get_state(try_to_connect=False)
+            if state is grpc.ChannelConnectivity.READY and new_state in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
+                self.connection_lost(f"executor at {self.address}: connection lost")
+            state = new_state
+
+    # --- the loop ----------------------------------------------------------------
+
+    def _has_work(self) -> bool:
+        return bool(self.inbox or self.migrated or self.aborts or self.scheduler.has_work() or self._connection_lost)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.is_up:
+                try:
+                    await self.connect()
+                except Unavailable:
+                    await asyncio.sleep(UNAVAILABLE_RETRY_S)
+                    continue
+            if not self._has_work():
+                await self.flush_frees()
+                self._idle.set()
+                await self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            await self.run_step()
+            await asyncio.sleep(0)  # let streams flush and requests arrive
+
+    async def run_step(self) -> None:
+        """One step; a failure costs what it says (see the module docstring)."""
+        try:
+            await self._step()
+        except KVStateLost as exc:
+            log.warning("kv_state_lost", executor=self.address, reason=str(exc),
+                        num_running=len(self.scheduler.running))
+            self._evacuate(str(exc))
+        except Unavailable as exc:
+            self.last_error = str(exc)
+            self._evacuate(str(exc))
+        except Exception as exc:  # noqa: BLE001 — a bug must not kill the loop
+            log.error("step_failed", executor=self.address, error=repr(exc), exc_info=exc)
+            self._evacuate(f"internal error in the gateway step: {exc!r}")
+
+    def _take_inbox(self) -> None:
+        self.scheduler.adopt(self.migrated, front=True)
+        self.scheduler.adopt(self.inbox)
+        self.migrated, self.inbox = [], []
+
+    def _apply_aborts(self) -> None:
+        for request_id in self.aborts:
+            self.scheduler.abort_request(request_id)
+        self.aborts.clear()
+
+    async def _step(self) -> None:
+        started = time.perf_counter()
+        if self._connection_lost is not None:
+            raise Unavailable(self._connection_lost)
+        scheduler = self.scheduler
+        self._take_inbox()
+        self._apply_aborts()
+        if not scheduler.has_work():
+            self.hooks.deliver(scheduler.take_outputs())
+            return
+        if self._session_id is None:
+            raise Unavailable(f"executor at {self.address}: no session")
+        pool_id, session_id = self.pool_id, self._session_id
+        kv_s = 0.0
+        for request in scheduler.take_pending_forks():
+            t0 = time.perf_counter()
+            children = [seq.seq_id for seq in request.sequences[1:]]
+            try:
+                table = await self.kvmanager.fork(pool_id, session_id, request.sequences[0].seq_id, children)
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                scheduler.fail_request(request, refusal("kvmanager", exc))
+                continue
+            finally:
+                kv_s += time.perf_counter() - t0
+            scheduler.complete_fork(request, table)
+        plan = scheduler.schedule()
+        ready, usage = [], None
+        while plan:
+            t0 = time.perf_counter()
+            results, usage = await self._allocate(pool_id, session_id, plan)
+            kv_s += time.perf_counter() - t0
+            verdict = scheduler.apply_allocation(plan, results)
+            ready = scheduler.prune(ready + verdict.ready)
+            plan = verdict.retry
+        executor_s = forward_s = total_s = 0.0
+        if ready:
+            t0 = time.perf_counter()
+            ready, result = await self._execute(ready)
+            executor_s = time.perf_counter() - t0
+            self.deadline.observe(executor_s, sum(e.num_tokens for e in ready))
+            forward_s, total_s = result.forward_s, result.total_s
+            scheduler.apply_samples(ready, result.sampled)
+        self.num_steps += 1
+        self.hooks.deliver(scheduler.take_outputs())
+        self.hooks.publish_counters()
+        self.hooks.on_step(self, step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
+                           forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
+
+    async def _allocate(self, pool_id: str, session_id: str, plan: list[ScheduledSeq]):
+        """One Allocate carrying the pending frees and written-KV reports. When kvmanager
+        refuses it (it validates a whole call before changing anything), the frees and
+        reports go alone, then each entry alone; the requests refused again fail."""
+        scheduler = self.scheduler
+        frees, written = scheduler.take_pending_frees(), scheduler.take_written_reports()
+        prefix_caching = self.config.enable_prefix_caching
+        try:
+            return await self.kvmanager.allocate(pool_id, session_id, frees, plan, prefix_caching, written)
+        except DependencyError as exc:
+            if not exc.refused:
+                raise
+            log.error("allocate_refused", executor=self.address, reason=str(exc), num_seqs=len(plan))
+        try:
+            await self.kvmanager.free(pool_id, session_id, frees, written)
+        except DependencyError as exc:  # our own bookkeeping is refused: start the session afresh
+            raise KVStateLost(f"kvmanager refused this gateway's frees: {exc}") from exc
+        results, usage = [], 0.0
+        for entry in plan:
+            if entry.seq.request.finished:
+                results.append(AllocationResult(ok=False))  # its request failed: skipped by apply_allocation
+                continue
+            try:
+                (result,), usage = await self.kvmanager.allocate(pool_id, session_id, [], [entry], prefix_caching)
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                scheduler.fail_refused([entry], refusal("kvmanager", exc))
+                result = AllocationResult(ok=False)
+            results.append(result)
+        return results, usage
+
+    async def _execute(self, ready: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ExecuteOutput]:
+        """One Execute. When the executor refuses it (a refused Execute writes nothing),
+        each request's entries run alone; the requests refused again fail. Returns the
+        entries that ran and their output."""
+        try:
+            return ready, await self._execute_once(ready)
+        except DependencyError as exc:
+            if not exc.refused:
+                raise
+            log.error("execute_refused", executor=self.address, reason=str(exc), num_seqs=len(ready))
+        by_request: dict[int, list[ScheduledSeq]] = {}
+        for entry in ready:
+            by_request.setdefault(id(entry.seq.request), []).append(entry)
+        ran: list[ScheduledSeq] = []
+        sampled, forward_s, total_s = [], 0.0, 0.0
+        for entries in by_request.values():
+            try:
+                output = await self._execute_once(entries)
+            except DependencyError as exc:
+                if not exc.refused:
+                    raise
+                self.scheduler.fail_refused(entries, refusal("executor", exc))
+                continue
+            ran += entries
+            sampled += output.sampled
+            forward_s += output.forward_s
+            total_s += output.total_s
+        return ran, ExecuteOutput(sampled, forward_s, total_s)
+
+    async def _execute_once(self, entries: list[ScheduledSeq]) -> ExecuteOutput:
+        timeout = self.deadline.for_step(sum(e.num_tokens for e in entries))
+        try:
+            output = await self.executor.execute(entries, timeout=timeout)
+        except DependencyError as exc:
+            if exc.status is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise Unavailable(f"executor at {self.address} did not finish a step within its "
+                                  f"{timeout:.1f} s deadline (stopped or hung)") from exc
+            raise
+        if output.instance_id and self.info is not None and output.instance_id != self.info.instance_id:
+            raise ExecutorRestarted(f"executor restarted at {self.address} (instance {self.info.instance_id} "
+                                    f"is now {output.instance_id}): recomputing its sequences")
+        return output
+
+    async def flush_frees(self) -> None:
+        """Idle: free what finished in the last step and report what it wrote (nothing else will carry it)."""
+        frees, written = self.scheduler.take_pending_frees(), self.scheduler.take_written_reports()
+        if not (frees or written[0]) or self._session_id is None:
+            return
+        try:
+            await self.kvmanager.free(self.pool_id, self._session_id, frees, written)
+        except DependencyError as exc:
+            log.warning("free_failed", executor=self.address, reason=str(exc), seq_ids=len(frees))
+            self.connection_lost(f"free failed: {exc}")
+
+
+def refusal(service: str, exc: DependencyError) -> StepRefused:
+    return StepRefused(f"the {service} refused a step with this request ({exc.status.name}: {exc.details}); "
+                       "the request failed, others go on")
