@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import sys
 
+from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM
 from kvmanager.manager import KVManager
 from kvmanager.service import SERVICE_NAME, KVManagerService
 from kvserve.auth import token_or_none
@@ -31,7 +32,54 @@ def build_parser() -> EnvArgumentParser:
                         help="lease length of a session opened with ttl_ms=0")
     parser.add_argument("--reap-interval-ms", type=int, default=250,
                         help="how often expired sessions are looked for and their sequences freed")
+    parser.add_argument("--kv-events-buffer", type=int, default=DEFAULT_EVENT_BUFFER,
+                        help="events each pool keeps so that a WatchEvents watcher can resume from an event id "
+                        "(at least this many, whole batches; 0: no replay, only snapshots)")
+    parser.add_argument("--kv-events-medium", default=DEFAULT_MEDIUM,
+                        help="the medium KV events report for a pool registered without one")
+    parser.add_argument("--kv-events-zmq", default="", metavar="ENDPOINT",
+                        help="also publish every pool's KV events in vLLM's format on a ZeroMQ PUB socket bound "
+                        "there, e.g. tcp://*:5557 ('>ENDPOINT' connects instead); needs pyzmq and msgspec "
+                        "(pip install 'kvserve[kv-events]')")
+    parser.add_argument("--kv-events-replay", default="", metavar="ENDPOINT",
+                        help="with --kv-events-zmq: a ROUTER socket answering vLLM's replay requests, "
+                        "e.g. tcp://*:5558")
+    parser.add_argument("--kv-events-topic", default="kv-events",
+                        help="with --kv-events-zmq: each message's topic is TOPIC/POOL_ID (POOL_ID when empty)")
+    parser.add_argument("--kv-events-replay-buffer", type=int, default=10_000,
+                        help="with --kv-events-replay: ZeroMQ messages (batches) kept for replay")
+    parser.add_argument("--kv-events-data-parallel-rank", type=int, default=0,
+                        help="with --kv-events-zmq: the data_parallel_rank field of every batch")
+    parser.add_argument("--kv-events-pool", default="",
+                        help="with --kv-events-zmq: publish only this pool's events (default: every pool's, on "
+                        "one sequence-number stream)")
     return parser
+
+
+def start_zmq_publisher(parser: EnvArgumentParser, args, manager: KVManager):
+    """The ZeroMQ publisher the flags ask for (None without --kv-events-zmq); a flag error
+    (exit 2) when pyzmq or msgspec is missing or an endpoint cannot be bound."""
+    if not args.kv_events_zmq:
+        if args.kv_events_replay:
+            parser.error("--kv-events-replay: needs --kv-events-zmq")
+        return None
+    try:
+        from kvmanager.zmq_events import ZmqEventPublisher
+    except ImportError as exc:
+        parser.error(f"--kv-events-zmq: needs the packages pyzmq and msgspec ({exc}); "
+                     "install them with pip install 'kvserve[kv-events]'")
+    import zmq
+
+    try:
+        publisher = ZmqEventPublisher(args.kv_events_zmq, args.kv_events_replay or None, args.kv_events_topic,
+                                      args.kv_events_replay_buffer, args.kv_events_data_parallel_rank,
+                                      args.kv_events_pool or None)
+    except zmq.ZMQError as exc:
+        parser.error(f"--kv-events-zmq/--kv-events-replay: {exc}")
+    manager.event_sinks.append(publisher)
+    log.info("kv_events_zmq", endpoint=publisher.endpoint, replay=publisher.replay_endpoint,
+             topic=args.kv_events_topic, pool=args.kv_events_pool or "*")
+    return publisher
 
 
 async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
@@ -63,13 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_server_flags(parser, args)
     try:  # KVManager validates the TTL; a bad one is a flag error (exit 2)
-        manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True)
+        manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True,
+                            event_buffer_size=args.kv_events_buffer, default_medium=args.kv_events_medium)
     except InvalidArgument as exc:
-        parser.error(parser.in_flag_terms(str(exc)))
+        parser.error(parser.in_flag_terms(str(exc).replace("event_buffer_size", "kv_events_buffer")))
     if args.reap_interval_ms <= 0:
         parser.error("--reap-interval-ms: must be > 0")
+    if args.kv_events_replay_buffer < 0:
+        parser.error("--kv-events-replay-buffer: must be >= 0")
     configure_logging(args.log_level)
-    return run_service(PROG, lambda: serve(args, manager))
+    publisher = start_zmq_publisher(parser, args, manager)
+    try:
+        return run_service(PROG, lambda: serve(args, manager))
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 if __name__ == "__main__":

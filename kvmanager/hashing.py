@@ -22,15 +22,24 @@ Why xxh3-128 and not sha256:
   the chain from the root and verifying every block means a hit's entire prefix is
   token-for-token identical, so a collision can only cost a cache miss, never
   another prompt's KV.
+
+Clients that route (a gateway asking ``LookupPrefix``) can hash a prompt once with
+``prefix_block_hashes`` and send the hashes instead of (or with) the token ids: the
+bytes hashed are the same as here, so the hashes equal the ones in ``BlockStored``
+events and in the pool.
 """
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 _DOMAIN = b"kvserve.prefix.v1\x00"
+_U32 = struct.Struct("<I").pack
+HASH_BYTES = 16
+MAX_TOKEN_ID = (1 << 31) - 1
 
 
 def _field(text: str) -> bytes:
@@ -52,15 +61,80 @@ def extra_keys(cache_salt: str, adapter_id: str) -> bytes:
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian int32 bytes (ids are validated 0 <= id < 2^31)."""
+    """Token ids as little-endian int32 bytes (ids are validated 0 <= id < 2^31).
+
+    A protobuf repeated field (or a numpy array) goes through numpy, which reads it
+    without a Python object per token (~5 us for 4096 tokens, against ~200 us for
+    ``struct.pack(*field)``); a list goes through one ``struct.pack``."""
+    if type(token_ids) is not list and hasattr(token_ids, "__array__"):
+        return np.asarray(token_ids, dtype="<i4").tobytes()
     return struct.pack(f"<{len(token_ids)}i", *token_ids)
 
 
+def checked_pack_tokens(token_ids: Sequence[int]) -> bytes | None:
+    """``pack_tokens``, or None when an id is outside 0..2^31-1 (the caller reports it)."""
+    if type(token_ids) is not list and hasattr(token_ids, "__array__"):
+        array = np.asarray(token_ids)
+        if array.size and (array.min() < 0 or array.max() > MAX_TOKEN_ID):
+            return None
+        return array.astype("<i4", copy=False).tobytes()
+    if token_ids and (min(token_ids) < 0 or max(token_ids) > MAX_TOKEN_ID):
+        return None
+    return struct.pack(f"<{len(token_ids)}i", *token_ids)
+
+
+def key_prefix(parent_hash: bytes, extra: bytes) -> bytes:
+    """The bytes of a ``block_key`` before the token ids."""
+    return parent_hash + _U32(len(extra)) + extra
+
+
 def block_key(parent_hash: bytes, extra: bytes, token_ids: Sequence[int]) -> bytes:
-    """What a full block's hash is computed from; the prefix cache keeps it to verify hits."""
-    return parent_hash + struct.pack("<I", len(extra)) + extra + pack_tokens(token_ids)
+    """What a full block's hash is computed from; the prefix cache keeps it to verify hits:
+    ``parent hash (16 bytes) | len(extra) as u32 LE | extra | token ids as int32 LE``."""
+    return parent_hash + _U32(len(extra)) + extra + pack_tokens(token_ids)
 
 
-def hash_key(key: bytes) -> bytes:
-    """The 16-byte hash of a ``block_key``."""
-    return xxhash.xxh3_128_digest(key)
+# The 16-byte hash of a ``block_key`` (the C function itself: no Python frame per block).
+hash_key = xxhash.xxh3_128_digest
+
+
+def split_key(key: bytes) -> tuple[bytes, bytes, bytes]:
+    """A ``block_key``'s (parent hash, extra keys, packed token ids)."""
+    (extra_len,) = struct.unpack_from("<I", key, HASH_BYTES)
+    start = HASH_BYTES + 4
+    return key[:HASH_BYTES], key[start:start + extra_len], key[start + extra_len:]
+
+
+def adapter_of_extra(extra: bytes) -> str:
+    """The adapter id inside ``extra_keys(cache_salt, adapter_id)``."""
+    if not extra:
+        return ""
+    (salt_len,) = struct.unpack_from("<I", extra, 0)
+    return extra[8 + salt_len:].decode("utf-8")
+
+
+def chain_hashes(parent_hash: bytes, extra: bytes, packed_tokens: bytes, block_size: int,
+                 num_blocks: int) -> list[bytes]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``packed_tokens``
+    (``pack_tokens`` output), the first one's parent being ``parent_hash``."""
+    tail = _U32(len(extra)) + extra
+    step = 4 * block_size
+    digest = xxhash.xxh3_128_digest
+    hashes = []
+    for offset in range(0, num_blocks * step, step):
+        parent_hash = digest(parent_hash + tail + packed_tokens[offset:offset + step])
+        hashes.append(parent_hash)
+    return hashes
+
+
+def prefix_block_hashes(model_fingerprint: str, block_size: int, token_ids: Sequence[int],
+                        cache_salt: str = "", adapter_id: str = "") -> list[bytes]:
+    """The hashes a prompt's lookup walks: its first ``(len(token_ids) - 1) // block_size``
+    full blocks (a hit always leaves the last prompt token to compute), as a pool
+    registered with ``model_fingerprint`` and ``block_size`` hashes them. What a gateway
+    sends as ``PrefixQuery.block_hashes`` (with ``hashes_block_size`` and
+    ``hashes_model_fingerprint``) so that the kvmanager does not hash the prompt again."""
+    num_blocks = max(0, (len(token_ids) - 1) // block_size)
+    packed = pack_tokens(token_ids)
+    return chain_hashes(root_hash(model_fingerprint), extra_keys(cache_salt, adapter_id), packed,
+                        block_size, num_blocks)

@@ -8,13 +8,20 @@ the server maps them to status codes.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from kvmanager.events import AllBlocksCleared, EventHub, Subscriber
-from kvmanager.pool import AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator, StepAllocation
+import numpy as np
+
+from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, EventBatch, EventHub, Subscriber
+from kvmanager.hashing import HASH_BYTES, checked_pack_tokens, extra_keys, root_hash
+from kvmanager.pool import (
+    AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator, StepAllocation, match_cached_prefix,
+    snapshot_events,
+)
 from kvmanager.sessions import Session, SessionRegistry
 from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
@@ -36,6 +43,13 @@ MAX_SEQ_ID = (1 << 64) - 1
 MAX_FORK_CHILDREN = 1024
 MAX_SEQUENCES_PER_POOL = 1 << 17
 MAX_PREFIX_QUERIES = 1024
+MAX_MEDIUM_LEN = 64
+# A snapshot is sent in batches of about this many tokens (~0.3 MB of protobuf): far
+# below gRPC's default 4 MB message limit, and the event loop is free between batches.
+SNAPSHOT_BATCH_TOKENS = 1 << 16
+
+# Called with every numbered batch of every pool (the ZeroMQ publisher is one).
+EventSink = Callable[[EventBatch], None]
 
 
 @dataclass(slots=True)
@@ -83,6 +97,15 @@ def validate_pool_config(config: PoolConfig) -> PoolConfig:
                       bool(config.enable_prefix_caching), policy, config.max_model_len)
 
 
+def _tokens_in_range(tokens: Sequence[int]) -> bool:
+    """All ids in 0..MAX_TOKEN_ID. A protobuf repeated field is read through numpy
+    (min/max over one costs ~0.1 us a token in Python)."""
+    if type(tokens) is not list and hasattr(tokens, "__array__"):
+        array = np.asarray(tokens)
+        return not array.size or (array.min() >= 0 and array.max() <= MAX_TOKEN_ID)
+    return min(tokens) >= 0 and max(tokens) <= MAX_TOKEN_ID
+
+
 def _check_seq_id(field: str, seq_id: int) -> None:
     if not 0 <= seq_id <= MAX_SEQ_ID:
         raise InvalidArgument(f"{field}: must be 0..2^64-1, got {seq_id}")
@@ -90,29 +113,42 @@ def _check_seq_id(field: str, seq_id: int) -> None:
 
 class KVManager:
     def __init__(self, default_session_ttl_ms: int = 30_000, clock: Callable[[], float] = time.monotonic,
-                 freeze_gc: bool = False):
+                 freeze_gc: bool = False, event_buffer_size: int = DEFAULT_EVENT_BUFFER,
+                 default_medium: str = DEFAULT_MEDIUM):
         """``freeze_gc`` (the server sets it): after a pool is created, move every
         object alive into the cyclic GC's permanent generation. A pool's blocks live
         as long as the pool, and one full GC pass over a million of them stalls the
-        event loop for ~0.2 s in the middle of some Allocate."""
+        event loop for ~0.2 s in the middle of some Allocate.
+        ``event_buffer_size``: events each pool keeps for ``watch`` to replay (0: none).
+        ``default_medium``: the KV events' medium of a pool registered without one."""
         if not 0 < default_session_ttl_ms <= MAX_TTL_MS:
             raise InvalidArgument(f"default_session_ttl_ms: must be 1..{MAX_TTL_MS}")
+        if event_buffer_size < 0:
+            raise InvalidArgument(f"event_buffer_size: must be >= 0, got {event_buffer_size}")
         self.default_session_ttl_ms = default_session_ttl_ms
         self.freeze_gc = freeze_gc
+        self.event_buffer_size = event_buffer_size
+        self.default_medium = default_medium
         self.pools: dict[str, SequenceAllocator] = {}
         self.sessions = SessionRegistry(clock)
         self.hubs: dict[str, EventHub] = {}
+        self.event_sinks: list[EventSink] = []
 
     # -- pools ---------------------------------------------------------------
 
-    def register_pool(self, config: PoolConfig, executor_instance_id: str = "") -> bool:
+    def register_pool(self, config: PoolConfig, executor_instance_id: str = "", medium: str = "") -> bool:
         """Creates a pool, keeps an identical one (False), or replaces an idle one.
         An identical pool registered for a new executor instance (the executor
-        restarted: its KV is gone) is kept with its prefix cache invalidated."""
+        restarted: its KV is gone) is kept with its prefix cache invalidated.
+        ``medium`` (where the KV lives, for KV events) is not a pool parameter: a new one
+        is recorded, nothing else changes; empty keeps the pool's (a new pool's: the default)."""
         config = validate_pool_config(config)
+        if len(medium) > MAX_MEDIUM_LEN:
+            raise InvalidArgument(f"medium: at most {MAX_MEDIUM_LEN} characters")
         existing = self.pools.get(config.pool_id)
         if existing is not None:
             if existing.config == config:
+                existing.medium = medium or existing.medium
                 if executor_instance_id and executor_instance_id != existing.executor_instance_id:
                     self._invalidate(existing, reason="executor_restarted",
                                      previous=existing.executor_instance_id, current=executor_instance_id)
@@ -123,10 +159,12 @@ class KVManager:
                     f"pool {config.pool_id!r} has {existing.block_pool.num_used_blocks} blocks in use "
                     "and different parameters; free them before re-registering"
                 )
-            self._hub(config.pool_id).publish([AllBlocksCleared()])
+            self._emit(config.pool_id, [AllBlocksCleared()], existing.medium)
             existing.block_pool.unlink()
         pool = self.pools[config.pool_id] = SequenceAllocator(config)
         pool.executor_instance_id = executor_instance_id
+        pool.medium = medium or self.default_medium
+        self._hub(config.pool_id)  # numbering starts with the pool (and survives its replacement)
         if self.freeze_gc:
             gc.collect()
             gc.freeze()
@@ -267,7 +305,7 @@ class KVManager:
             if num_tokens == 1:  # a decode step: skip min/max, slow on protobuf containers
                 if not 0 <= tokens[0] <= MAX_TOKEN_ID:
                     raise InvalidArgument(f"sequences[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
-            elif num_tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
+            elif num_tokens and not _tokens_in_range(tokens):
                 raise InvalidArgument(f"sequences[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
             if request.num_new_tokens < 0:
                 raise InvalidArgument(f"sequences[{i}].num_new_tokens: must be >= 0")
@@ -353,24 +391,122 @@ class KVManager:
     # -- routing -----------------------------------------------------------------
 
     def lookup_prefix(self, pool_ids: Sequence[str], queries: Sequence) -> list[list[tuple[str, int]]]:
-        """Per query (objects with ``token_ids``, ``cache_salt``, ``adapter_id``), per pool:
-        (pool_id, tokens it holds published KV for). Read-only."""
+        """Per query (objects with ``token_ids``, ``cache_salt``, ``adapter_id`` and optionally
+        ``block_hashes``, ``hashes_block_size``, ``hashes_model_fingerprint``, as
+        ``PrefixQuery``), per pool: (pool_id, tokens it holds published KV for). Read-only.
+
+        Pools that hash alike (model fingerprint, block size) are looked up together:
+        a query's chain is hashed once for all of them (or taken from its
+        ``block_hashes`` when they were computed for that fingerprint and block size)."""
         if len(queries) > MAX_PREFIX_QUERIES:
             raise InvalidArgument(f"queries: at most {MAX_PREFIX_QUERIES} per call, got {len(queries)}")
         pools = [self.pool(pool_id) for pool_id in pool_ids] if pool_ids else \
             [self.pools[pool_id] for pool_id in sorted(self.pools)]
+        # (root hash, block size) -> indices into pools of those with prefix caching on.
+        groups: dict[tuple[bytes, int], list[int]] = {}
+        for j, pool in enumerate(pools):
+            if pool.config.enable_prefix_caching:
+                groups.setdefault((pool.root_hash, pool.block_size), []).append(j)
+        group_pools = {key: [pools[j] for j in members] for key, members in groups.items()}
+        roots: dict[str, bytes] = {}
+        out = []
         for i, query in enumerate(queries):
+            counts = [0] * len(pools)
             tokens = query.token_ids
-            if tokens and (min(tokens) < 0 or max(tokens) > MAX_TOKEN_ID):
-                raise InvalidArgument(f"queries[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
-        return [[(pool.config.pool_id, pool.cached_prefix_length(q.token_ids, q.cache_salt, q.adapter_id))
-                 for pool in pools] for q in queries]
+            packed = None
+            if len(tokens):
+                packed = checked_pack_tokens(tokens)
+                if packed is None:
+                    raise InvalidArgument(f"queries[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
+            hashes = getattr(query, "block_hashes", ())
+            hashes_for = None
+            if len(hashes):
+                hashes = list(hashes)  # one pass over a protobuf field, then plain indexing
+                hashes_for = self._check_query_hashes(i, query, hashes, roots)
+            if packed is not None or hashes_for is not None:
+                extra = extra_keys(query.cache_salt, query.adapter_id)
+                for key, members in groups.items():
+                    given = hashes if key == hashes_for else ()
+                    if packed is None and not given:
+                        continue  # hashes for another fingerprint or block size, and no tokens: 0
+                    hits = match_cached_prefix(group_pools[key], extra, packed, len(tokens), given)
+                    for j, num_blocks in zip(members, hits):
+                        counts[j] = num_blocks * key[1]
+            out.append([(pool.config.pool_id, n) for pool, n in zip(pools, counts)])
+        return out
+
+    @staticmethod
+    def _check_query_hashes(i: int, query, hashes: Sequence[bytes], roots: dict[str, bytes]) -> tuple[bytes, int]:
+        """Validates a query's precomputed hashes; returns the (root hash, block size) they are for."""
+        bs = getattr(query, "hashes_block_size", 0)
+        if not 1 <= bs <= MAX_BLOCK_SIZE or bs & (bs - 1):
+            raise InvalidArgument(f"queries[{i}].hashes_block_size: the block size block_hashes were computed "
+                                  f"for, a power of two from 1 to {MAX_BLOCK_SIZE}; got {bs}")
+        if set(map(len, hashes)) != {HASH_BYTES}:
+            raise InvalidArgument(f"queries[{i}].block_hashes: each hash is {HASH_BYTES} bytes")
+        fingerprint = getattr(query, "hashes_model_fingerprint", "")
+        root = roots.get(fingerprint)
+        if root is None:
+            root = roots[fingerprint] = root_hash(fingerprint)
+        return root, bs
 
     # -- events ------------------------------------------------------------------
 
     def subscribe(self, pool_id: str, subscriber: Subscriber) -> int:
+        """Live batches only, from now on (``watch`` with nothing to replay)."""
         self.pool(pool_id)
         return self._hub(pool_id).subscribe(subscriber)
+
+    def watch(self, pool_id: str, subscriber: Subscriber, start_event_id: int = 0, snapshot: bool = False,
+              epoch: str = "") -> tuple[int, Iterable[EventBatch]]:
+        """Subscribes, and returns what the subscriber must see before the live batches,
+        taken at the same moment (nothing can be published in between):
+
+        * ``start_event_id`` > 0: the buffered batches from that event on; when they are
+          not all there any more (or ``epoch`` is given and is not the hub's), a snapshot
+          if ``snapshot``, else ``EventsUnavailable`` (FAILED_PRECONDITION) and no
+          subscription;
+        * ``start_event_id`` == 0: a snapshot if ``snapshot``, else nothing."""
+        self.pool(pool_id)
+        hub = self._hub(pool_id)
+        initial: Iterable[EventBatch] = ()
+        if start_event_id > 0:
+            try:
+                initial = hub.replay(start_event_id, epoch)
+            except FailedPrecondition:
+                if not snapshot:
+                    raise
+                initial = self.snapshot(pool_id)
+        elif snapshot:
+            initial = self.snapshot(pool_id)
+        return hub.subscribe(subscriber), initial
+
+    def snapshot(self, pool_id: str) -> Iterator[EventBatch]:
+        """The pool's cached blocks now, as batches of events (``pool.snapshot_events``) of
+        at most ~``SNAPSHOT_BATCH_TOKENS`` tokens each (all but the last say
+        ``snapshot_continues``), each with the id of the last event the snapshot includes:
+        resume after it (``start_event_id`` = ``snapshot_event_id + 1``) to follow the pool
+        from there. The pool's state is copied now (O(cached blocks), fast); the events
+        are built as the batches are taken, so the event loop is not held for all of it."""
+        self.reap_expired()  # as any call: the snapshot must not predate an expiry's events
+        pool = self.pool(pool_id)
+        hub = self._hub(pool_id)
+        events = snapshot_events(pool.cached_block_keys(), pool.root_hash, pool.block_size)
+        template = EventBatch([], medium=pool.medium, pool_id=pool_id, epoch=hub.epoch, snapshot=True,
+                              snapshot_event_id=hub.last_event_id)
+        return self._snapshot_batches(events, template)
+
+    @staticmethod
+    def _snapshot_batches(events: Iterator, template: EventBatch) -> Iterator[EventBatch]:
+        chunk: list = []
+        num_tokens = 0
+        for event in events:
+            chunk.append(event)
+            num_tokens += len(getattr(event, "token_ids", ()))
+            if num_tokens >= SNAPSHOT_BATCH_TOKENS:
+                yield dataclasses.replace(template, events=chunk, snapshot_continues=True)
+                chunk, num_tokens = [], 0
+        yield dataclasses.replace(template, events=chunk)
 
     def unsubscribe(self, pool_id: str, token: int) -> None:
         hub = self.hubs.get(pool_id)
@@ -380,10 +516,18 @@ class KVManager:
     def _hub(self, pool_id: str) -> EventHub:
         hub = self.hubs.get(pool_id)
         if hub is None:
-            hub = self.hubs[pool_id] = EventHub()
+            hub = self.hubs[pool_id] = EventHub(pool_id, self.event_buffer_size)
         return hub
 
     def _publish(self, pool: SequenceAllocator) -> None:
         events = pool.drain_events()
         if events:
-            self._hub(pool.config.pool_id).publish(events)
+            self._emit(pool.config.pool_id, events, pool.medium)
+
+    def _emit(self, pool_id: str, events: list, medium: str) -> None:
+        batch = self._hub(pool_id).publish(events, medium)
+        for sink in self.event_sinks:
+            try:
+                sink(batch)
+            except Exception as exc:  # noqa: BLE001 — a broken sink must never fail an Allocate
+                log.error("event_sink_failed", pool_id=pool_id, error=repr(exc))

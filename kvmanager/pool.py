@@ -21,12 +21,17 @@ Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import itertools
+import sys
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvmanager.block_pool import BlockPool, KVCacheBlock
-from kvmanager.events import BlockStored, EventRecorder
-from kvmanager.hashing import block_key, extra_keys, hash_key, root_hash
+from kvmanager.events import AllBlocksCleared, BlockStored, EventRecorder, KVEvent
+from kvmanager.hashing import (
+    HASH_BYTES, adapter_of_extra, block_key, extra_keys, hash_key, key_prefix, pack_tokens, root_hash, split_key,
+)
 
 
 class AllocationPolicy(enum.IntEnum):
@@ -134,6 +139,7 @@ class SequenceAllocator:
         self.prefix_cache_hits = 0
         self.num_copies = 0
         self.executor_instance_id = ""  # the executor whose KV the published blocks describe
+        self.medium = ""  # where the KV lives, for KV events (RegisterPool.medium)
 
     # -- allocate --------------------------------------------------------------
 
@@ -183,16 +189,23 @@ class SequenceAllocator:
 
     def _find_cached_prefix(self, extra: bytes, prompt: Sequence[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
         """Longest run of consecutive published full blocks, leaving at least the last
-        prompt token to compute (a hit covers at most len(prompt) - 1 tokens)."""
+        prompt token to compute (a hit covers at most len(prompt) - 1 tokens). Stops at
+        the first miss: a chained hash can only hit if its parent did."""
         bs = self.block_size
         max_hit_blocks = max(0, (len(prompt) - 1) // bs)
-        parent = self.root_hash
         hits: list[KVCacheBlock] = []
         hashes: list[bytes] = []
-        for i in range(max_hit_blocks):
-            key = block_key(parent, extra, prompt[i * bs:(i + 1) * bs])
+        if not max_hit_blocks:
+            return hits, hashes
+        step = 4 * bs
+        packed = pack_tokens(prompt)  # once, then byte slices: no per-token work per block
+        lookup = self.block_pool.lookup
+        tail = key_prefix(b"", extra)
+        parent = self.root_hash
+        for offset in range(0, max_hit_blocks * step, step):
+            key = parent + tail + packed[offset:offset + step]
             parent = hash_key(key)
-            block = self.block_pool.lookup(parent, key)
+            block = lookup(parent, key)
             if block is None:
                 break
             hits.append(block)
@@ -304,10 +317,10 @@ class SequenceAllocator:
                 run = None  # identical content is already findable in another block
                 continue
             if run is None:
-                run = BlockStored([], parent if i else b"", [], bs, seq.adapter_id)
+                run = BlockStored([], parent if i else b"", array("i"), bs, seq.adapter_id)
                 self.block_pool.record_stored(run)
             run.block_hashes.append(h)
-            run.token_ids.extend(tokens)
+            run.token_ids.extend(tokens)  # an int32 array: events are buffered for replay
 
     def invalidate_prefix_cache(self) -> int:
         """Nothing in the pool is findable any more, used blocks included, and no live
@@ -348,3 +361,131 @@ class SequenceAllocator:
 
     def drain_events(self) -> list:
         return self.events.drain()
+
+    # -- snapshot ----------------------------------------------------------------
+
+    def cached_block_keys(self) -> list[tuple[bytes, bytes]]:
+        """(hash, key) of every cached block: a copy (keys are immutable bytes) that
+        ``snapshot_events`` turns into events later, while the pool moves on."""
+        return [(h, block.block_key) for h, block in self.block_pool.cached_blocks.items()]
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """``snapshot_events`` of this pool now."""
+        return list(snapshot_events(self.cached_block_keys(), self.root_hash, self.block_size))
+
+
+def snapshot_events(keys: list[tuple[bytes, bytes]], root: bytes, block_size: int) -> Iterator[KVEvent]:
+    """What a subscriber that followed a pool's events from the start holds, as events:
+    ``AllBlocksCleared``, then one ``BlockStored`` per run of chained cached blocks,
+    parents before children. ``keys`` are the pool's cached (hash, block key) pairs
+    (``SequenceAllocator.cached_block_keys``): every block stored and not removed since
+    the last clear, each with its parent hash (empty for a sequence's first block, as in
+    the live events), tokens and adapter. Lazy: O(blocks) in all."""
+    keys_of = dict(keys)
+    step = 4 * block_size
+    children: dict[bytes, list[bytes]] = {}
+    starts: list[bytes] = []
+    for h, key in keys:
+        parent = key[:HASH_BYTES]
+        if parent in keys_of and parent != h:
+            children.setdefault(parent, []).append(h)
+        else:
+            starts.append(h)
+    yield AllBlocksCleared()
+    emitted: set[bytes] = set()
+    swap = sys.byteorder != "little"
+    for first in itertools.chain(starts, keys_of):  # then: only a hash collision could leave a cycle unreached
+        stack = [first]
+        while stack:
+            h = stack.pop()
+            if h in emitted:
+                continue
+            parent, extra, _ = split_key(keys_of[h])
+            run = BlockStored([], b"" if parent == root else parent, array("i"), block_size, adapter_of_extra(extra))
+            while h is not None and h not in emitted:
+                emitted.add(h)
+                run.block_hashes.append(h)
+                run.token_ids.frombytes(keys_of[h][-step:])  # a full block: its key ends with its tokens
+                kids = children.get(h)
+                if kids:
+                    stack.extend(reversed(kids[1:]))  # siblings start runs of their own, in order
+                    h = kids[0]
+                else:
+                    h = None
+            if swap:
+                run.token_ids.byteswap()
+            yield run
+
+
+def match_cached_prefix(pools: Sequence[SequenceAllocator], extra: bytes, packed_tokens: bytes | None,
+                        num_tokens: int, block_hashes: Sequence[bytes] = ()) -> list[int]:
+    """Cached prefix length in blocks, per pool, of one prompt, for pools that hash alike
+    (same root hash, i.e. model fingerprint, and block size): the chain is hashed once
+    for all of them, block by block, and stops at the first block no pool holds.
+    Read-only (``LookupPrefix``).
+
+    ``packed_tokens`` (``pack_tokens`` of the prompt, ``num_tokens`` ids) caps the hit at
+    ``(num_tokens - 1) // block_size`` blocks and verifies every hit byte for byte
+    against the cached block's key, as an admission does. ``block_hashes`` are the
+    prompt's precomputed chained hashes (``hashing.prefix_block_hashes``): with tokens
+    they only save the hashing (the key check still applies, so a wrong hash is a miss);
+    without tokens (None) they are all there is, the hit is capped at their number, and
+    a cached block is trusted by hash alone (fine for routing: nothing reads KV on it).
+    """
+    first = pools[0]
+    bs = first.block_size
+    num_hashes = len(block_hashes)
+    if packed_tokens is None:
+        max_blocks = num_hashes
+    else:
+        max_blocks = max(0, (num_tokens - 1) // bs)
+    caches = [pool.block_pool.cached_blocks for pool in pools]
+    if not max_blocks:
+        return [0] * len(pools)
+    step = 4 * bs
+    tail = key_prefix(b"", extra)
+    parent = first.root_hash
+    digest = hash_key
+    if len(caches) == 1:  # the common cases, without the per-pool bookkeeping
+        get = caches[0].get
+        if packed_tokens is None:
+            for i in range(max_blocks):
+                if get(block_hashes[i]) is None:
+                    return [i]
+            return [max_blocks]
+        if not num_hashes:
+            for i, offset in enumerate(range(0, max_blocks * step, step)):
+                key = parent + tail + packed_tokens[offset:offset + step]
+                parent = digest(key)
+                block = get(parent)
+                if block is None or block.block_key != key:
+                    return [i]
+            return [max_blocks]
+        for i, offset in enumerate(range(0, max_blocks * step, step)):
+            key = parent + tail + packed_tokens[offset:offset + step]
+            parent = block_hashes[i] if i < num_hashes else digest(key)
+            block = get(parent)
+            if block is None or block.block_key != key:
+                return [i]
+        return [max_blocks]
+    hits = [max_blocks] * len(caches)
+    active = list(range(len(caches)))
+    for i in range(max_blocks):
+        if packed_tokens is None:
+            key = None
+            parent = block_hashes[i]
+        else:
+            offset = i * step
+            key = parent + tail + packed_tokens[offset:offset + step]
+            parent = block_hashes[i] if i < num_hashes else digest(key)
+        still = []
+        for j in active:
+            block = caches[j].get(parent)
+            if block is None or (key is not None and block.block_key != key):
+                hits[j] = i
+            else:
+                still.append(j)
+        if not still:
+            break
+        active = still
+    return hits

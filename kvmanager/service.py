@@ -25,16 +25,24 @@ _NO_ROOM = pb.ALLOCATION_STATUS_NO_ROOM
 
 
 def event_batch_to_proto(batch: EventBatch) -> pb.KVEventBatch:
-    out = pb.KVEventBatch(timestamp=batch.timestamp)
+    out = pb.KVEventBatch(timestamp=batch.timestamp, pool_id=batch.pool_id, stream_epoch=batch.epoch,
+                          snapshot=batch.snapshot, snapshot_event_id=batch.snapshot_event_id,
+                          snapshot_continues=batch.snapshot_continues)
+    add = out.events.add
+    medium = batch.medium
+    event_id = batch.first_event_id
     for event in batch.events:
         if isinstance(event, BlockStored):
-            out.events.add(block_stored=pb.BlockStored(
+            add(event_id=event_id, block_stored=pb.BlockStored(
                 block_hashes=event.block_hashes, parent_block_hash=event.parent_block_hash,
-                token_ids=event.token_ids, block_size=event.block_size, adapter_id=event.adapter_id))
+                token_ids=event.token_ids, block_size=event.block_size, adapter_id=event.adapter_id,
+                medium=medium))
         elif isinstance(event, BlockRemoved):
-            out.events.add(block_removed=pb.BlockRemoved(block_hashes=event.block_hashes))
+            add(event_id=event_id, block_removed=pb.BlockRemoved(block_hashes=event.block_hashes, medium=medium))
         elif isinstance(event, AllBlocksCleared):
-            out.events.add(all_blocks_cleared=pb.AllBlocksCleared())
+            add(event_id=event_id, all_blocks_cleared=pb.AllBlocksCleared())
+        if event_id:
+            event_id += 1
     return out
 
 
@@ -48,7 +56,7 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
             model_fingerprint=request.model_fingerprint,
             enable_prefix_caching=request.enable_prefix_caching,
             allocation_policy=request.allocation_policy, max_model_len=request.max_model_len,
-        ), request.executor_instance_id)
+        ), request.executor_instance_id, request.medium)
         return pb.RegisterPoolResponse(created=created)
 
     async def OpenSession(self, request, context):
@@ -106,6 +114,7 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
 
     async def WatchEvents(self, request, context):
         queue: asyncio.Queue[EventBatch | None] = asyncio.Queue()
+        last_sent = [0]  # id of the last event this watcher got, for the "fell behind" error
 
         def deliver(batch: EventBatch) -> None:
             if queue.qsize() >= MAX_PENDING_EVENT_BATCHES:
@@ -113,15 +122,22 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
                 raise OverflowError("watcher fell behind")  # the hub drops this subscriber
             queue.put_nowait(batch)
 
-        token = self.manager.subscribe(request.pool_id, deliver)
+        # Replay or snapshot and subscription in one step: nothing published in between is lost.
+        token, initial = self.manager.watch(request.pool_id, deliver, request.start_event_id, request.snapshot,
+                                            request.stream_epoch)
         try:
             # Tell the client it is subscribed: events published from here on reach it.
             await context.send_initial_metadata(())
+            for batch in initial:
+                last_sent[0] = batch.last_event_id or batch.snapshot_event_id or last_sent[0]
+                yield event_batch_to_proto(batch)
             while True:
                 batch = await queue.get()
                 if batch is None:
                     raise ResourceExhausted(
-                        f"watcher fell more than {MAX_PENDING_EVENT_BATCHES} event batches behind; resubscribe")
+                        f"watcher fell more than {MAX_PENDING_EVENT_BATCHES} event batches behind; resubscribe "
+                        f"with start_event_id={last_sent[0] + 1}")
+                last_sent[0] = batch.last_event_id
                 yield event_batch_to_proto(batch)
         finally:
             self.manager.unsubscribe(request.pool_id, token)

@@ -7,6 +7,16 @@ import sys
 import structlog
 
 
+class _CurrentStdout:
+    """Whatever ``sys.stdout`` is when a line is written (a test runner swaps it)."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
 def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
     """Configures structlog and the stdlib root logger (which grpc and uvicorn use)."""
     if json is None:
@@ -23,7 +33,7 @@ def configure_logging(level: str = "info", *, json: bool | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStdout()),
         cache_logger_on_first_use=False,
     )
 

@@ -212,12 +212,12 @@ def test_events_are_published_once_per_call_in_order(manager):
     stored = batches[0].events
     assert [type(e) for e in stored] == [BlockStored, BlockStored]
     assert len(stored[0].block_hashes) == 2 and stored[0].block_size == 4
-    assert stored[1].token_ids == list(range(100, 104))
+    assert list(stored[1].token_ids) == list(range(100, 104))
     manager.allocate("p", s, [], [Req(1, [9, 10, 11], 3)])
     manager.free("p", s, [1, 2], [1], [12])  # reported, then freed, in one call
     assert len(batches) == 2  # freeing without eviction emits nothing
     third = batches[-1].events[0]
-    assert third.parent_block_hash == stored[0].block_hashes[1] and third.token_ids == [8, 9, 10, 11]
+    assert third.parent_block_hash == stored[0].block_hashes[1] and list(third.token_ids) == [8, 9, 10, 11]
 
 
 def test_event_hub_drops_a_failing_subscriber():

@@ -258,7 +258,7 @@ def test_reuse_resets_the_blocks_hash_and_emits_block_removed():
     h.prefill(1, list(range(8)))
     stored = [e for e in h.events if isinstance(e, BlockStored)]
     assert len(stored) == 1 and len(stored[0].block_hashes) == 2
-    assert stored[0].token_ids == list(range(8)) and stored[0].parent_block_hash == b""
+    assert list(stored[0].token_ids) == list(range(8)) and stored[0].parent_block_hash == b""
     h.free(1)
     h.prefill(2, [50, 51])
     block = h.pool.sequences[2].block_table[0]

@@ -26,7 +26,7 @@ ALLOCATION_STATUS_OK: AllocationStatus
 ALLOCATION_STATUS_NO_ROOM: AllocationStatus
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len", "executor_instance_id")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len", "executor_instance_id", "medium")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class RegisterPoolRequest(_message.Message):
     ALLOCATION_POLICY_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -43,7 +44,8 @@ class RegisterPoolRequest(_message.Message):
     allocation_policy: AllocationPolicy
     max_model_len: int
     executor_instance_id: str
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ..., executor_instance_id: _Optional[str] = ...) -> None: ...
+    medium: str
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("created",)
@@ -250,62 +252,90 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, num_blocks_cleared: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("pool_id",)
+    __slots__ = ("pool_id", "start_event_id", "snapshot", "stream_epoch")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    START_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_EPOCH_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+    start_event_id: int
+    snapshot: bool
+    stream_epoch: str
+    def __init__(self, pool_id: _Optional[str] = ..., start_event_id: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stream_epoch: _Optional[str] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
-    __slots__ = ("events", "timestamp")
+    __slots__ = ("events", "timestamp", "pool_id", "stream_epoch", "snapshot", "snapshot_event_id", "snapshot_continues")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_CONTINUES_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     timestamp: float
-    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    pool_id: str
+    stream_epoch: str
+    snapshot: bool
+    snapshot_event_id: int
+    snapshot_continues: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., timestamp: _Optional[float] = ..., pool_id: _Optional[str] = ..., stream_epoch: _Optional[str] = ..., snapshot: _Optional[bool] = ..., snapshot_event_id: _Optional[int] = ..., snapshot_continues: _Optional[bool] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared", "event_id")
     BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     block_stored: BlockStored
     block_removed: BlockRemoved
     all_blocks_cleared: AllBlocksCleared
-    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    event_id: int
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ..., event_id: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "adapter_id")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "adapter_id", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     adapter_id: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., adapter_id: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "medium")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PrefixQuery(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "adapter_id")
+    __slots__ = ("token_ids", "cache_salt", "adapter_id", "block_hashes", "hashes_block_size", "hashes_model_fingerprint")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HASHES_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     adapter_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    hashes_block_size: int
+    hashes_model_fingerprint: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hashes_block_size: _Optional[int] = ..., hashes_model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
     __slots__ = ("pool_ids", "queries")

@@ -175,6 +175,8 @@ class KVManagerServicer:
     def WatchEvents(self, request, context):
         """Streams block stored / removed / all-cleared events of one pool, so that a
         router can index which prefixes a pool holds (shaped like vLLM's KV events).
+        Every event has a per-pool event_id (1, 2, 3, ...); a watcher can resume from
+        an id (the last events are kept for replay) or start from a snapshot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
