@@ -132,7 +132,7 @@ class Backend:
         return self.info.block_size if self.info else 16
 
     def pending_tokens(self) -> int:
-        queued = sum(seq.num_to_compute() for r in self.inbox + self.migrated for seq in r.sequences
+        queued = sum(seq.num_uncached_to_compute() for r in self.inbox + self.migrated for seq in r.sequences
                      if not seq.is_finished)
         return self.scheduler.pending_tokens() + queued
 
@@ -202,6 +202,7 @@ class Backend:
             if self.info is not None and self.info.instance_id != info.instance_id:
                 self.deadline = StepDeadline(self.config.step_timeout_s)
             self.info = info
+            self.scheduler.block_size = info.block_size if self.config.enable_prefix_caching else None
             self._session_id = session_id
             self._connection_lost = None
             self.last_error = ""

@@ -262,6 +262,7 @@ class Engine:
     async def _route(self, request: GenerationRequest) -> RoutingDecision | None:
         """The backend for a request (new, or parked with the tokens it has); None when none can serve."""
         candidates = self._serving()
+        request.expected_cached_tokens = 0
         if len(candidates) <= 1:
             return RoutingDecision(candidates[0], "only", 0, 0) if candidates else None
         options = request.options
@@ -277,6 +278,7 @@ class Engine:
             if not candidates:
                 return None
         decision = self.router.choose(candidates, token_ids, salt or "", published)
+        request.expected_cached_tokens = decision.cached_tokens
         self.metrics.on_route(decision.candidate.address, decision.policy)
         return decision
 

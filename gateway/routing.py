@@ -9,7 +9,8 @@ work that stand between the request and its first token there::
   ``LookupPrefix`` says *e*'s pool has published, or what this gateway routed to *e*
   and is still being prefilled there (published only once written, so without this
   the second request of a burst with a shared system prompt would not see it);
-* ``queued(e)``: prompt tokens waiting or half-prefilled in *e*'s scheduler;
+* ``queued(e)``: prompt tokens waiting or half-prefilled in *e*'s scheduler, less the
+  prefix hits the router expected for the waiting ones when it sent them there;
 * ``running(e)``: sequences decoding on *e*; each slows every step a little, counted
   as ``DECODE_COST_TOKENS`` tokens of prefill.
 

@@ -4,7 +4,9 @@ Pure Python: no grpc, no tensors. One step is
 
 1. ``schedule()``: running sequences first (decodes, then prefill chunks), then
    waiting ones FCFS, within ``max_num_seqs`` and ``max_num_batched_tokens``
-   (a long prompt is split across steps, so decodes are never starved);
+   (a long prompt is split across steps, so decodes are never starved); a prompt
+   whose first KV block equals one admitted in the same step waits a step, so
+   that it hits that block instead of computing it again;
 2. the engine sends the plan to kvmanager ``Allocate`` and hands the results to
    ``apply_allocation()``: NO_ROOM preempts the most recently admitted running
    sequence (recompute: freed, requeued at the head) and asks for a retry; a
@@ -129,6 +131,8 @@ class Scheduler:
         self._pending_forks: list[GenerationRequest] = []
         self._outputs: list[RequestOutput] = []
         self._admissions = 0
+        # Tokens per KV block of the executor (the backend sets it); None: no same-step deferral.
+        self.block_size: int | None = None
 
     # --- requests in and out -------------------------------------------------
 
@@ -197,7 +201,7 @@ class Scheduler:
     def pending_tokens(self) -> int:
         """Tokens to compute before a request queued now would run (prefills waiting or
         in progress): what the router weighs as this scheduler's queue."""
-        return sum(seq.num_to_compute() for seq in self.waiting) + \
+        return sum(seq.num_uncached_to_compute() for seq in self.waiting) + \
             sum(seq.num_to_compute() for seq in self.running if seq.num_to_compute() > 1)
 
     @property
@@ -251,13 +255,33 @@ class Scheduler:
                         plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
                         budget -= plan[-1].num_new_tokens
             return plan
+        deferred: list[Sequence] = []
+        first_blocks: set[tuple] = set()  # of the prompts admitted in this step
         while self.waiting and budget > 0 and self._running_slots() + self._slots(self.waiting[0]) <= \
                 self.config.max_num_seqs:
             seq = self.waiting.popleft()
+            first_block = self._first_block(seq)
+            if first_block is not None and first_block in first_blocks:
+                deferred.append(seq)
+                continue
+            if first_block is not None:
+                first_blocks.add(first_block)
             self._admit(seq)
             plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
             budget -= plan[-1].num_new_tokens
+        self.waiting.extendleft(reversed(deferred))
         return plan
+
+    def _first_block(self, seq: Sequence) -> tuple | None:
+        """The first full block of a prompt about to be computed from scratch, when
+        prefix caching may reuse it: a second prompt starting with the same block
+        waits one step, then hits what the first wrote (no same-step hits), instead
+        of computing the same prefix again beside it."""
+        bs = self.block_size
+        options = seq.request.options
+        if not bs or seq.holds_blocks or not options.enable_prefix_caching or seq.num_sendable() <= bs:
+            return None
+        return (options.cache_salt, tuple(seq.token_ids[:bs]))
 
     def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
         """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""

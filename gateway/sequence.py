@@ -131,6 +131,11 @@ class Sequence:
     def num_to_compute(self) -> int:
         return self.num_sendable() - self.num_computed
 
+    def num_uncached_to_compute(self) -> int:
+        """What is left to compute, less the prefix the router expects a waiting sequence to hit."""
+        expected_hit = 0 if self.holds_blocks else self.request.expected_cached_tokens
+        return max(1, self.num_to_compute() - expected_hit)
+
     def reset_for_recompute(self, new_seq_id: int) -> None:
         """Preemption by recompute: forget every block; the tokens stay."""
         self.seq_id = new_seq_id
@@ -159,6 +164,7 @@ class GenerationRequest:
     sequences: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
     num_cached_tokens: int | None = None
+    expected_cached_tokens: int = 0  # the prefix hit its router expected where it sent it
     finished: bool = False
     max_stop_len: int = 0
 

@@ -321,3 +321,30 @@ def test_max_num_seqs_limits_running_set():
 def test_bad_config_is_rejected(bad):
     with pytest.raises(ValueError):
         SchedulerConfig(**bad)
+
+
+def test_prompt_sharing_a_first_block_admitted_this_step_waits_one_step_then_hits():
+    scheduler = new_scheduler(max_num_seqs=8)
+    scheduler.block_size = 4
+    shared = [7, 7, 7, 7, 8, 8]
+    first = add(scheduler, make_request("a", shared + [1]))
+    second = add(scheduler, make_request("b", shared + [2]))
+    other = add(scheduler, make_request("c", [9] * 7))
+    salted = add(scheduler, make_request("d", shared + [3], cache_salt="tenant"))
+    admitted = {entry.seq.request.request_id for entry in scheduler.schedule()}
+    assert admitted == {"a", "c", "d"}, "b would compute a's first block beside it"
+    assert [seq.request for seq in scheduler.waiting] == [second]
+    assert {first, other, salted} <= {seq.request for seq in scheduler.running}
+    assert "b" in {entry.seq.request.request_id for entry in scheduler.schedule()}, "b never admitted"
+
+
+def test_without_a_block_size_or_with_prefix_caching_off_nothing_waits():
+    scheduler = new_scheduler(max_num_seqs=8)
+    add(scheduler, make_request("a", [7] * 8))
+    add(scheduler, make_request("b", [7] * 8))
+    assert len(scheduler.schedule()) == 2
+    scheduler = new_scheduler(max_num_seqs=8)
+    scheduler.block_size = 4
+    add(scheduler, make_request("a", [7] * 8, enable_prefix_caching=False))
+    add(scheduler, make_request("b", [7] * 8, enable_prefix_caching=False))
+    assert len(scheduler.schedule()) == 2
