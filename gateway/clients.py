@@ -18,6 +18,7 @@ import grpc
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.stopping import suppressed_token_ids
+from kvmanager.events import medium_for_device
 from kvserve.auth import BearerCallInterceptor, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
@@ -208,7 +209,7 @@ class KVManagerClient(_Client):
             pool_id=pool_id, num_blocks=info.num_blocks, block_size=info.block_size,
             model_fingerprint=info.model_fingerprint, enable_prefix_caching=enable_prefix_caching,
             allocation_policy=POLICIES[kv_allocation], max_model_len=info.max_model_len,
-            executor_instance_id=info.instance_id,
+            executor_instance_id=info.instance_id, medium=medium_for_device(info.device),
         )
         return (await self._call(self._stub.RegisterPool, request, self._timeout)).created
 

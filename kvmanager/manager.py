@@ -139,12 +139,20 @@ class KVManager:
     def register_pool(self, config: PoolConfig, executor_instance_id: str = "", medium: str = "") -> bool:
         """Creates a pool, keeps an identical one (False), or replaces an idle one.
         An identical pool registered for a new executor instance (the executor
-        restarted: its KV is gone) is kept with its prefix cache invalidated.
+        restarted: its KV is gone) is kept with its prefix cache invalidated. An executor
+        instance that another pool already names is refused (FAILED_PRECONDITION).
         ``medium`` (where the KV lives, for KV events) is not a pool parameter: a new one
         is recorded, nothing else changes; empty keeps the pool's (a new pool's: the default)."""
         config = validate_pool_config(config)
         if len(medium) > MAX_MEDIUM_LEN:
             raise InvalidArgument(f"medium: at most {MAX_MEDIUM_LEN} characters")
+        if executor_instance_id:
+            for other_id, other in self.pools.items():
+                if other_id != config.pool_id and other.executor_instance_id == executor_instance_id:
+                    raise FailedPrecondition(
+                        f"executor instance {executor_instance_id} already has the pool {other_id!r}: one executor's "
+                        f"KV cache is one pool (two would hand out its blocks twice); register {other_id!r}, e.g. "
+                        "by naming the executor by the same address in every gateway")
         existing = self.pools.get(config.pool_id)
         if existing is not None:
             if existing.config == config:

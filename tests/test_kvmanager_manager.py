@@ -274,3 +274,17 @@ def test_freeze_gc_and_a_replaced_pool_is_unlinked():
         check_invariants(manager.pools["p"])
     finally:
         gc.unfreeze()
+
+
+def test_one_executor_instance_is_one_pool():
+    """Two pools over one executor's KV cache would hand out its blocks twice (two gateways
+    naming the same executor by two addresses): the second registration is refused."""
+    from kvserve.errors import FailedPrecondition
+
+    manager = KVManager()
+    config = PoolConfig("executor@10.0.0.5:50053", 16, 4, "model", True)
+    assert manager.register_pool(config, "instance-a")
+    with pytest.raises(FailedPrecondition, match="already has the pool 'executor@10.0.0.5:50053'"):
+        manager.register_pool(PoolConfig("executor@executor-0:50053", 16, 4, "model", True), "instance-a")
+    assert manager.register_pool(PoolConfig("executor@executor-1:50053", 16, 4, "model", True), "instance-b")
+    assert not manager.register_pool(config, "instance-c")  # the same pool, its executor restarted
