@@ -60,6 +60,10 @@ def build_parser() -> EnvArgumentParser:
                         default=True, help="reuse cached KV blocks of shared prompt prefixes")
     parser.add_argument("--max-queue-len", type=int, default=1024,
                         help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
+    parser.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=None,
+                        help="seconds a request may take from arrival to its last token; past it, it fails with "
+                             "HTTP 504 / gRPC DEADLINE_EXCEEDED and its blocks are freed (default: no limit; a gRPC "
+                             "client's own deadline is honoured either way)")
     parser.add_argument("--pool-id", default="", help="kvmanager pool name with one executor address; with "
                         "several, each executor's pool is <pool-id>@<address> (default: executor@<address>)")
     parser.add_argument("--session-ttl-ms", type=int, default=10_000, help="kvmanager session lease")

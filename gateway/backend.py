@@ -109,7 +109,7 @@ class Backend:
         self.deadline = StepDeadline(engine_config.step_timeout_s)
         self.inbox: list[GenerationRequest] = []  # new requests routed here
         self.migrated: list[GenerationRequest] = []  # requests another backend held: run them first
-        self.aborts: set[str] = set()
+        self.aborts: dict[str, Exception | None] = {}  # request id -> the error it fails with (None: abort)
         self.last_error: str = ""
         self.num_steps = 0
         self._session_id: str | None = None
@@ -164,8 +164,8 @@ class Backend:
         self._idle.clear()
         self._wakeup.set()
 
-    def abort(self, request_id: str) -> None:
-        self.aborts.add(request_id)
+    def abort(self, request_id: str, error: Exception | None = None) -> None:
+        self.aborts[request_id] = error
         self._idle.clear()
         self._wakeup.set()
 
@@ -299,8 +299,12 @@ class Backend:
         self.migrated, self.inbox = [], []
 
     def _apply_aborts(self) -> None:
-        for request_id in self.aborts:
-            self.scheduler.abort_request(request_id)
+        for request_id, error in self.aborts.items():
+            request = self.scheduler.requests.get(request_id)
+            if error is not None and request is not None:
+                self.scheduler.fail_request(request, error)
+            else:
+                self.scheduler.abort_request(request_id)
         self.aborts.clear()
 
     async def _step(self) -> None:

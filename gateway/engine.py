@@ -44,12 +44,16 @@ from gateway.routing import ROUTING_POLICIES, RoutingDecision, Router
 from gateway.scheduler import Scheduler, SchedulerConfig, SchedulerCounters, create_sequences
 from gateway.sequence import GenerationRequest, RequestOutput, SamplingOptions
 from gateway.streams import RequestStream
-from kvserve.errors import AlreadyExists, IncompatibleDependency, InvalidArgument, ResourceExhausted, Unavailable
+from kvserve.errors import (
+    AlreadyExists, DeadlineExceeded, IncompatibleDependency, InvalidArgument, ResourceExhausted, Unavailable,
+)
 from kvserve.identity import tokenizer_fingerprint
 from kvserve.logs import get_logger
 from kvserve.ports import DEFAULT_EXECUTOR_ADDRESS, DEFAULT_KVMANAGER_ADDRESS
 
 log = get_logger("gateway.engine")
+
+DEADLINE_CHECK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     session_ttl_ms: int = 10_000
     max_queue_len: int = 1024
+    # Seconds a request may take from arrival to its last token; None: no limit.
+    request_timeout_s: float | None = None
     # How long requests in flight wait (to be recomputed) while no executor can serve.
     unavailable_timeout_s: float = 30.0
     # How long an Execute may take; None: derived from the executor's observed steps (gateway.backend).
@@ -76,6 +82,8 @@ class EngineConfig:
         parse_targets(self.executor_address)
         if self.routing not in ROUTING_POLICIES:
             raise InvalidArgument(f"routing: must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise InvalidArgument("request_timeout_s: must be > 0")
         if self.step_timeout_s is not None and self.step_timeout_s <= 0:
             raise InvalidArgument("step_timeout_s: must be > 0")
         if self.executor_discovery_interval_s <= 0:
@@ -119,6 +127,7 @@ class Engine:
         self._dispatch_wakeup = asyncio.Event()
         self._where: dict[str, Backend | None] = {}  # request id -> its backend (None: parked)
         self._live: dict[str, RequestStream] = {}
+        self._expired: set[str] = set()
         self._accepting = True
         self._tasks: list[asyncio.Task] = []
         self._reported: dict[int, SchedulerCounters] = {}  # per scheduler: what the metrics were told
@@ -137,6 +146,7 @@ class Engine:
             backend.start()
         self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="dispatch"))
         self._tasks.append(asyncio.create_task(self._watch_kvmanager(), name="watch-kvmanager"))
+        self._tasks.append(asyncio.create_task(self._deadline_loop(), name="request-deadlines"))
         try:
             await self.ensure_connected()
         except Unavailable as exc:
@@ -206,8 +216,9 @@ class Engine:
         return info.max_model_len if info else None
 
     async def submit(self, prompt_token_ids: list[int], options: SamplingOptions,
-                     request_id: str | None = None) -> RequestStream:
-        """Validates, routes and queues a request; raises InvalidArgument, ResourceExhausted or Unavailable."""
+                     request_id: str | None = None, timeout_s: float | None = None) -> RequestStream:
+        """Validates, routes and queues a request; raises InvalidArgument, ResourceExhausted or Unavailable.
+        It fails with DEADLINE_EXCEEDED after ``timeout_s`` or ``request_timeout_s``, whichever is shorter."""
         if not self._accepting:
             raise Unavailable("gateway is shutting down")
         await self.ensure_connected()
@@ -224,6 +235,9 @@ class Engine:
                                     f"{self.config.max_queue_len}); retry later")
         request = GenerationRequest(request_id, list(prompt_token_ids), options, eos, info.max_model_len)
         request.max_stop_len = max((len(s) for s in options.stop), default=0)
+        timeouts = [t for t in (timeout_s, self.config.request_timeout_s) if t is not None]
+        if timeouts:
+            request.deadline = request.arrival_time + min(timeouts)
         create_sequences(request, lambda: self.tokenizer.detokenizer(prompt_token_ids, options.skip_special_tokens),
                          self._new_seq_id)
         decision = await self._route(request)
@@ -249,6 +263,30 @@ class Engine:
             self.parking.abort_request(request_id)
             self._deliver(self.parking.take_outputs())
         return True
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """Ends a live request with ``error`` (its blocks are freed at its backend's next step)."""
+        backend = self._where.get(request_id)
+        if backend is not None:
+            backend.abort(request_id, error)
+        else:
+            request = self.parking.requests.get(request_id)
+            if request is not None:
+                self.parking.fail_request(request, error)
+                self._deliver(self.parking.take_outputs())
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(DEADLINE_CHECK_S)
+            now = time.monotonic()
+            for request_id, stream in list(self._live.items()):
+                deadline = stream.request.deadline
+                if deadline is not None and now >= deadline and request_id not in self._expired:
+                    self._expired.add(request_id)
+                    waited = now - stream.request.arrival_time
+                    self._fail(request_id, DeadlineExceeded(f"request {request_id} did not finish within its "
+                                                            f"timeout ({waited:.1f} s)"))
+            self._expired &= set(self._live)
 
     def num_waiting_requests(self) -> int:
         return self.parking.num_waiting_requests + sum(

@@ -53,7 +53,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,
             default_temperature=0.0,
         )
-        stream = await engine.submit(prompt_ids, options, request.request_id or None)
+        # The client's deadline: the request fails (and frees its blocks) when it passes.
+        stream = await engine.submit(prompt_ids, options, request.request_id or None,
+                                     timeout_s=context.time_remaining())
         finished = False
         try:
             async for output in stream:

@@ -53,6 +53,7 @@ HTTP_STATUS = {
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "FAILED_PRECONDITION": (400, "invalid_request_error"),
     "UNAVAILABLE": (503, "service_unavailable_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
 }
 
 

@@ -165,6 +165,7 @@ class GenerationRequest:
     fork_pending: bool = False
     num_cached_tokens: int | None = None
     expected_cached_tokens: int = 0  # the prefix hit its router expected where it sent it
+    deadline: float | None = None  # time.monotonic() by which it must have finished
     finished: bool = False
     max_stop_len: int = 0
 

@@ -57,6 +57,12 @@ class Unavailable(KVServeError):
     code = "UNAVAILABLE"
 
 
+class DeadlineExceeded(KVServeError):
+    """A request outlived its timeout (the gateway's --request-timeout, or the gRPC deadline)."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class StepRefused(KVServeError):
     """A dependency refused a step this request was in (its input, not an outage):
     only the requests of that step fail (HTTP 500, gRPC INTERNAL), naming the reason."""
