@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient
+from gateway.clients import (
+    DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient, watch_for_breaks,
+)
 from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler
 from gateway.sequence import GenerationRequest, RequestOutput
 from kvserve.errors import IncompatibleDependency, StepRefused, Unavailable
@@ -144,7 +146,8 @@ class Backend:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._loop(), name=f"backend-{self.address}"),
                        asyncio.create_task(self._renew_session_loop(), name=f"renew-{self.address}"),
-                       asyncio.create_task(self._watch_channel(), name=f"watch-{self.address}")]
+                       asyncio.create_task(watch_for_breaks(self.executor.channel, lambda: self.connection_lost(
+                           f"executor at {self.address}: connection lost")), name=f"watch-{self.address}")]
 
     async def stop(self) -> None:
         """Hands back whatever it holds, closes its session and its channel."""
@@ -243,18 +246,6 @@ class Backend:
             except DependencyError as exc:
                 if self._session_id == session_id:
                     self.connection_lost(f"kvmanager session lost: {exc}")
-
-    async def _watch_channel(self) -> None:
-        """A broken connection (process restarted or gone) means the KV content is lost."""
-        channel = self.executor.channel
-        state = channel.get_state(try_to_connect=False)
-        while True:
-            await channel.wait_for_state_change(state)
-            new_state = channel.get_state(try_to_connect=False)
-            if state is grpc.ChannelConnectivity.READY and new_state in (
-                    grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
-                self.connection_lost(f"executor at {self.address}: connection lost")
-            state = new_state
 
     # --- the loop ----------------------------------------------------------------
 

@@ -278,3 +278,16 @@ class KVManagerClient(_Client):
     async def reset_prefix_cache(self, pool_id: str) -> int:
         request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
         return (await self._call(self._stub.ResetPrefixCache, request, self._timeout)).num_blocks_cleared
+
+
+async def watch_for_breaks(channel: grpc.aio.Channel, on_break) -> None:
+    """Calls ``on_break()`` each time a channel that was READY breaks (the process behind it
+    restarted or went away): whatever that service held for us may be gone."""
+    state = channel.get_state(try_to_connect=False)
+    while True:
+        await channel.wait_for_state_change(state)
+        new_state = channel.get_state(try_to_connect=False)
+        if state is grpc.ChannelConnectivity.READY and new_state in (
+                grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
+            on_break()
+        state = new_state

@@ -32,10 +32,9 @@ import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import grpc
 
 from gateway.backend import UNAVAILABLE_RETRY_S, Backend, BackendHooks
-from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, KVManagerClient
+from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, KVManagerClient, watch_for_breaks
 from gateway.detokenizer import ModelTokenizer
 from gateway.discovery import ExecutorTarget, parse_targets, resolve_targets
 from gateway.metrics import GatewayMetrics
@@ -145,7 +144,8 @@ class Engine:
         for backend in self.backends.values():
             backend.start()
         self._tasks.append(asyncio.create_task(self._dispatch_loop(), name="dispatch"))
-        self._tasks.append(asyncio.create_task(self._watch_kvmanager(), name="watch-kvmanager"))
+        self._tasks.append(asyncio.create_task(watch_for_breaks(self.kvmanager.channel, self._kvmanager_broke),
+                                               name="watch-kvmanager"))
         self._tasks.append(asyncio.create_task(self._deadline_loop(), name="request-deadlines"))
         try:
             await self.ensure_connected()
@@ -416,18 +416,10 @@ class Engine:
         reasons = [f"{b.address}: {b.last_error}" for b in self.backends.values() if b.last_error]
         return "; ".join(reasons) or self._parked_reason or "no executor can serve"
 
-    async def _watch_kvmanager(self) -> None:
-        """A broken connection (kvmanager restarted or gone) means every session is lost."""
-        channel = self.kvmanager.channel
-        state = channel.get_state(try_to_connect=False)
-        while True:
-            await channel.wait_for_state_change(state)
-            new_state = channel.get_state(try_to_connect=False)
-            if state is grpc.ChannelConnectivity.READY and new_state in (
-                    grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.IDLE):
-                for backend in self.backends.values():
-                    backend.connection_lost(f"kvmanager at {self.kvmanager.address}: connection lost")
-            state = new_state
+    def _kvmanager_broke(self) -> None:
+        """kvmanager restarted or went away: every session is lost."""
+        for backend in self.backends.values():
+            backend.connection_lost(f"kvmanager at {self.kvmanager.address}: connection lost")
 
     # --- outputs and metrics ----------------------------------------------------------
 
