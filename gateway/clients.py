@@ -18,10 +18,10 @@ import grpc
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.stopping import suppressed_token_ids
-from kvmanager.events import medium_for_device
 from kvserve.auth import BearerCallInterceptor, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
+from kvserve.kv_medium import medium_for_device
 from kvserve.server import MAX_MESSAGE_BYTES
 from kvserve.v1 import executor_pb2, executor_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 

@@ -25,15 +25,6 @@ DEFAULT_EVENT_BUFFER = 10_000
 DEFAULT_MEDIUM = "GPU"
 
 
-def medium_for_device(device: str) -> str:
-    """vLLM's medium name for an executor's ``Describe.device``: "cpu" -> "CPU", any
-    accelerator ("cuda:0", "musa", ...) -> "GPU", empty -> empty (the default applies)."""
-    kind = device.split(":", 1)[0].strip().lower()
-    if not kind:
-        return ""
-    return "CPU" if kind == "cpu" else "GPU"
-
-
 @dataclass
 class BlockStored:
     """Full blocks became findable by prefix hash (one chain of one sequence)."""

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 import pytest
 
-from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsUnavailable, medium_for_device
+from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsUnavailable
+from kvserve.kv_medium import medium_for_device
 from kvmanager.hashing import prefix_block_hashes
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest as Req

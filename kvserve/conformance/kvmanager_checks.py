@@ -64,7 +64,9 @@ class Pool:
         return pb.RegisterPoolRequest(
             pool_id=self.pool_id, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, model_fingerprint="conformance",
             enable_prefix_caching=True, allocation_policy=pb.ALLOCATION_POLICY_PAGED,
-            max_model_len=self.max_model_len, executor_instance_id=self.instance if instance is None else instance)
+            max_model_len=self.max_model_len,
+            # Instance names are scoped to the pool: one executor instance is one pool.
+            executor_instance_id=f"{self.pool_id}/{self.instance if instance is None else instance}")
 
     def register(self, instance: str | None = None) -> pb.RegisterPoolResponse:
         reply = self.ctx.stub.RegisterPool(self.request(instance), timeout=self.ctx.timeout)
@@ -448,6 +450,20 @@ def register_same_instance(ctx: KVManagerContext) -> str:
         require(not pool.register().created, "created=true for identical parameters")
         expect_hit(pool, live.tokens[:PROMPT], cached_blocks(PROMPT), "after the identical RegisterPool", live.table)
     return "still findable"
+
+
+@rules.rule("register.one_pool_per_instance",
+            "RegisterPool of another pool naming an executor_instance_id that a pool already has is "
+            "FAILED_PRECONDITION (two pools over one KV cache would hand out its blocks twice)")
+def register_one_pool_per_instance(ctx: KVManagerContext) -> str:
+    with ctx.pool() as first:
+        second = ctx.pool()
+        request = second.request()
+        request.executor_instance_id = first.request().executor_instance_id
+        expect_status(lambda: ctx.stub.RegisterPool(request, timeout=ctx.timeout), grpc.StatusCode.FAILED_PRECONDITION,
+                      "a second pool for one executor instance")
+        expect_status(lambda: second.stats(), grpc.StatusCode.NOT_FOUND, "the refused pool")
+    return "refused, and not created"
 
 
 # ---- bad input ---------------------------------------------------------------------------
