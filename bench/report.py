@@ -46,6 +46,12 @@ class Row:
     running_series: list = field(default_factory=list)  # [(t, requests running)]
     running_high_water: float | None = None  # the gateway's own peak gauge
     profile: dict = field(default_factory=dict)  # scheduler steps and where their time went
+    # What the system is and how it ran, for the side-by-side table (bench/peers)
+    system: str = ""  # kvserve, llama.cpp llama-server, OpenVINO GenAI ...
+    weights: str = ""  # weights precision / format
+    threads: int | None = None  # compute threads
+    kv_budget: str = ""  # the KV cache it was given
+    transport: str = ""  # HTTP, gRPC or in-process
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)
 
@@ -141,6 +147,35 @@ def table_lines(rows: list[Row]) -> list[str]:
     for row in rows:
         lines.append(f"| {row.name} | {row.max_concurrency if row.max_concurrency is not None else 'n/a'} | "
                      f"{row.output_throughput:.1f} | {_ms(row.ttft_ms.get('p99'))} | {_pct(row.kv_utilization)} |")
+    return lines
+
+
+def system_lines(rows: list[Row]) -> list[str]:
+    """One line per system/precision: what ran (weights, threads, KV budget, transport) and how fast."""
+    head = ("system", "weights", "threads", "KV budget", "transport", "done/failed", "output tok/s",
+            "TTFT median", "TTFT P99", "ITL median", "ITL P99", "E2E P99")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        shown = r.name if not r.system or r.system.split()[0].lower() in r.name.lower() else f"{r.system}: {r.name}"
+        lines.append(f"| {shown} | {r.weights or 'n/a'} | {'n/a' if r.threads is None else r.threads} | "
+                     f"{r.kv_budget or 'n/a'} | {r.transport or 'n/a'} | {r.completed}/{r.failed} | "
+                     f"{r.output_throughput:.1f} | {_ms(r.ttft_ms.get('median'))} | {_ms(r.ttft_ms.get('p99'))} | "
+                     f"{_ms(r.itl_ms.get('median'))} | {_ms(r.itl_ms.get('p99'))} | {_ms(r.e2e_ms.get('p99'))} |")
+    return lines
+
+
+def versus_lines(rows: list[Row], reference: Row) -> list[str]:
+    """``reference`` (kvserve's best row) against every other system's row: throughput and TTFT P99."""
+    lines = []
+    for row in rows:
+        if row is reference or row.system == reference.system or not row.completed:
+            continue
+        speedup = reference.output_throughput / row.output_throughput if row.output_throughput else float("nan")
+        line = f"{reference.system} ({reference.name}) vs {row.name}: {speedup:.2f}x its output throughput"
+        ref_p99, p99 = reference.ttft_ms.get("p99"), row.ttft_ms.get("p99")
+        if ref_p99 is not None and p99:
+            line += f", TTFT P99 {ref_p99:.0f} vs {p99:.0f} ms"
+        lines.append(line)
     return lines
 
 
