@@ -1,9 +1,11 @@
 """``python -m bench`` (``kvserve bench``): benchmark kvserve on ShareGPT.
 
-Two modes:
+Three modes:
   python -m bench --base-url http://127.0.0.1:8000 ...   measure a running server
   python -m bench --sweep seed-table ...                 start the four seed-table
       configurations in turn at one KV budget, plus the peers, and print the table
+  python -m bench --executors N --routing kv,round-robin ...   routing across N
+      executors on multi-turn conversations (bench/routing_bench.py)
 Both write ``results.json``, ``table.md`` and ``bench.png`` under ``--out``.
 """
 from __future__ import annotations
@@ -229,6 +231,11 @@ def run_cpu_peers(args, requests, budget, meta, peers: list[str]) -> list[report
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg == "--executors" or arg.startswith("--executors=") for arg in argv):
+        from bench import routing_bench  # a workload of its own: multi-turn conversations
+
+        return routing_bench.main(argv)
     args = build_parser().parse_args(argv)
     try:
         parse_peers(args.peers)
