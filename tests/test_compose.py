@@ -363,7 +363,9 @@ def test_compose_up_answers_a_question(tmp_path):
     try:
         start = time.monotonic()
         # `up -d` returns once the gateway is started (after kvmanager and executor turned healthy).
-        run("up", "-d", "--no-build")
+        # Two executor replicas (compose.yaml's deploy.replicas; --scale for docker-compose 1.x),
+        # which the gateway finds through Docker's DNS.
+        run("up", "-d", "--no-build", "--scale", "executor=2")
         timings["cold_up_s"] = time.monotonic() - start + _wait_healthy(health, 900, compose, logs)
 
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
@@ -376,6 +378,10 @@ def test_compose_up_answers_a_question(tmp_path):
             answer = json.loads(reply.read())
         text = answer["choices"][0]["message"]["content"]
         assert text.strip(), answer
+        executors_up = [line for line in urllib.request.urlopen(
+            f"http://127.0.0.1:{http_port}/metrics", timeout=30).read().decode().splitlines()
+            if line.startswith("kvserve:executor_up{") and line.endswith(" 1.0")]
+        assert len(executors_up) == 2, f"the gateway does not serve from both executor replicas: {executors_up}"
 
         # The gateway's own healthcheck (HTTP /health + gRPC) turns the container healthy.
         gateway = run("ps", "-q", "gateway").stdout.strip()
@@ -393,10 +399,10 @@ def test_compose_up_answers_a_question(tmp_path):
         assert "kernel_ready" in executor_logs or "kernel_compile_finished" in executor_logs, executor_logs[-3000:]
         assert "kernel_compile_failed" not in executor_logs, executor_logs[-3000:]
         for name in RUNTIME_SERVICES:
-            container = run("ps", "-q", name).stdout.strip()
-            port_user = subprocess.run([docker, "inspect", "-f", "{{.Config.User}}", container],
-                                       capture_output=True, text=True).stdout.strip()
-            assert port_user not in ("", "root", "0"), (name, port_user)
+            for container in run("ps", "-q", name).stdout.split():
+                port_user = subprocess.run([docker, "inspect", "-f", "{{.Config.User}}", container],
+                                           capture_output=True, text=True).stdout.strip()
+                assert port_user not in ("", "root", "0"), (name, port_user)
         bindings = subprocess.run([docker, "port", run("ps", "-q", "gateway").stdout.strip()],
                                   capture_output=True, text=True).stdout
         assert "0.0.0.0" not in bindings and "127.0.0.1" in bindings, bindings
@@ -404,7 +410,7 @@ def test_compose_up_answers_a_question(tmp_path):
         # Warm: new containers, same volumes: no model conversion, no kernel compile.
         run("down")
         start = time.monotonic()
-        run("up", "-d", "--no-build")
+        run("up", "-d", "--no-build", "--scale", "executor=2")
         timings["warm_up_s"] = time.monotonic() - start + _wait_healthy(health, 600, compose, logs)
         warm_executor = run("logs", "--no-color", "executor").stdout
         assert "kernel_compile_started" not in warm_executor, warm_executor[-3000:]
