@@ -10,7 +10,8 @@ with mcc; torch_musa compiles only ``.mu`` files as device code, so the ``.cu``
 sources are mirrored byte-for-byte as ``.mu`` into the build directory first —
 that copy is the whole MUSA port. CPU: ``cpu/*.cpp`` with
 the host compiler, ``-march=native`` (the build directory is keyed by the CPU's
-feature flags, so a cache shared between machines never runs foreign code). Builds are cached under
+feature flags, so a cache shared between machines never runs foreign code, and by the
+source location and torch version, so checkouts sharing a cache do not rebuild each other's). Builds are cached under
 ``$KVSERVE_EXTENSIONS_DIR`` (default ``$TORCH_EXTENSIONS_DIR/kvserve`` or
 ``~/.cache/kvserve/torch_extensions``) and rebuilt when a source changes.
 
@@ -117,6 +118,19 @@ def cpu_features_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def cpu_build_dir() -> Path:
+    """Where the CPU kernel is built: keyed by the CPU's features, and by where the sources
+    are and the torch they build against. ninja rebuilds when the compile command changes,
+    and it names the sources by absolute path, so two checkouts (or venvs) sharing one cache
+    directory would otherwise recompile each other's kernel on every start (a minute each)."""
+    import hashlib
+
+    import torch
+
+    origin = hashlib.sha256(f"{CSRC}|{torch.__version__}".encode()).hexdigest()[:8]
+    return build_root() / f"cpu-{cpu_features_key()}-{origin}"
+
+
 def load_cpu(verbose: bool = False):
     """Builds (first call, cached on disk) and loads the CPU ops; returns ``torch.ops.kvserve_cpu``
     (``paged_decode_attention``, ``write_kv``, ``greedy_sample``)."""
@@ -124,7 +138,7 @@ def load_cpu(verbose: bool = False):
     from torch.utils.cpp_extension import load as torch_load
 
     if not hasattr(torch.ops.kvserve_cpu, "paged_decode_attention"):
-        build_dir = build_root() / f"cpu-{cpu_features_key()}"
+        build_dir = cpu_build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
         torch_load(
             name="kvserve_cpu_kernels",

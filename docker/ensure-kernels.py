@@ -5,7 +5,7 @@ log when it has to compile them, then runs the given command in its place.
     kvserve-ensure-kernels -- python -m executor --port 50053
 
 The image holds the CPU attention kernel prebuilt for the CPU it was built on
-(``$KVSERVE_EXTENSIONS_DIR/cpu-<cpu features key>``, see csrc/build.py). On another CPU, or
+(``$KVSERVE_EXTENSIONS_DIR/cpu-<cpu features key>-<sources key>``, see csrc/build.py). On another CPU, or
 after an upgrade changed the kernel sources, the executor would compile it at start (about
 1-2 minutes, silently); this wrapper does it first and logs ``kernel_compile_started`` /
 ``kernel_compile_finished`` with the time taken. Where it cannot compile (no compiler: the
@@ -57,7 +57,7 @@ def plan(build, kernel: str) -> tuple[Path, list[Path]]:
     root = build.build_root()
     if kernel == "cpu":
         sources = list(build.CPU_SOURCES) + sorted((build.CSRC / "cpu").glob("*.h"))
-        return root / f"cpu-{build.cpu_features_key()}" / "kvserve_cpu_kernels.so", sources
+        return build.cpu_build_dir() / "kvserve_cpu_kernels.so", sources
     sources = [build.CSRC / name for name in [build.BINDING, *build.KERNEL_UNITS, *build.HEADERS]]
     if kernel == "cuda":
         return root / "cuda" / "kvserve_kernels.so", sources
