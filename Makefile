@@ -69,7 +69,9 @@ image:
 	DOCKER_BUILDKIT=1 $(DOCKER) build $(DOCKER_BUILD_FLAGS) --target runtime -t kvserve:latest .
 
 compose-test: install
-	KVSERVE_DOCKER=$(DOCKER) KVSERVE_DOCKER_BUILD_FLAGS="$(DOCKER_BUILD_FLAGS)" $(PY) -m pytest -q -ra -s tests/test_compose.py
+	@# The environment's KVSERVE_DOCKER / KVSERVE_DOCKER_BUILD_FLAGS (docs/deploy.md) win over the defaults.
+	KVSERVE_DOCKER="$${KVSERVE_DOCKER:-$(DOCKER)}" KVSERVE_DOCKER_BUILD_FLAGS="$${KVSERVE_DOCKER_BUILD_FLAGS:-$(DOCKER_BUILD_FLAGS)}" \
+	  $(PY) -m pytest -q -ra -s tests/test_compose.py
 
 # make k8s-check — render the Kubernetes overlays (deploy/k8s) with kubectl kustomize into build/k8s,
 #                  validate them with kubernetes-validate (installed into the venv if missing) and

@@ -408,6 +408,7 @@ def test_compose_up_answers_a_question(tmp_path):
         assert "0.0.0.0" not in bindings and "127.0.0.1" in bindings, bindings
 
         # Warm: new containers, same volumes: no model conversion, no kernel compile.
+        (tmp_path / "compose-cold.log").write_text(logs())
         run("down")
         start = time.monotonic()
         run("up", "-d", "--no-build", "--scale", "executor=2")
