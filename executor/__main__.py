@@ -9,6 +9,7 @@ import torch
 from executor.devices import tune_host_allocator
 from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
+from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer, TorchThread
 from kvserve.auth import token_or_none
@@ -36,6 +37,10 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--served-model-name", default=None, help="model name to report (default: the directory name)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
+    parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_MODES),
+                        help="weight-only quantization of the layers' projections (embeddings and LM head stay "
+                             "in --dtype): int8 per output channel, int4 in groups of 32 with scale and min "
+                             "(docs/quantization.md); Describe reports it in dtype, e.g. bfloat16+int8")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cuda", "musa"],

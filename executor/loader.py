@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from executor.model import ModelConfig, Transformer, UnsupportedModel, cpu_weight_packing_available
+from executor.quantization import check_supported, quantize_model
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Checkpoint tensors that are derived, not weights.
@@ -80,9 +81,12 @@ def _destinations(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]
 
 
 @torch.no_grad()
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_len: int) -> Transformer:
-    """Builds the model for ``model_dir`` on ``device`` in ``dtype`` with RoPE tables up to ``max_len``."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_len: int,
+               quantization: str = "none") -> Transformer:
+    """Builds the model for ``model_dir`` on ``device`` in ``dtype`` with RoPE tables up to ``max_len``,
+    its projections quantized as ``quantization`` says (executor/quantization.py)."""
     config = ModelConfig.from_dir(model_dir)
+    check_supported(quantization, dtype, device)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to(dtype).to_empty(device=device)
@@ -110,6 +114,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise UnsupportedModel(f"{model_dir}: checkpoint lacks {shown}")
     model.setup_rope(max_len)
+    quantize_model(model, quantization)
     if cpu_weight_packing_available(dtype, device):
         model.pack_weights_for_cpu()
     return model

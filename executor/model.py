@@ -270,7 +270,8 @@ class Transformer(nn.Module):
         self.rope_cache = rope_cos_sin(self.config, max_len, device).to(self.embed_tokens.weight.dtype)
 
     def pack_weights_for_cpu(self) -> None:
-        """Pre-packs every projection and the LM head for oneDNN (bf16 on the CPU only)."""
+        """Pre-packs every float projection and the LM head for oneDNN (bf16 on the CPU only);
+        quantized projections (executor/quantization.py) are not ``Linear`` and keep their own layout."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed_weight = pack_weight(module.weight)

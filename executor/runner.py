@@ -31,6 +31,7 @@ log = get_logger("executor.runner")
 class RunnerOptions:
     model_dir: Path
     dtype: str = "auto"
+    quantization: str = "none"  # none, int8 or int4: the projections' weights (executor/quantization.py)
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
@@ -102,9 +103,11 @@ class ModelRunner:
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.backend = create_backend(options.attention_backend, self.device)
         start = time.monotonic()
-        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len)
+        self.quantization = options.quantization
+        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization)
         log.info("model_loaded", model=str(model_dir), architecture=config.architecture, dtype=dtype_name(self.dtype),
-                 device=str(self.device), attention_backend=self.backend.name, seconds=round(time.monotonic() - start, 2))
+                 quantization=self.quantization, device=str(self.device), attention_backend=self.backend.name,
+                 seconds=round(time.monotonic() - start, 2))
         sizing = self._size_kv_cache(options)
         self.num_blocks = sizing.num_blocks
         self.kv_caches = [
@@ -124,7 +127,8 @@ class ModelRunner:
             model_name=options.served_model_name or model_dir.resolve().name,
             model_fingerprint=model_fingerprint(model_dir),
             architecture=config.architecture,
-            dtype=dtype_name(self.dtype),
+            # Free-form in the proto: "bfloat16", or "bfloat16+int8" with quantized projections.
+            dtype=dtype_name(self.dtype) + ("" if self.quantization == "none" else f"+{self.quantization}"),
             device=str(self.device),
             attention_backend=self.backend.name,
             block_size=self.block_size,

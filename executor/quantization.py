@@ -1,0 +1,187 @@
+"""Weight-only quantization of the decoder's projections: ``--quantization none|int8|int4``.
+
+The seven projections of every layer (q/k/v and gate/up fused, o, down) are
+replaced after loading; the embedding, the (tied or separate) LM head and the
+norms stay in the compute dtype. Activations stay in the compute dtype too: the
+kernels dequantize weights inside the matmul.
+
+- ``int8``: per output channel, symmetric: ``w ≈ q * scale``, ``q`` in [-127, 127].
+  ``torch.ops.aten._weight_int8pack_mm`` (CPU; other devices where this torch has it).
+- ``int4``: per group of ``INT4_GROUP_SIZE`` (32) consecutive input features,
+  asymmetric — a scale and a minimum per group, the layout of GGUF's Q4_1:
+  ``w ≈ q * scale + min``, ``q`` in [0, 15]. The kernels take it as
+  ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``.
+  ``_weight_int4pack_mm_for_cpu`` on the CPU, tinygemm's ``_weight_int4pack_mm`` on
+  CUDA (bf16 only); elsewhere, or on a torch without the op, start-up refuses.
+
+Scales (and int4 zeros) are stored in the compute dtype, as the kernels want, and
+the integer codes are rounded against those stored values, so ``dequantize_*``
+is exactly what the kernels multiply by. docs/quantization.md has accuracy and speed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATION_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32
+
+# The device type's dispatch key, for asking whether this torch build has a kernel there.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
+# (pack op, matmul op) of the weight-only int4 kernels per device type.
+_INT4_OPS = {"cpu": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"),
+             "cuda": ("_convert_weight_to_int4pack", "_weight_int4pack_mm")}
+
+
+class QuantizationUnsupported(ValueError):
+    """The asked-for quantization cannot run with this torch build, device, dtype or model."""
+
+
+def has_kernel(op_name: str, device: torch.device) -> bool:
+    """True when this torch build has ``aten::op_name`` and a kernel for it on ``device``'s type."""
+    key = _DISPATCH_KEYS.get(device.type)
+    return (key is not None and hasattr(torch.ops.aten, op_name)
+            and torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op_name}", key))
+
+
+def check_supported(mode: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Raises QuantizationUnsupported (naming the flag's field) unless ``mode`` can run here."""
+    if mode not in QUANTIZATION_MODES:
+        raise QuantizationUnsupported(f"quantization: {mode!r} is not one of {', '.join(QUANTIZATION_MODES)}")
+    if mode == "int8" and not has_kernel("_weight_int8pack_mm", device):
+        raise QuantizationUnsupported(f"quantization: int8 needs aten::_weight_int8pack_mm, which this torch "
+                                      f"build ({torch.__version__}) lacks on {device.type}")
+    if mode == "int4":
+        ops = _INT4_OPS.get(device.type)
+        if ops is None or not all(has_kernel(op, device) for op in ops):
+            wanted = " and ".join(f"aten::{op}" for op in ops) if ops else "a weight-only int4 kernel"
+            raise QuantizationUnsupported(f"quantization: int4 is not supported by this torch build "
+                                          f"({torch.__version__}) on {device.type}: it needs {wanted}")
+        if device.type == "cuda" and dtype != torch.bfloat16:
+            raise QuantizationUnsupported(f"quantization: int4 on cuda needs --dtype bfloat16 "
+                                          f"(tinygemm's kernel), got {str(dtype).removeprefix('torch.')}")
+
+
+# ---- the formats ---------------------------------------------------------------------------------
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] → (codes [out, in] int8, scales [out] in ``scale_dtype``); w ≈ codes * scale."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).to(scale_dtype)
+    inverse = torch.where(scales > 0, 1 / scales.float(), 0.0)
+    codes = torch.round(w * inverse[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(codes [out, in] int8, scales [out]) → weight [out, in] float32."""
+    return codes.float() * scales.float()[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,
+                  group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] → (codes [out, in] uint8 in [0, 15], scales [out, in / group], zeros [out, in / group]),
+    scales and zeros in ``scale_dtype``; w ≈ (codes - 8) * scale + zero, per group of ``group_size`` inputs."""
+    out_features, in_features = weight.shape
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((high - low) / 15).to(scale_dtype)
+    zeros = (low + 8 * scales.float()).to(scale_dtype)
+    inverse = torch.where(scales > 0, 1 / scales.float(), 0.0)
+    codes = torch.round((groups - zeros.float()[..., None]) * inverse[..., None]) + 8
+    return codes.clamp_(0, 15).to(torch.uint8).reshape(out_features, in_features), scales, zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int = INT4_GROUP_SIZE) -> torch.Tensor:
+    """(codes [out, in] in [0, 15], scales and zeros [out, in / group]) → weight [out, in] float32."""
+    out_features, in_features = codes.shape
+    groups = codes.float().reshape(out_features, in_features // group_size, group_size) - 8
+    return (groups * scales.float()[..., None] + zeros.float()[..., None]).reshape(out_features, in_features)
+
+
+# ---- the layers ----------------------------------------------------------------------------------
+class Int8Linear(nn.Module):
+    """A linear layer with per-channel int8 weights; same inputs and outputs as the float one."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        codes, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
+        self.register_buffer("codes", codes)  # [out, in] int8
+        self.register_buffer("scales", scales)  # [out], compute dtype
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] → [..., out]
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with group-wise int4 weights, packed once for the device's kernel."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        weight = linear.weight.detach()
+        device = weight.device
+        codes, scales, zeros = quantize_int4(weight, weight.dtype, group_size)
+        pack_op, mm_op = _INT4_OPS[device.type]
+        self._mm = getattr(torch.ops.aten, mm_op)
+        if device.type == "cpu":
+            packed = getattr(torch.ops.aten, pack_op)(codes.to(torch.int32), 1)  # [out, in / 2] uint8
+        else:
+            # tinygemm takes two codes per byte, the even input feature in the high nibble.
+            pairs = (codes[:, ::2] << 4) | codes[:, 1::2]  # [out, in / 2] uint8
+            packed = getattr(torch.ops.aten, pack_op)(pairs, _inner_k_tiles(self.in_features))
+        self.register_buffer("packed", packed)
+        # [in / group, out, 2]: (scale, zero) per group and output, as both kernels read them.
+        self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in] → [..., out]
+        out = self._mm(x.reshape(-1, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def _inner_k_tiles(in_features: int) -> int:
+    """tinygemm's innerKTiles: the largest of 8, 4, 2 with ``in_features`` a multiple of 16 times it."""
+    return next(tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0)
+
+
+def check_shapes(mode: str, linears: dict[str, nn.Linear], device: torch.device) -> None:
+    """Raises QuantizationUnsupported naming the first projection the int4 kernels cannot take."""
+    if mode != "int4":
+        return
+    out_multiple, in_multiple = (16, INT4_GROUP_SIZE) if device.type == "cpu" else (8, 32)
+    for name, linear in linears.items():
+        if linear.out_features % out_multiple or linear.in_features % in_multiple:
+            raise QuantizationUnsupported(
+                f"quantization: int4 needs out_features % {out_multiple} == 0 and in_features % {in_multiple} == 0 "
+                f"on {device.type}; {name} is [{linear.out_features}, {linear.in_features}]")
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str) -> int:
+    """Replaces the projections of every decoder layer of ``model`` (a ``Transformer``) by their
+    ``mode`` form, in place (the float weights are dropped). Returns the bytes they now take."""
+    if mode == "none":
+        return 0
+    projections = [(f"layers.{i}.{part}.{attr}", getattr(layer, part), attr)
+                   for i, layer in enumerate(model.layers)
+                   for part, attr in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"),
+                                      ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
+    device = model.embed_tokens.weight.device
+    check_supported(mode, model.embed_tokens.weight.dtype, device)
+    check_shapes(mode, {name: getattr(parent, attr) for name, parent, attr in projections}, device)
+    quantized_class = Int8Linear if mode == "int8" else Int4Linear
+    total = 0
+    for _, parent, attr in projections:  # one at a time, so that each float weight is freed as it goes
+        replacement = quantized_class(getattr(parent, attr))
+        setattr(parent, attr, replacement)
+        total += sum(b.numel() * b.element_size() for b in replacement.buffers())
+    return total
