@@ -2,7 +2,7 @@
 
     from csrc.build import load          # or: python csrc/build.py [--device musa]
     ops = load()                         # ops.paged_attention / reshape_and_cache / copy_blocks
-    cpu_ops = load_cpu()                 # torch.ops.kvserve_cpu: paged_decode_attention / write_kv / greedy_sample
+    cpu_ops = load_cpu()                 # torch.ops.kvserve_cpu: paged_decode_attention / write_kv / greedy_sample / layer ops
 
 CUDA: ``torch.utils.cpp_extension.load`` (JIT, ninja), for the archs of the local
 GPUs (or ``TORCH_CUDA_ARCH_LIST``). MUSA: ``torch_musa.utils.musa_extension.load``
@@ -51,7 +51,8 @@ TORCH_CUDA_DEFINES = [
 # torch_musa's ninja rule adds "-x musa" for .mu sources itself.
 MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
 
-CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "write_kv.cpp", "greedy_sample.cpp")]
+CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "write_kv.cpp", "greedy_sample.cpp",
+                                                         "layer_ops.cpp")]
 # OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the
 # copy torch has already loaded, so both share one thread pool.
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Werror"]
@@ -133,7 +134,7 @@ def cpu_build_dir() -> Path:
 
 def load_cpu(verbose: bool = False):
     """Builds (first call, cached on disk) and loads the CPU ops; returns ``torch.ops.kvserve_cpu``
-    (``paged_decode_attention``, ``write_kv``, ``greedy_sample``)."""
+    (``paged_decode_attention``, ``write_kv``, ``greedy_sample`` and the layer ops of ``cpu/layer_ops.cpp``)."""
     import torch
     from torch.utils.cpp_extension import load as torch_load
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
+from executor.layer_ops import TorchLayerOps
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -144,13 +145,6 @@ def rope_cos_sin(config: ModelConfig, max_len: int, device: torch.device) -> tor
     return torch.stack((emb.cos(), emb.sin()), dim=1).to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, heads, head_dim]; cos, sin: [num_tokens, 1, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def cpu_weight_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN pre-packed bf16 linears: CPU only, and only where this torch build has the op."""
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
@@ -181,17 +175,19 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with ``residual`` given, of ``x + residual``, returning that sum too (the
+    residual stream's next value), so that the add and the norm are one op."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalized in float32 and cast back before the weight, exactly as transformers does.
-        # Four small kernels rather than F.rms_norm, which was no faster on the CPU.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps, residual: torch.Tensor | None = None):
+        # x, residual: [num_tokens, dim] → normed [num_tokens, dim] (and x + residual when given)
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -207,19 +203,21 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        # x: [num_tokens, hidden]
+        # x: [num_tokens, hidden]; cos_sin: [num_tokens, 2, head_dim]
         c = self.config
+        ops = backend.layer_ops
         num_tokens = x.shape[0]
         heads = c.num_heads + 2 * c.num_kv_heads
         qkv = self.qkv_proj(x).view(num_tokens, heads, c.head_dim)  # [num_tokens, q heads + k heads + v heads, head_dim]
-        qk, v = qkv.split([c.num_heads + c.num_kv_heads, c.num_kv_heads], dim=1)
         if c.qk_norm:
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # RoPE on q and k heads together: one set of kernels instead of two.
-        qk = apply_rope(qk, cos, sin)
+            q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+            qkv = torch.cat((self.q_norm(q.reshape(-1, c.head_dim), ops).view(q.shape),
+                             self.k_norm(k.reshape(-1, c.head_dim), ops).view(k.shape), v), dim=1)
+        qk, v = qkv.split([c.num_heads + c.num_kv_heads, c.num_kv_heads], dim=1)
+        # RoPE on q and k heads together, in place: one op instead of two.
+        ops.rotary_embedding_(qk, cos_sin)
         q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         backend.write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -235,9 +233,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+        # x: [num_tokens, hidden] → [num_tokens, hidden]
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -248,9 +246,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, residual, cos_sin, kv_cache, meta, backend):
+        # x: [num_tokens, hidden], the previous layer's output not yet added to ``residual``
+        # (None at the first layer) → (this layer's output, the residual stream before it)
+        ops = backend.layer_ops
+        if residual is None:
+            residual, x = x, self.input_layernorm(x, ops)
+        else:
+            x, residual = self.input_layernorm(x, ops, residual)
+        x = self.self_attn(x, cos_sin, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, ops, residual)
+        return self.mlp(x, ops), residual
 
 
 class Transformer(nn.Module):
@@ -264,6 +270,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
+        self.quantized_lm_head: nn.Module | None = None  # int8, set by executor.quantization.quantize_model
 
     def setup_rope(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -271,11 +278,11 @@ class Transformer(nn.Module):
 
     def pack_weights_for_cpu(self) -> None:
         """Pre-packs every float projection and the LM head for oneDNN (bf16 on the CPU only);
-        quantized projections (executor/quantization.py) are not ``Linear`` and keep their own layout."""
+        quantized projections and LM head (executor/quantization.py) keep their own layout."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed_weight = pack_weight(module.weight)
-        self.packed_lm_head = pack_weight(self.lm_head_weight())
+        self.packed_lm_head = pack_weight(self.lm_head_weight()) if self.quantized_lm_head is None else None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -285,13 +292,16 @@ class Transformer(nn.Module):
         # token_ids, positions: [num_tokens] int64 → hidden states [num_tokens, hidden] (final-normed)
         x = self.embed_tokens(token_ids)
         cos_sin = self.rope_cache[positions]  # [num_tokens, 2, head_dim]
-        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [num_tokens, 1, head_dim], broadcast over heads
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta, backend)
+        normed, _ = self.norm(x, backend.layer_ops, residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -44,6 +44,37 @@ inline Vec16 load16(const c10::Half* p) {
 
 inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// v rounded to bfloat16 (to nearest even, NaN kept NaN, as c10::BFloat16 converts), in float lanes.
+inline Vec16 round_bf16(Vec16 v) {
+  UInt16 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  UInt16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  rounded = v != v ? UInt16{} + 0x7FC00000u : rounded;
+  std::memcpy(&v, &rounded, sizeof(v));
+  return v;
+}
+
+inline void store16(c10::BFloat16* p, Vec16 v) {
+  UInt16 bits;
+  v = round_bf16(v);
+  std::memcpy(&bits, &v, sizeof(bits));
+  const Half16Bits raw = __builtin_convertvector(bits >> 16, Half16Bits);
+  std::memcpy(p, &raw, sizeof(raw));
+}
+
+inline void store16(c10::Half* p, Vec16 v) {
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+
+// v as it reads after a store to T and a load back: what an op computing in float and
+// returning T leaves for the next op.
+inline Vec16 round16(Vec16 v, const float*) { return v; }
+inline Vec16 round16(Vec16 v, const c10::BFloat16*) { return round_bf16(v); }
+inline Vec16 round16(Vec16 v, const c10::Half*) {
+  for (int64_t i = 0; i < kLanes; ++i) v[i] = static_cast<float>(static_cast<c10::Half>(v[i]));
+  return v;
+}
+
 // Blocks are scattered, so the hardware prefetcher, which follows strides, stalls at every
 // tile boundary; ask for a tile ahead of time, one cache line at a time.
 constexpr int64_t kPrefetchDistance = 2;  // tiles ahead

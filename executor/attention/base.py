@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from executor.layer_ops import TorchLayerOps
+
 # One layer's cache: (key_cache, value_cache), layout chosen by the backend.
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -50,6 +52,8 @@ class AttentionBackend(ABC):
     # A compiled greedy pick for this device's float32 logits [rows, vocab] → (token_ids [rows] int64,
     # logprobs [rows] float32), as argmax and log_softmax would give; None: the sampler's torch ops.
     greedy_sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # The device's RMSNorm, RoPE and SiLU·mul (executor/layer_ops.py); stateless, so one instance serves all.
+    layer_ops: TorchLayerOps = TorchLayerOps()
 
     @abstractmethod
     def allocate_kv_cache(

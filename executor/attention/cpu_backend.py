@@ -26,6 +26,7 @@ import torch
 from executor.attention.base import KVCache
 from executor.attention.csrc_loader import csrc_build_script
 from executor.attention.torch_backend import TorchAttentionBackend, _Group
+from executor.layer_ops import CpuLayerOps
 
 KERNEL_BLOCK_SIZE = 16
 
@@ -39,6 +40,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"the cpu attention backend runs on the CPU, not {self.device}")
         self._ops = csrc_build_script().load_cpu()
         self.greedy_sample = self._ops.greedy_sample
+        self.layer_ops = CpuLayerOps(self._ops)
         self._kernel_fits = True
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
