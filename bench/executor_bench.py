@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from executor.devices import tune_host_allocator
+from executor.layer_ops import TorchLayerOps
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
 from kvserve.health import wait_until_serving
 from kvserve.paths import default_model_dir
@@ -123,12 +124,22 @@ class TransformersStatic:
         return step
 
 
+def with_layer_ops(runner: ModelRunner, layer_ops: TorchLayerOps, seqs: list[SequenceInput]):
+    """A step of ``runner`` with ``layer_ops`` (the backend's compiled ones or the torch reference)."""
+    def step():
+        runner.backend.layer_ops = layer_ops
+        runner.execute(seqs)
+
+    return step
+
+
 def run(model_dir: Path, dtype: str, rounds: int, port: int, only: set[str]) -> dict[str, dict[str, float]]:
     """{case: {column: best ms}} for every case, the columns measured side by side."""
     runner = ModelRunner(RunnerOptions(model_dir, dtype=dtype, num_blocks=num_blocks_needed())) \
         if "executor" in only else None
     proc, stub = start_grpc_executor(model_dir, dtype, port) if "grpc" in only else (None, None)
     hf = TransformersStatic(model_dir, dtype) if "transformers" in only else None
+    compiled_ops = runner.backend.layer_ops if runner is not None else None
     results = {}
     try:
         cases = [(f"decode b={b} ctx={ctx}", decode_batch(b, ctx), (b, ctx)) for b, ctx in DECODE_CASES]
@@ -136,7 +147,9 @@ def run(model_dir: Path, dtype: str, rounds: int, port: int, only: set[str]) -> 
         for name, seqs, decode in cases:
             fns = {}
             if runner is not None:
-                fns["executor"] = lambda seqs=seqs: runner.execute(seqs)
+                fns["executor"] = with_layer_ops(runner, compiled_ops, seqs)
+                if "torch-layer-ops" in only:
+                    fns["torch-layer-ops"] = with_layer_ops(runner, TorchLayerOps(), seqs)
             transport: list[float] = []
             if stub is not None:
                 request = to_proto(seqs)
@@ -168,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=10, help="timed rounds per case, best kept (prefill: a third)")
     parser.add_argument("--port", type=int, default=50153, help="port of the gRPC executor it starts")
-    parser.add_argument("--only", default="executor,grpc,transformers", help="comma-separated subset")
+    parser.add_argument("--only", default="executor,grpc,transformers",
+                        help="comma-separated subset; add torch-layer-ops for the executor with the torch "
+                             "reference of its layer ops (executor/layer_ops.py) beside the compiled ones")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads for all three (default: torch's). On a shared machine 1 is steadier: "
                              "an OpenMP team waits for its slowest thread at every op")
@@ -179,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     # As `python -m executor` does; in this process it applies to transformers too.
     allocator_tuned = tune_host_allocator()
     results = run(args.model, args.dtype, args.steps, args.port, only)
-    columns = {c: {case: r[c] for case, r in results.items()} for c in ("executor", "grpc", "transformers") if c in only}
+    columns = {c: {case: r[c] for case, r in results.items()} for c in ("executor", "torch-layer-ops", "grpc", "transformers")
+               if c in only}
     cases = list(next(iter(columns.values())))
     header = f"| {'case':<22} | " + " | ".join(f"{c + ' ms':>16}" for c in columns)
     if {"executor", "transformers"} <= columns.keys():
