@@ -4,6 +4,7 @@ Three modes:
   python -m bench --base-url http://127.0.0.1:8000 ...   measure a running server
   python -m bench --sweep seed-table ...                 start the four seed-table
       configurations in turn at one KV budget, plus the peers, and print the table
+      (--kvserve-quantization int8,int4: the prefix-caching row again per weight quantization)
   python -m bench --executors N --routing kv,round-robin ...   routing across N
       executors on multi-turn conversations (bench/routing_bench.py)
 Both write ``results.json``, ``table.md`` and ``bench.png`` under ``--out``.
@@ -23,11 +24,20 @@ from kvserve.paths import default_model_dir
 from bench import report
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
+from bench.sweep import QUANTIZATION_MODES
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's
 # (ShareGPT, ~512 in / ~256 out, concurrency 32) to fit a 2-core CPU in 15 minutes.
 DEFAULTS = dict(num_prompts=64, max_input_len=512, max_output_len=384, system_prompt_len=128, concurrency=32)
+
+
+def kvserve_quantizations(text: str) -> list[str]:
+    """``--kvserve-quantization``'s modes, for argparse: an unknown one is a usage error naming the known ones."""
+    try:
+        return parse_list(text, QUANTIZATION_MODES, "kvserve quantization")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--name", default="kvserve", help="row name when measuring a running server")
     target.add_argument("--configs", default="baseline,continuous,paged,prefix",
                         help="seed-table rows to run (comma-separated slugs)")
+    target.add_argument("--kvserve-quantization", type=kvserve_quantizations, default="none",
+                        help=f"executor weight quantizations ({', '.join(QUANTIZATION_MODES)}; comma-separated): "
+                             "the prefix-caching row runs once more per mode other than none, its executor "
+                             "started with --quantization MODE (docs/quantization.md)")
     target.add_argument("--peers", default="transformers,llama-cpp",
                         help="peer rows for the sweep (comma-separated): transformers, llama-cpp "
                              "(llama-cpp-python, if installed), llama-server (llama.cpp, built once), openvino "
@@ -123,10 +137,10 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row
 
 
 def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
-    from bench.sweep import SEED_TABLE, plan_budget, run_seed_table
+    from bench.sweep import SEED_TABLE, plan_budget, plan_configs, run_seed_table, weights_description
 
     wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
-    configs = tuple(c for c in SEED_TABLE if c.slug in wanted)
+    configs = plan_configs(wanted, args.kvserve_quantization)
     budget = plan_budget(requests, block_size=args.block_size, baseline_seqs=args.baseline_seqs,
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -143,9 +157,9 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                                    progress=not args.no_progress, metrics_interval=args.metrics_interval)
     meta["runs"] = details
     usable = (budget.num_blocks - 1) * budget.block_size
-    for row in rows:  # what every kvserve row ran with, for the side-by-side table
-        row.system, row.weights, row.threads, row.transport = ("kvserve", f"{args.dtype} safetensors",
-                                                               args.executor_threads or None, "HTTP")
+    for row, config in zip(rows, configs):  # what every kvserve row ran with, for the side-by-side table
+        row.system, row.threads, row.transport = "kvserve", args.executor_threads or None, "HTTP"
+        row.weights = weights_description(args.dtype, config.quantization)
         row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
                          f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {args.dtype} K/V")
     peers = set(parse_peers(args.peers))

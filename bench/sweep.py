@@ -4,9 +4,12 @@ Each configuration gets a fresh stack (kvmanager + executor + gateway, started
 with ``kvserve.launcher``) so no cache or allocator state leaks between rows.
 The KV budget is fixed for all four: ``--num-blocks`` such that reserving
 ``max_model_len`` per request (the baseline) fits ``baseline_seqs`` requests.
+``--kvserve-quantization int8,int4`` adds the prefix-caching row once more per
+mode, its executor started with ``--quantization MODE``.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import socket
@@ -21,19 +24,28 @@ from bench.runner import measure, model_info
 from bench.workload import BenchRequest
 
 
+# The executor's --quantization values (executor/quantization.py; not imported here, which would load torch).
+QUANTIZATION_MODES = ("none", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class SweepConfig:
-    """One row of the seed table: how the gateway is told to batch and allocate."""
+    """One row of the seed table: how the gateway is told to batch and allocate, and the
+    executor's weight quantization."""
 
     name: str
     slug: str
     batching: str  # continuous | static
     kv_allocation: str  # paged | reserve
     prefix_caching: bool
+    quantization: str = "none"  # the executor's --quantization
 
     def gateway_args(self) -> list[str]:
         return ["--batching", self.batching, "--kv-allocation", self.kv_allocation,
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+
+    def executor_args(self) -> list[str]:
+        return [] if self.quantization == "none" else ["--quantization", self.quantization]
 
 
 SEED_TABLE = (
@@ -42,6 +54,26 @@ SEED_TABLE = (
     SweepConfig("+ PagedAttention (block 16)", "paged", "continuous", "paged", False),
     SweepConfig("+ prefix caching (shared system prompt)", "prefix", "continuous", "paged", True),
 )
+
+
+def plan_configs(slugs: set[str], quantizations: list[str]) -> tuple[SweepConfig, ...]:
+    """The seed-table rows named by ``slugs``, in the table's order, then the prefix-caching row
+    once per quantization mode other than ``none`` (whether or not ``slugs`` names ``prefix``)."""
+    prefix = next(c for c in SEED_TABLE if c.slug == "prefix")
+    quantized = [dataclasses.replace(prefix, name=f"{prefix.name}, {mode} weights", slug=f"prefix-{mode}",
+                                     quantization=mode)
+                 for mode in quantizations if mode != "none"]
+    return (*[c for c in SEED_TABLE if c.slug in slugs], *quantized)
+
+
+def weights_description(dtype: str, quantization: str) -> str:
+    """The side-by-side table's weights column of a kvserve row."""
+    loaded = f"{dtype} safetensors"
+    if quantization == "int8":
+        return f"{loaded}, int8 weights (per channel; LM head bf16)"
+    if quantization == "int4":
+        return f"{loaded}, int4 weights (groups of 32; LM head bf16)"
+    return loaded
 
 
 @dataclass
@@ -102,8 +134,12 @@ def check_applied(config: SweepConfig, info: dict) -> list[str]:
         return [f"could not verify the configuration: {info['error']}"]
     wanted = {"batching": config.batching, "kv_allocation": config.kv_allocation,
               "enable_prefix_caching": config.prefix_caching}
-    return [f"asked {key}={value!r}, gateway reports {info.get(key)!r}"
-            for key, value in wanted.items() if key in info and info[key] != value]
+    problems = [f"asked {key}={value!r}, gateway reports {info.get(key)!r}"
+                for key, value in wanted.items() if key in info and info[key] != value]
+    # The executor reports its quantization in dtype: "bfloat16+int4", plain "bfloat16" for none.
+    if "dtype" in info and (info["dtype"].partition("+")[2] or "none") != config.quantization:
+        problems.append(f"asked quantization={config.quantization!r}, executor reports dtype {info['dtype']!r}")
+    return problems
 
 
 def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget, model_dir: Path,
@@ -112,7 +148,8 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
     """Starts a stack with ``config``, measures the workload on it, stops it."""
     stack_config = StackConfig(
         model_dir=Path(model_dir), kvmanager_port=_free_port(), executor_port=_free_port(),
-        gateway_port=_free_port(), http_port=_free_port(), executor_args=budget.executor_args(),
+        gateway_port=_free_port(), http_port=_free_port(),
+        executor_args=[*budget.executor_args(), *config.executor_args()],
         gateway_args=[*budget.gateway_args(), *config.gateway_args()], log_dir=log_dir / config.slug,
         env=service_env(), timeout=startup_timeout,
     )
@@ -138,7 +175,8 @@ def run_seed_table(requests: list[BenchRequest], budget: Budget, model_dir: Path
     """Runs each configuration in turn; a configuration that fails to start becomes a failed row."""
     rows, details = [], []
     for config in configs:
-        log(f"== {config.name}: starting kvmanager, executor, gateway ({' '.join(config.gateway_args())})")
+        log(f"== {config.name}: starting kvmanager, executor, gateway "
+            f"({' '.join([*config.executor_args(), *config.gateway_args()])})")
         try:
             row, detail = run_config(config, requests, budget, model_dir, out_dir / "logs",
                                      concurrency=concurrency, request_rate=request_rate, seed=seed,

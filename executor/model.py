@@ -270,7 +270,6 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
-        self.quantized_lm_head: nn.Module | None = None  # int8, set by executor.quantization.quantize_model
 
     def setup_rope(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -278,11 +277,11 @@ class Transformer(nn.Module):
 
     def pack_weights_for_cpu(self) -> None:
         """Pre-packs every float projection and the LM head for oneDNN (bf16 on the CPU only);
-        quantized projections and LM head (executor/quantization.py) keep their own layout."""
+        quantized projections (executor/quantization.py) are not ``Linear`` and keep their own layout."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed_weight = pack_weight(module.weight)
-        self.packed_lm_head = pack_weight(self.lm_head_weight()) if self.quantized_lm_head is None else None
+        self.packed_lm_head = pack_weight(self.lm_head_weight())
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -300,8 +299,6 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
-        if self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -10,7 +10,7 @@ from bench import report
 from bench.client import RequestResult, usage_of
 from bench.hf_peer import batch_kv_slots, left_padded
 from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus, sample_from
-from bench.sweep import SEED_TABLE, check_applied, plan_budget
+from bench.sweep import QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
 from bench.workload import (BenchRequest, first_exchange, iter_records, load_pairs, load_tokenizer,
                             make_system_prompt, parse_sharegpt, sample_requests, sharegpt_path)
 
@@ -167,6 +167,61 @@ def test_budget_fits_baseline_seqs_full_reservations():
     info = {"batching": "continuous", "kv_allocation": "reserve", "enable_prefix_caching": False}
     assert check_applied(SEED_TABLE[1], info) == []
     assert check_applied(SEED_TABLE[0], info) == ["asked batching='static', gateway reports 'continuous'"]
+
+
+def test_kvserve_quantization_option_parses_and_rejects_an_unknown_mode(capsys):
+    from bench.__main__ import build_parser, main
+    from executor.quantization import QUANTIZATION_MODES as EXECUTOR_MODES
+
+    assert QUANTIZATION_MODES == EXECUTOR_MODES  # bench's copy, kept to spare the CLI importing torch
+    parser = build_parser()
+    assert parser.parse_args([]).kvserve_quantization == []
+    assert parser.parse_args(["--kvserve-quantization", "none,int8,int4"]).kvserve_quantization == ["int8", "int4"]
+    assert parser.parse_args(["--kvserve-quantization", " INT4 "]).kvserve_quantization == ["int4"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--sweep", "seed-table", "--kvserve-quantization", "int8,int3"])
+    assert exit_info.value.code == 2
+    assert ("argument --kvserve-quantization: unknown kvserve quantization 'int3' (known: none, int8, int4)"
+            in capsys.readouterr().err)
+
+
+def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monkeypatch):
+    """``--configs paged --kvserve-quantization int8,int4``: the paged row, then the prefix-caching row
+    with an int8 and an int4 executor. start_stack only records what it was asked to start."""
+    from bench import sweep
+    from bench.__main__ import build_parser, run_sweep
+
+    assert plan_configs({c.slug for c in SEED_TABLE}, []) == SEED_TABLE  # the default: the seed table as it was
+    asked = []
+
+    def record_and_refuse(stack_config):
+        asked.append(stack_config)
+        raise RuntimeError("no stack under test")
+
+    monkeypatch.setattr(sweep, "start_stack", record_and_refuse)
+    args = build_parser().parse_args(["--sweep", "seed-table", "--configs", "paged", "--peers", "none",
+                                      "--kvserve-quantization", "none,int8,int4", "--executor-threads", "1",
+                                      "--concurrency", "1", "--no-progress", "--out", str(tmp_path)])
+    args.model_dir = tmp_path
+    rows, _ = run_sweep(args, [BenchRequest("p", 100, 50)], {})
+    prefix = SEED_TABLE[3]
+    assert [r.name for r in rows] == [SEED_TABLE[2].name, f"{prefix.name}, int8 weights",
+                                      f"{prefix.name}, int4 weights"]
+    assert [s.log_dir.name for s in asked] == ["paged", "prefix-int8", "prefix-int4"]
+    budget_args = asked[0].executor_args
+    assert "--quantization" not in budget_args and "--num-blocks" in budget_args and "--num-threads" in budget_args
+    assert [s.executor_args for s in asked[1:]] == [[*budget_args, "--quantization", "int8"],
+                                                    [*budget_args, "--quantization", "int4"]]
+    assert all(s.gateway_args[-len(prefix.gateway_args()):] == prefix.gateway_args() for s in asked[1:])
+    assert [r.weights for r in rows] == ["bfloat16 safetensors",
+                                         "bfloat16 safetensors, int8 weights (per channel; LM head bf16)",
+                                         "bfloat16 safetensors, int4 weights (groups of 32; LM head bf16)"]
+    assert all(r.failed == 1 and "no stack under test" in r.errors[0] for r in rows)
+    # The running executor's dtype says whether the quantization was applied.
+    int4 = plan_configs(set(), ["int4"])[0]
+    assert check_applied(int4, {"dtype": "bfloat16+int4"}) == [] and check_applied(prefix, {"dtype": "bfloat16"}) == []
+    assert check_applied(int4, {"dtype": "bfloat16"}) == \
+        ["asked quantization='int4', executor reports dtype 'bfloat16'"]
 
 
 def test_sampler_tolerates_an_unreachable_server():
