@@ -16,8 +16,6 @@ import torch.nn.functional as F
 class TorchLayerOps:
     """The ops in torch, rounding as transformers' Llama does."""
 
-    name = "torch"
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # x: [num_tokens, hidden] → [num_tokens, hidden]; normalized in float32 and cast back
         # before the weight multiply, exactly as transformers does.
@@ -46,8 +44,6 @@ class TorchLayerOps:
 
 class CpuLayerOps(TorchLayerOps):
     """The same ops compiled for the CPU (``torch.ops.kvserve_cpu``); tensors must be on the CPU."""
-
-    name = "cpu"
 
     def __init__(self, ops):
         self._ops = ops
