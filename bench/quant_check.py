@@ -1,6 +1,6 @@
 """Greedy agreement and decode step times of ``--quantization int8 / int4`` against ``none``.
 
-    python -m executor.quant_check [--model DIR] [--new-tokens 64] [--rounds 10] [--threads 2]
+    python -m bench.quant_check [--model DIR] [--new-tokens 64] [--rounds 10] [--threads 2]
 
 Agreement, on 16 fixed prompts (chat turns and plain continuations) × ``--new-tokens``
 greedy tokens, all prompts in one batch, the unquantized model (the checkpoint's
@@ -25,11 +25,11 @@ import torch
 
 from bench.executor_bench import BLOCK, decode_batch, timed_interleaved
 from executor.devices import tune_host_allocator
+from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
 from kvserve.logs import configure_logging
 from kvserve.paths import default_model_dir
 
-MODES = ("none", "int8", "int4")
 BATCHES = (1, 32)
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 PROMPTS = [CHAT.format(q) for q in (
@@ -96,7 +96,7 @@ def agreement(runner: ModelRunner, prompts: list[list[int]], reference: list[lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m executor.quant_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.quant_check", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=default_model_dir())
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     timing_blocks = max(BATCHES) * -(-(args.context + 1) // BLOCK)
     num_blocks = 1 + max(agreement_blocks, timing_blocks)
     runners = {}
-    for mode in MODES:
+    for mode in QUANTIZATION_MODES:
         start = time.monotonic()
         runners[mode] = ModelRunner(RunnerOptions(args.model, dtype=args.dtype, quantization=mode,
                                                   num_blocks=num_blocks))
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = generate(runners["none"], prompts, args.new_tokens)
     rows = {}
-    for mode in MODES:
+    for mode in QUANTIZATION_MODES:
         rows[mode] = agreement(runners[mode], prompts, reference)
         print(f"{mode}: prefix match {rows[mode][0]:.3f}, top-1 {rows[mode][1]:.3f}", file=sys.stderr, flush=True)
     times: dict[int, dict[str, float]] = {}
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     header += "".join(f" | decode b={b} ctx={args.context} ms" for b in times)
     print(header + " |")
     print("|" + "---|" * header.count("|"))
-    for mode in MODES:
+    for mode in QUANTIZATION_MODES:
         prefix, top1 = rows[mode]
         row = f"| {mode:<12} | {prefix:>12.3f} | {top1:>22.3f}"
         row += "".join(f" | {times[b][mode]:>8.2f} ({times[b][mode] / times[b]['none']:.2f}x)" for b in times)
