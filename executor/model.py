@@ -160,15 +160,42 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Up to this many rows (tokens of a step) a projection is bound by reading its weights, and
+# csrc/cpu/skinny_linear.cpp reads them at about twice oneDNN's rate; beyond it oneDNN's
+# packed GEMM computes faster (measured on AVX512-BF16; docs/executor.md).
+SKINNY_MAX_ROWS = 8
+
+
+class SkinnyMatmul:
+    """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
+    columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""
+
+    def __init__(self, cpu_ops, weight: torch.Tensor):
+        self._ops = cpu_ops
+        self.out_features = weight.shape[0]
+        self.packed = cpu_ops.pack_skinny_weight(weight.detach())
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16
+        return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose bf16 weight can be pre-packed for oneDNN on the CPU: F.linear re-packs the
-    weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once
-    (same results; docs/executor.md has the speed-up). The unpacked weight stays as the loaded
-    parameter."""
+    """nn.Linear whose bf16 weight can be pre-packed on the CPU: for oneDNN (F.linear re-packs the
+    weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
+    and, for steps of at most ``SKINNY_MAX_ROWS`` tokens, for ``SkinnyMatmul``. Once both exist the
+    unpacked weight is released (``weight`` is None): nothing reads it, and it would be a third copy."""
 
     packed_weight: torch.Tensor | None = None
+    skinny: SkinnyMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self.skinny(x, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -270,6 +297,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
+        self.skinny_lm_head: SkinnyMatmul | None = None  # set by use_skinny_matmuls
 
     def setup_rope(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -282,6 +310,16 @@ class Transformer(nn.Module):
             if isinstance(module, Linear):
                 module.packed_weight = pack_weight(module.weight)
         self.packed_lm_head = pack_weight(self.lm_head_weight())
+
+    def use_skinny_matmuls(self, cpu_ops) -> None:
+        """Gives every oneDNN-packed projection and the LM head a ``SkinnyMatmul`` (``cpu_ops``:
+        ``torch.ops.kvserve_cpu``) for steps of few tokens, releasing the projections' unpacked weights."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed_weight is not None and SkinnyMatmul.fits(module.weight):
+                module.skinny = SkinnyMatmul(cpu_ops, module.weight)
+                module.weight = None
+        if self.packed_lm_head is not None and SkinnyMatmul.fits(self.lm_head_weight()):
+            self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight())
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -299,6 +337,8 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
+        if self.skinny_lm_head is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+            return self.skinny_lm_head(hidden, None).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()
         return F.linear(hidden, self.lm_head_weight()).float()

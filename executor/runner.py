@@ -105,6 +105,7 @@ class ModelRunner:
         start = time.monotonic()
         self.quantization = options.quantization
         self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization)
+        self.backend.prepare_model(self.model)
         log.info("model_loaded", model=str(model_dir), architecture=config.architecture, dtype=dtype_name(self.dtype),
                  quantization=self.quantization, device=str(self.device), attention_backend=self.backend.name,
                  seconds=round(time.monotonic() - start, 2))

@@ -55,6 +55,10 @@ class AttentionBackend(ABC):
     # The device's RMSNorm, RoPE and SiLU·mul (executor/layer_ops.py); stateless, so one instance serves all.
     layer_ops: TorchLayerOps = TorchLayerOps()
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Gives the loaded model this device's compiled matmuls, where it has any (the CPU's
+        ``SkinnyMatmul``); the default keeps the model as loaded."""
+
     @abstractmethod
     def allocate_kv_cache(
         self,

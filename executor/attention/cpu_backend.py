@@ -43,6 +43,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(self._ops)
         self._kernel_fits = True
 
+    def prepare_model(self, model) -> None:
+        model.use_skinny_matmuls(self._ops)
+
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
         key_cache = torch.zeros((num_kv_heads, num_blocks, head_size, block_size), dtype=dtype, device=device)

@@ -1,0 +1,140 @@
+"""The CPU's few-row bf16 matmul (csrc/cpu/skinny_linear.cpp) against float32 arithmetic, and
+the model using it for decode steps: same logits as oneDNN's packed matmul within bf16 rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import executor.model
+from executor.model import SKINNY_MAX_ROWS, Linear, SkinnyMatmul
+from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    from executor.attention.csrc_loader import csrc_build_script
+
+    try:
+        return csrc_build_script().load_cpu()
+    except (ImportError, OSError, RuntimeError) as exc:
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+
+
+def randn(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed + sum(shape))
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def reference(x, weight, bias=None):
+    # float32 products and sums of the bf16 inputs, rounded to bf16 once: what the kernel computes
+    # up to the order of its additions.
+    out = x.float() @ weight.float().T
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+
+
+# A bf16 result may land one rounding step (2^-8 relative) away from the reference, since the
+# float32 sums are added in another order.
+BF16_STEP = dict(rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (40, 64), (832, 576), (7, 1536)])
+def test_matches_float32_arithmetic_for_any_rows_and_ragged_outputs(cpu_ops, rows, out_features, in_features):
+    weight, x = randn(out_features, in_features, scale=0.05), randn(rows, in_features)
+    packed = cpu_ops.pack_skinny_weight(weight)
+    out = cpu_ops.skinny_linear(x, packed, None, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x, weight), **BF16_STEP)
+
+
+def test_bias_strided_rows_and_threads_give_the_same_result(cpu_ops):
+    weight, bias = randn(100, 96, scale=0.1), randn(100)
+    x = randn(5, 128)[:, :96]  # rows 128 apart: the attention output's reshape can be strided like this
+    packed = cpu_ops.pack_skinny_weight(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.skinny_linear(x, packed, bias, 100)
+        torch.set_num_threads(2)
+        two = cpu_ops.skinny_linear(x, packed, bias, 100)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each output tile is summed by one thread, in one order
+    torch.testing.assert_close(one, reference(x.contiguous(), weight, bias), **BF16_STEP)
+
+
+def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
+    weight = randn(32, 64)
+    packed = cpu_ops.pack_skinny_weight(weight)
+    assert cpu_ops.skinny_linear(randn(0, 64), packed, None, 32).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="in_features must be even"):
+        cpu_ops.pack_skinny_weight(randn(32, 63))
+    with pytest.raises(RuntimeError, match="must be bfloat16"):
+        cpu_ops.pack_skinny_weight(weight.float())
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        cpu_ops.skinny_linear(randn(1, 32), packed, None, 32)
+    with pytest.raises(RuntimeError, match="out_features 40 does not match"):
+        cpu_ops.skinny_linear(randn(1, 64), packed, None, 40)
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_ops.skinny_linear(randn(1, 64).float(), packed, None, 32)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        cpu_ops.skinny_linear(randn(1, 64), packed, randn(31), 32)
+
+
+@pytest.fixture(scope="module")
+def bf16_runner(default_model_dir, cpu_ops):
+    return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64))
+
+
+def test_the_model_decodes_with_it_and_keeps_one_copy_less(bf16_runner):
+    model = bf16_runner.model
+    projections = [m for m in model.modules() if isinstance(m, Linear)]
+    assert projections and all(isinstance(m.skinny, SkinnyMatmul) and m.weight is None for m in projections)
+    assert isinstance(model.skinny_lm_head, SkinnyMatmul)
+    assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
+
+
+PROMPTS = [
+    "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of",
+    "Water boils at",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The three primary colors are",
+    "Translate to French: I would like a cup of coffee, please. Answer:",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to",
+]
+
+
+def test_decode_logits_match_onednn_and_prefill_still_runs(bf16_runner, default_model_dir, monkeypatch):
+    """Each prompt prefilled (more rows than SKINNY_MAX_ROWS: oneDNN), then greedy decode steps of
+    all 8 prompts at once and of one alone, every step's logits from the skinny matmuls against
+    oneDNN's at the same inputs. They differ by bf16 rounding in another summation order, so the bar
+    is the one bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of
+    the 5 most likely tokens within 0.6 nats, the greedy pick the same in >= 90% of rows."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    assert len(prompts) == SKINNY_MAX_ROWS and len(prompts[3]) > SKINNY_MAX_ROWS  # prefills: oneDNN
+    tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+
+    def logits(seqs, skinny: bool):
+        monkeypatch.setattr(executor.model, "SKINNY_MAX_ROWS", SKINNY_MAX_ROWS if skinny else 0)
+        return bf16_runner.forward_logits(seqs)
+
+    worst, agree, total = 0.0, 0, 0
+    for batch in (list(range(len(prompts))), [3]):
+        first = logits([SequenceInput(i, prompts[i], 0, tables[i]) for i in batch], skinny=False)
+        tokens = first.argmax(-1).tolist()
+        for step in range(4):
+            seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i]) for i, t in zip(batch, tokens)]
+            skinny, onednn = logits(seqs, skinny=True), logits(seqs, skinny=False)
+            top5 = onednn.topk(5, dim=-1).indices
+            err = (skinny.log_softmax(-1).gather(1, top5) - onednn.log_softmax(-1).gather(1, top5)).abs().max()
+            worst = max(worst, err.item())
+            agree += int((skinny.argmax(-1) == onednn.argmax(-1)).sum())
+            total += len(seqs)
+            tokens = onednn.argmax(-1).tolist()
+    print(f"\nskinny vs oneDNN: worst top-5 logprob error {worst:.3f} nats, argmax agreement {agree}/{total}")
+    assert worst < 0.6 and agree / total >= 0.9
