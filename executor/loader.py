@@ -82,9 +82,10 @@ def _destinations(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]
 
 @torch.no_grad()
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_len: int,
-               quantization: str = "none") -> Transformer:
+               quantization: str = "none", skinny_ops=None) -> Transformer:
     """Builds the model for ``model_dir`` on ``device`` in ``dtype`` with RoPE tables up to ``max_len``,
-    its projections quantized as ``quantization`` says (executor/quantization.py)."""
+    its projections quantized as ``quantization`` says (executor/quantization.py). ``skinny_ops``
+    (an attention backend's ``skinny_matmul_ops``) adds the few-row layouts of executor/skinny.py."""
     config = ModelConfig.from_dir(model_dir)
     check_supported(quantization, dtype, device)
     with torch.device("meta"):
@@ -114,9 +115,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise UnsupportedModel(f"{model_dir}: checkpoint lacks {shown}")
     model.setup_rope(max_len)
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, skinny_ops)
     if cpu_weight_packing_available(dtype, device):
         model.pack_weights_for_cpu()
+        if skinny_ops is not None:
+            model.use_skinny_matmuls(skinny_ops)
     return model
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
 from executor.layer_ops import TorchLayerOps
+from executor.skinny import SkinnyMatmul, rows_fit
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -160,41 +161,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-# Up to this many rows (tokens of a step) a projection is bound by reading its weights, and
-# csrc/cpu/skinny_linear.cpp reads them at about twice oneDNN's rate; beyond it oneDNN's
-# packed GEMM computes faster (measured on AVX512-BF16; docs/executor.md).
-SKINNY_MAX_ROWS = 8
-
-
-class SkinnyMatmul:
-    """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
-    columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""
-
-    def __init__(self, cpu_ops, weight: torch.Tensor):
-        self._ops = cpu_ops
-        self.out_features = weight.shape[0]
-        self.packed = cpu_ops.pack_skinny_weight(weight.detach())
-
-    @staticmethod
-    def fits(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16
-        return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
-
-
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed on the CPU: for oneDNN (F.linear re-packs the
     weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
-    and, for steps of at most ``SKINNY_MAX_ROWS`` tokens, for ``SkinnyMatmul``. Once both exist the
+    and, for steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once both exist the
     unpacked weight is released (``weight`` is None): nothing reads it, and it would be a third copy."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self.skinny is not None and rows_fit(x):
             return self.skinny(x, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
@@ -337,7 +314,7 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
-        if self.skinny_lm_head is not None and hidden.shape[0] <= SKINNY_MAX_ROWS:
+        if self.skinny_lm_head is not None and rows_fit(hidden):
             return self.skinny_lm_head(hidden, None).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()

@@ -12,7 +12,9 @@ kernels dequantize weights inside the matmul.
   ``w ≈ q * scale + min``, ``q`` in [0, 15]. The kernels take it as
   ``(q - 8) * scale + zero`` with ``zero = min + 8 * scale``.
   ``_weight_int4pack_mm_for_cpu`` on the CPU, tinygemm's ``_weight_int4pack_mm`` on
-  CUDA (bf16 only); elsewhere, or on a torch without the op, start-up refuses.
+  CUDA (bf16 only); elsewhere, or on a torch without the op, start-up refuses. On the
+  CPU in bf16 with the compiled kernels, steps of a few tokens take the same codes in
+  executor/skinny.py's layout instead (1.7x torch's kernel at one token).
 
 Scales (and int4 zeros) are stored in the compute dtype, as the kernels want, and
 the integer codes are rounded against those stored values, so ``dequantize_*``
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from executor.skinny import SkinnyInt4Matmul, rows_fit
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -121,7 +125,7 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """A linear layer with group-wise int4 weights, packed once for the device's kernel."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
+    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, skinny_ops=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
@@ -140,9 +144,14 @@ class Int4Linear(nn.Module):
         # [in / group, out, 2]: (scale, zero) per group and output, as both kernels read them.
         self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous())
         self.bias = linear.bias
+        # Decode steps of a few tokens: the same codes in executor/skinny.py's layout.
+        self.skinny = (SkinnyInt4Matmul(skinny_ops, codes, scales, zeros)
+                       if skinny_ops is not None and SkinnyInt4Matmul.fits(scales, group_size) else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] → [..., out]
+        if self.skinny is not None and x.dim() == 2 and rows_fit(x):
+            return self.skinny(x, self.bias)
         out = self._mm(x.reshape(-1, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
@@ -166,9 +175,10 @@ def check_shapes(mode: str, linears: dict[str, nn.Linear], device: torch.device)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, mode: str) -> int:
+def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
     """Replaces the projections of every decoder layer of ``model`` (a ``Transformer``) by their
-    ``mode`` form, in place (the float weights are dropped). Returns the bytes they now take."""
+    ``mode`` form, in place (the float weights are dropped). Returns the bytes they now take.
+    ``skinny_ops``: as ``load_model``'s, for int4's few-row layout."""
     if mode == "none":
         return 0
     projections = [(f"layers.{i}.{part}.{attr}", getattr(layer, part), attr)
@@ -178,10 +188,11 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     device = model.embed_tokens.weight.device
     check_supported(mode, model.embed_tokens.weight.dtype, device)
     check_shapes(mode, {name: getattr(parent, attr) for name, parent, attr in projections}, device)
-    quantized_class = Int8Linear if mode == "int8" else Int4Linear
     total = 0
     for _, parent, attr in projections:  # one at a time, so that each float weight is freed as it goes
-        replacement = quantized_class(getattr(parent, attr))
+        linear = getattr(parent, attr)
+        replacement = Int8Linear(linear) if mode == "int8" else Int4Linear(linear, skinny_ops=skinny_ops)
         setattr(parent, attr, replacement)
-        total += sum(b.numel() * b.element_size() for b in replacement.buffers())
+        skinny = getattr(replacement, "skinny", None)
+        total += sum(b.nbytes for b in replacement.buffers()) + (skinny.packed.nbytes if skinny is not None else 0)
     return total

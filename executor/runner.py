@@ -104,8 +104,8 @@ class ModelRunner:
         self.backend = create_backend(options.attention_backend, self.device)
         start = time.monotonic()
         self.quantization = options.quantization
-        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization)
-        self.backend.prepare_model(self.model)
+        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization,
+                                skinny_ops=self.backend.skinny_matmul_ops)
         log.info("model_loaded", model=str(model_dir), architecture=config.architecture, dtype=dtype_name(self.dtype),
                  quantization=self.quantization, device=str(self.device), attention_backend=self.backend.name,
                  seconds=round(time.monotonic() - start, 2))

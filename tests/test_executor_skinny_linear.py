@@ -1,13 +1,16 @@
-"""The CPU's few-row bf16 matmul (csrc/cpu/skinny_linear.cpp) against float32 arithmetic, and
-the model using it for decode steps: same logits as oneDNN's packed matmul within bf16 rounding."""
+"""The CPU's few-row matmuls (csrc/cpu/skinny_linear.cpp, executor/skinny.py), bf16 and int4, against
+float32 arithmetic, and the model using them for decode steps: the same logits as oneDNN's packed
+matmul (bf16) and torch's int4 kernel, within bf16 rounding."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import executor.model
-from executor.model import SKINNY_MAX_ROWS, Linear, SkinnyMatmul
+import executor.skinny
+from executor.model import Linear
+from executor.quantization import Int4Linear, dequantize_int4, quantize_int4
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyMatmul
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,36 @@ def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
         cpu_ops.skinny_linear(randn(1, 64), packed, randn(31), 32)
 
 
+def int4_weight(out_features, in_features, seed=0):
+    codes, scales, zeros = quantize_int4(randn(out_features, in_features, scale=0.05, seed=seed), torch.bfloat16)
+    return (codes, scales, zeros), dequantize_int4(codes, scales, zeros)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (40, 64), (832, 576), (7, 1536)])
+def test_int4_matches_float32_arithmetic_on_the_dequantized_weights(cpu_ops, rows, out_features, in_features):
+    quantized, weight = int4_weight(out_features, in_features)
+    x, bias = randn(rows, in_features), randn(out_features)
+    out = cpu_ops.skinny_linear_int4(x, cpu_ops.pack_skinny_int4(*quantized), bias, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x, weight, bias), **BF16_STEP)
+
+
+def test_int4_bad_arguments_are_refused_clearly(cpu_ops):
+    (codes, scales, zeros), _ = int4_weight(32, 64)
+    packed = cpu_ops.pack_skinny_int4(codes, scales, zeros)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_ops.pack_skinny_int4(codes[:, :48], scales, zeros)
+    with pytest.raises(RuntimeError, match=r"codes must be in \[0, 15\]"):
+        cpu_ops.pack_skinny_int4(codes + 16, scales, zeros)
+    with pytest.raises(RuntimeError, match="scales and zeros must be"):
+        cpu_ops.pack_skinny_int4(codes, scales[:, :1], zeros)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        cpu_ops.skinny_linear_int4(randn(1, 32), packed, None, 32)
+    with pytest.raises(RuntimeError, match="packed must come from pack_skinny_int4"):
+        cpu_ops.skinny_linear_int4(randn(1, 64), codes, None, 32)
+
+
 @pytest.fixture(scope="module")
 def bf16_runner(default_model_dir, cpu_ops):
     return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64))
@@ -106,12 +139,26 @@ PROMPTS = [
 ]
 
 
-def test_decode_logits_match_onednn_and_prefill_still_runs(bf16_runner, default_model_dir, monkeypatch):
-    """Each prompt prefilled (more rows than SKINNY_MAX_ROWS: oneDNN), then greedy decode steps of
-    all 8 prompts at once and of one alone, every step's logits from the skinny matmuls against
-    oneDNN's at the same inputs. They differ by bf16 rounding in another summation order, so the bar
-    is the one bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of
-    the 5 most likely tokens within 0.6 nats, the greedy pick the same in >= 90% of rows."""
+@pytest.fixture(scope="module")
+def int4_runner(default_model_dir, cpu_ops):
+    return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
+                                     quantization="int4"))
+
+
+def test_int4_projections_get_the_skinny_layout_too(int4_runner):
+    projections = [m for m in int4_runner.model.modules() if isinstance(m, Int4Linear)]
+    assert projections and all(isinstance(m.skinny, SkinnyInt4Matmul) for m in projections)
+
+
+@pytest.mark.parametrize("runner_name", ["bf16_runner", "int4_runner"])
+def test_decode_logits_match_the_usual_kernels(request, runner_name, default_model_dir, monkeypatch):
+    """Each prompt prefilled (more rows than SKINNY_MAX_ROWS: the usual kernels), then greedy decode
+    steps of all 8 prompts at once and of one alone, every step's logits from the skinny matmuls
+    against oneDNN's (bf16) or torch's int4 kernel at the same inputs. They differ by bf16 rounding
+    in another summation order, so the bar is the one bf16 meets against float32
+    (tests/test_executor_exactness.py): the log-probabilities of the 5 most likely tokens within
+    0.6 nats, the greedy pick the same in >= 90% of rows."""
+    runner = request.getfixturevalue(runner_name)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
@@ -120,8 +167,8 @@ def test_decode_logits_match_onednn_and_prefill_still_runs(bf16_runner, default_
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
 
     def logits(seqs, skinny: bool):
-        monkeypatch.setattr(executor.model, "SKINNY_MAX_ROWS", SKINNY_MAX_ROWS if skinny else 0)
-        return bf16_runner.forward_logits(seqs)
+        monkeypatch.setattr(executor.skinny, "SKINNY_MAX_ROWS", SKINNY_MAX_ROWS if skinny else 0)
+        return runner.forward_logits(seqs)
 
     worst, agree, total = 0.0, 0, 0
     for batch in (list(range(len(prompts))), [3]):
@@ -136,5 +183,5 @@ def test_decode_logits_match_onednn_and_prefill_still_runs(bf16_runner, default_
             agree += int((skinny.argmax(-1) == onednn.argmax(-1)).sum())
             total += len(seqs)
             tokens = onednn.argmax(-1).tolist()
-    print(f"\nskinny vs oneDNN: worst top-5 logprob error {worst:.3f} nats, argmax agreement {agree}/{total}")
+    print(f"\n{runner_name}, skinny vs the usual kernels: worst top-5 logprob error {worst:.3f} nats, argmax agreement {agree}/{total}")
     assert worst < 0.6 and agree / total >= 0.9

@@ -16,7 +16,8 @@
 // the next chunk. Accumulation is float32, rounded to bf16 once at the end, as oneDNN does;
 // only the order of the additions differs.
 //
-// Registered as torch.ops.kvserve_cpu.{pack_skinny_weight, skinny_linear}.
+// Registered as torch.ops.kvserve_cpu.{pack_skinny_weight, skinny_linear} and, for int4 weights (below),
+// {pack_skinny_int4, skinny_linear_int4}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -126,41 +127,34 @@ at::Tensor pack_skinny_weight(const at::Tensor& weight) {
   return padded.view({tiles, kTile, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "skinny_linear: x must be [rows, in_features] bfloat16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kBFloat16,
-              "skinny_linear: packed must come from pack_skinny_weight");
-  const int64_t rows = x.size(0), k = x.size(1), tiles = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == k, "skinny_linear: x has ", k, " features, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
-              "skinny_linear: out_features ", out_features, " does not match the packed weight");
+// Checks x and bias, and runs `tile_chunk(t, m0, chunk, acc)` — acc[m][16] = the dot products of
+// rows m0..m0+chunk of x with tile t's 16 weight rows — over every tile and chunk of rows, then
+// adds the bias and stores bf16. `tile_bytes`: a tile's weight bytes, to size a thread's share.
+template <typename TileChunk>
+at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t tile_bytes,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk) {
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features ",
+              out_features, " does not match the packed weight");
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, "skinny_linear: bias must be [out_features]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op, ": bias must be [out_features]");
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const int64_t x_stride = xc.stride(0);
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<at::BFloat16>();
-  const int64_t pairs = k / 2;
   // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(k * 2 * kTile, 1));
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     float acc[kMaxChunkRows * kTile];
     for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* wt = w + t * pairs * 2 * kTile;
       const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
       const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
       for (int64_t m0 = 0; m0 < rows; m0 += kMaxChunkRows) {
         const int64_t chunk = std::min<int64_t>(kMaxChunkRows, rows - m0);
-        kTileDots[chunk - 1](wt, xp + m0 * x_stride, x_stride, pairs, acc);
+        tile_chunk(t, m0, chunk, acc);
         for (int64_t m = 0; m < chunk; ++m) {
           at::BFloat16* dst = y + (m0 + m) * out_features + col0;
           if (cols == kTile) {
@@ -175,14 +169,184 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return out;
 }
 
+at::Tensor bf16_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [rows, in_features] bfloat16");
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+  const at::Tensor xc = bf16_rows("skinny_linear", x);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "skinny_linear: packed must come from pack_skinny_weight");
+  const int64_t k = xc.size(1), pairs = packed.size(1);
+  TORCH_CHECK(pairs * 2 == k, "skinny_linear: x has ", k, " features, the weight ", pairs * 2);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const int64_t x_stride = xc.stride(0);
+  return run_tiles("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
+                   [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
+                     kTileDots[chunk - 1](w + t * pairs * 2 * kTile, xp + m0 * x_stride, x_stride, pairs, acc);
+                   });
+}
+
+// ---- int4 weights (--quantization int4) -----------------------------------------------------
+//
+// The codes of executor/quantization.py: per group of 32 inputs of a row, w = (q - 8) * scale + zero
+// with q in [0, 15]. Per tile of 16 rows and group, one 320-byte record read front to back:
+//
+//   bytes   0..255: 4 blocks of 8 inputs; in each, 16 rows × 4 bytes, byte p of a row holding
+//                   inputs 2p (low nibble) and 2p+1 (high nibble) of the block
+//   bytes 256..319: the 16 rows' scales, then their zeros, bf16
+//
+// A row's 4 bytes land in one 32-bit lane, so a pair of inputs becomes the lane's two bf16
+// halves with a shift, a mask and an OR: 0x4300 | q is the bf16 number 128 + q, exactly. The
+// group's dot product D = sum (128 + q) x is then one VDPBF16PS per pair, as in the bf16 tile,
+// and the group contributes scale * (D - 128 X) + (zero - 8 scale) X, X = sum of the group's x.
+constexpr int64_t kGroup = 32;
+constexpr int64_t kInt4CodeBytes = kTile * kGroup / 2;        // 256
+constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;  // + scales and zeros, bf16
+
+inline Vec16 load_bf16_16(const uint8_t* p) { return load16(reinterpret_cast<const c10::BFloat16*>(p)); }
+
+#if defined(__AVX512BF16__)
+template <int ROWS>
+void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const float* x_sums, int64_t groups,
+                   float* acc) {
+  constexpr int kChains = ROWS >= 4 ? 1 : (ROWS == 1 ? 4 : 2);
+  __m512 totals[ROWS];
+  for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = w + g * kInt4RecordBytes;
+    __m512 dots[ROWS][kChains];
+    for (int m = 0; m < ROWS; ++m)
+      for (int c = 0; c < kChains; ++c) dots[m][c] = _mm512_setzero_ps();
+    for (int block = 0; block < 4; ++block) {
+      UInt16 codes;
+      std::memcpy(&codes, record + block * 64, sizeof(codes));
+      for (int p = 0; p < 4; ++p) {
+        const UInt16 byte = codes >> (8 * p);
+        // The low nibble into the low half, the high one into the high half, each under 0x4300.
+        const UInt16 pair = (byte & 0xFu) | (byte << 12 & 0xF0000u) | 0x43004300u;
+        const int64_t k = g * kGroup + block * 8 + 2 * p;
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + m * x_stride + k));
+          dots[m][p % kChains] = _mm512_dpbf16_ps(dots[m][p % kChains], (__m512bh)pair, xv);
+        }
+      }
+    }
+    const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
+    const Vec16 x_coef = zero - 136.f * scale;  // (zero - 8 scale) - 128 scale
+    __m512 scale_v, x_coef_v;
+    std::memcpy(&scale_v, &scale, sizeof(scale_v));
+    std::memcpy(&x_coef_v, &x_coef, sizeof(x_coef_v));
+    for (int m = 0; m < ROWS; ++m) {
+      __m512 dot = dots[m][0];
+      for (int c = 1; c < kChains; ++c) dot = _mm512_add_ps(dot, dots[m][c]);
+      totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
+      totals[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[m * groups + g]), x_coef_v, totals[m]);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
+}
+#else
+template <int ROWS>
+void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const float* x_sums, int64_t groups,
+                   float* acc) {
+  Vec16 totals[ROWS] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = w + g * kInt4RecordBytes;
+    Vec16 dots[ROWS] = {};
+    for (int block = 0; block < 4; ++block) {
+      UInt16 codes;
+      std::memcpy(&codes, record + block * 64, sizeof(codes));
+      for (int p = 0; p < 4; ++p) {
+        const UInt16 byte = codes >> (8 * p);
+        const Vec16 q_even = __builtin_convertvector(byte & 0xFu, Vec16);
+        const Vec16 q_odd = __builtin_convertvector((byte >> 4) & 0xFu, Vec16);
+        const int64_t k = g * kGroup + block * 8 + 2 * p;
+        for (int m = 0; m < ROWS; ++m) {
+          const uint16_t* xm = x + m * x_stride + k;
+          dots[m] += q_even * static_cast<float>(c10::BFloat16(xm[0], c10::BFloat16::from_bits())) +
+                     q_odd * static_cast<float>(c10::BFloat16(xm[1], c10::BFloat16::from_bits()));
+        }
+      }
+    }
+    const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
+    const Vec16 x_coef = zero - 8.f * scale;
+    for (int m = 0; m < ROWS; ++m) totals[m] += dots[m] * scale + x_sums[m * groups + g] * x_coef;
+  }
+  for (int m = 0; m < ROWS; ++m) store16(acc + m * kTile, totals[m]);
+}
+#endif
+
+using Int4TileDot = void (*)(const uint8_t*, const uint16_t*, int64_t, const float*, int64_t, float*);
+
+template <size_t... I>
+constexpr std::array<Int4TileDot, sizeof...(I)> make_int4_tile_dots(std::index_sequence<I...>) {
+  return {&int4_tile_dot<static_cast<int>(I) + 1>...};
+}
+
+constexpr auto kInt4TileDots = make_int4_tile_dots(std::make_index_sequence<kMaxChunkRows>{});
+
+at::Tensor pack_skinny_int4(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "pack_skinny_int4: codes must be [out, in] uint8");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(k % kGroup == 0, "pack_skinny_int4: in_features must be a multiple of ", kGroup, ", got ", k);
+  const int64_t groups = k / kGroup, tiles = (n + kTile - 1) / kTile;
+  for (const at::Tensor* t : {&scales, &zeros}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n && t->size(1) == groups && t->scalar_type() == at::kBFloat16,
+                "pack_skinny_int4: scales and zeros must be [out, in / 32] bfloat16");
+  }
+  TORCH_CHECK(codes.max().item<int64_t>() <= 15, "pack_skinny_int4: codes must be in [0, 15]");
+  // Padding rows: codes, scales and zeros 0, so their weights are 0.
+  at::Tensor c = at::zeros({tiles * kTile, k}, codes.options());
+  c.narrow(0, 0, n).copy_(codes);
+  at::Tensor bytes = at::bitwise_or(c.slice(1, 0, k, 2), at::bitwise_left_shift(c.slice(1, 1, k, 2), 4));
+  // [tiles, 16 rows, groups, 4 blocks, 4 bytes] → [tiles, groups, 4 blocks, 16 rows, 4 bytes]
+  bytes = bytes.view({tiles, kTile, groups, 4, 4}).permute({0, 2, 3, 1, 4}).reshape({tiles, groups, kInt4CodeBytes});
+  auto per_tile = [&](const at::Tensor& t) {  // [out, groups] → [tiles, groups, 32 bytes]
+    at::Tensor padded = at::zeros({tiles * kTile, groups}, t.options());
+    padded.narrow(0, 0, n).copy_(t);
+    return padded.view({tiles, kTile, groups}).permute({0, 2, 1}).contiguous().view(at::kByte).view({tiles, groups, 2 * kTile});
+  };
+  return at::cat({bytes, per_tile(scales), per_tile(zeros)}, 2).contiguous();
+}
+
+at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  const at::Tensor xc = bf16_rows("skinny_linear_int4", x);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "skinny_linear_int4: packed must come from pack_skinny_int4");
+  const int64_t k = xc.size(1), groups = packed.size(1), rows = xc.size(0);
+  TORCH_CHECK(groups * kGroup == k, "skinny_linear_int4: x has ", k, " features, the weight ", groups * kGroup);
+  // Each group's sum of x (as the bf16 values the dot products see), [rows, groups] float32.
+  const at::Tensor x_sums = xc.to(at::kFloat).view({rows, groups, kGroup}).sum(-1).contiguous();
+  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  const float* sums = x_sums.data_ptr<float>();
+  const int64_t x_stride = xc.stride(0);
+  return run_tiles("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
+                   [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
+                     kInt4TileDots[chunk - 1](w + t * groups * kInt4RecordBytes, xp + m0 * x_stride, x_stride,
+                                              sums + m0 * groups, groups, acc);
+                   });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("pack_skinny_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("pack_skinny_int4(Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
+  m.def("skinny_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("pack_skinny_weight", &pack_skinny_weight);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("pack_skinny_int4", &pack_skinny_int4);
+  m.impl("skinny_linear_int4", &skinny_linear_int4);
 }

@@ -54,10 +54,9 @@ class AttentionBackend(ABC):
     greedy_sample: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     # The device's RMSNorm, RoPE and SiLU·mul (executor/layer_ops.py); stateless, so one instance serves all.
     layer_ops: TorchLayerOps = TorchLayerOps()
-
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        """Gives the loaded model this device's compiled matmuls, where it has any (the CPU's
-        ``SkinnyMatmul``); the default keeps the model as loaded."""
+    # The device's compiled few-row matmuls for decode steps (executor/skinny.py: the CPU's
+    # ``torch.ops.kvserve_cpu``), which the loader gives the model; None: the usual kernels only.
+    skinny_matmul_ops = None
 
     @abstractmethod
     def allocate_kv_cache(

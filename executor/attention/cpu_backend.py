@@ -41,10 +41,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._ops = csrc_build_script().load_cpu()
         self.greedy_sample = self._ops.greedy_sample
         self.layer_ops = CpuLayerOps(self._ops)
+        self.skinny_matmul_ops = self._ops
         self._kernel_fits = True
-
-    def prepare_model(self, model) -> None:
-        model.use_skinny_matmuls(self._ops)
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0

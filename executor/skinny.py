@@ -1,0 +1,57 @@
+"""Few-row matmuls for decode steps on the CPU (``csrc/cpu/skinny_linear.cpp``).
+
+With up to a handful of tokens a step, a projection is bound by reading its weights, not by
+arithmetic. oneDNN's packed bf16 matmul and torch's int4 kernel read them well below the rate one
+core can stream memory; these layouts make each projection one sequential read (docs/executor.md
+has the measurements). Beyond ``SKINNY_MAX_ROWS`` tokens the step is compute-bound and the usual
+kernels (oneDNN's GEMM, torch's int4 matmul) run instead, so both layouts are kept.
+"""
+from __future__ import annotations
+
+import torch
+
+# Up to this many rows (tokens of a step) the skinny kernels beat oneDNN's bf16 GEMM and torch's
+# int4 matmul; measured on AVX512-BF16 (Zen 4), docs/executor.md.
+SKINNY_MAX_ROWS = 8
+
+
+def rows_fit(x: torch.Tensor) -> bool:
+    return x.shape[0] <= SKINNY_MAX_ROWS
+
+
+class SkinnyMatmul:
+    """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
+    columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""
+
+    def __init__(self, cpu_ops, weight: torch.Tensor):
+        self._ops = cpu_ops
+        self.out_features = weight.shape[0]
+        self.packed = cpu_ops.pack_skinny_weight(weight.detach())
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16
+        return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
+
+
+class SkinnyInt4Matmul:
+    """Group-wise int4 weights (executor/quantization.py's codes, scales and zeros, groups of 32)
+    in ``skinny_linear_int4``'s layout: per tile of 16 rows and group, the codes two a byte and the
+    group's bf16 scales and zeros, one 320-byte record."""
+
+    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+        # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16
+        self._ops = cpu_ops
+        self.out_features = codes.shape[0]
+        self.packed = cpu_ops.pack_skinny_int4(codes, scales, zeros)
+
+    @staticmethod
+    def fits(scales: torch.Tensor, group_size: int) -> bool:
+        return scales.dtype == torch.bfloat16 and scales.device.type == "cpu" and group_size == 32
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16
+        return self._ops.skinny_linear_int4(x, self.packed, bias, self.out_features)
