@@ -14,7 +14,7 @@ kernels dequantize weights inside the matmul.
   ``_weight_int4pack_mm_for_cpu`` on the CPU, tinygemm's ``_weight_int4pack_mm`` on
   CUDA (bf16 only); elsewhere, or on a torch without the op, start-up refuses. On the
   CPU in bf16 with the compiled kernels, steps of a few tokens take the same codes in
-  executor/skinny.py's layout instead (1.7x torch's kernel at one token).
+  executor/skinny.py's layout instead (1.7x torch's kernel at one token; int8 2.9x).
 
 Scales (and int4 zeros) are stored in the compute dtype, as the kernels want, and
 the integer codes are rounded against those stored values, so ``dequantize_*``
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.skinny import SkinnyInt4Matmul, rows_fit
+from executor.skinny import SkinnyInt4Matmul, SkinnyInt8Matmul, rows_fit
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -107,16 +107,21 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 class Int8Linear(nn.Module):
     """A linear layer with per-channel int8 weights; same inputs and outputs as the float one."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, skinny_ops=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
         self.register_buffer("codes", codes)  # [out, in] int8
         self.register_buffer("scales", scales)  # [out], compute dtype
         self.bias = linear.bias
+        # Decode steps of a few tokens: the same codes in executor/skinny.py's layout.
+        self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
+                       if skinny_ops is not None and SkinnyInt8Matmul.fits(scales) else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] → [..., out]
+        if self.skinny is not None and x.dim() == 2 and rows_fit(x):
+            return self.skinny(x, self.bias)
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
@@ -178,7 +183,7 @@ def check_shapes(mode: str, linears: dict[str, nn.Linear], device: torch.device)
 def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
     """Replaces the projections of every decoder layer of ``model`` (a ``Transformer``) by their
     ``mode`` form, in place (the float weights are dropped). Returns the bytes they now take.
-    ``skinny_ops``: as ``load_model``'s, for int4's few-row layout."""
+    ``skinny_ops``: as ``load_model``'s, for the few-row layouts of executor/skinny.py."""
     if mode == "none":
         return 0
     projections = [(f"layers.{i}.{part}.{attr}", getattr(layer, part), attr)
@@ -191,7 +196,7 @@ def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
     total = 0
     for _, parent, attr in projections:  # one at a time, so that each float weight is freed as it goes
         linear = getattr(parent, attr)
-        replacement = Int8Linear(linear) if mode == "int8" else Int4Linear(linear, skinny_ops=skinny_ops)
+        replacement = (Int8Linear if mode == "int8" else Int4Linear)(linear, skinny_ops=skinny_ops)
         setattr(parent, attr, replacement)
         skinny = getattr(replacement, "skinny", None)
         total += sum(b.nbytes for b in replacement.buffers()) + (skinny.packed.nbytes if skinny is not None else 0)

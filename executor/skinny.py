@@ -37,6 +37,25 @@ class SkinnyMatmul:
         return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
 
 
+class SkinnyInt8Matmul:
+    """Per-channel int8 weights (executor/quantization.py's codes and scales) in
+    ``skinny_linear_int8``'s layout: per tile of 16 rows, each input's 16 codes, then the scales."""
+
+    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
+        # codes: [out, in] int8; scales: [out]
+        self._ops = cpu_ops
+        self.out_features = codes.shape[0]
+        self.packed = cpu_ops.pack_skinny_int8(codes, scales)
+
+    @staticmethod
+    def fits(scales: torch.Tensor) -> bool:
+        return scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16
+        return self._ops.skinny_linear_int8(x, self.packed, bias, self.out_features)
+
+
 class SkinnyInt4Matmul:
     """Group-wise int4 weights (executor/quantization.py's codes, scales and zeros, groups of 32)
     in ``skinny_linear_int4``'s layout: per tile of 16 rows and group, the codes two a byte and the

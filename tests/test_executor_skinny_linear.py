@@ -8,9 +8,9 @@ import torch
 
 import executor.skinny
 from executor.model import Linear
-from executor.quantization import Int4Linear, dequantize_int4, quantize_int4
+from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
-from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyMatmul
+from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,27 @@ def test_int4_bad_arguments_are_refused_clearly(cpu_ops):
         cpu_ops.skinny_linear_int4(randn(1, 64), codes, None, 32)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (40, 63), (832, 576), (7, 1536)])
+def test_int8_matches_float32_arithmetic_on_the_dequantized_weights(cpu_ops, rows, out_features, in_features):
+    codes, scales = quantize_int8(randn(out_features, in_features, scale=0.05), torch.bfloat16)
+    x, bias = randn(rows, in_features), randn(out_features)
+    out = cpu_ops.skinny_linear_int8(x, cpu_ops.pack_skinny_int8(codes, scales), bias, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x, dequantize_int8(codes, scales), bias), **BF16_STEP)
+
+
+def test_int8_bad_arguments_are_refused_clearly(cpu_ops):
+    codes, scales = quantize_int8(randn(32, 64), torch.bfloat16)
+    packed = cpu_ops.pack_skinny_int8(codes, scales)
+    with pytest.raises(RuntimeError, match="codes must be"):
+        cpu_ops.pack_skinny_int8(codes.to(torch.uint8), scales)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        cpu_ops.pack_skinny_int8(codes, scales[:5])
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        cpu_ops.skinny_linear_int8(randn(1, 32), packed, None, 32)
+
+
 @pytest.fixture(scope="module")
 def bf16_runner(default_model_dir, cpu_ops):
     return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64))
@@ -139,22 +160,33 @@ PROMPTS = [
 ]
 
 
+def quantized_runner(model_dir, mode):
+    return ModelRunner(RunnerOptions(model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
+                                     quantization=mode))
+
+
+@pytest.fixture(scope="module")
+def int8_runner(default_model_dir, cpu_ops):
+    return quantized_runner(default_model_dir, "int8")
+
+
 @pytest.fixture(scope="module")
 def int4_runner(default_model_dir, cpu_ops):
-    return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
-                                     quantization="int4"))
+    return quantized_runner(default_model_dir, "int4")
 
 
-def test_int4_projections_get_the_skinny_layout_too(int4_runner):
-    projections = [m for m in int4_runner.model.modules() if isinstance(m, Int4Linear)]
-    assert projections and all(isinstance(m.skinny, SkinnyInt4Matmul) for m in projections)
+def test_quantized_projections_get_the_skinny_layouts_too(int8_runner, int4_runner):
+    for runner, linear_class, skinny_class in ((int8_runner, Int8Linear, SkinnyInt8Matmul),
+                                               (int4_runner, Int4Linear, SkinnyInt4Matmul)):
+        projections = [m for m in runner.model.modules() if isinstance(m, linear_class)]
+        assert projections and all(isinstance(m.skinny, skinny_class) for m in projections)
 
 
-@pytest.mark.parametrize("runner_name", ["bf16_runner", "int4_runner"])
+@pytest.mark.parametrize("runner_name", ["bf16_runner", "int8_runner", "int4_runner"])
 def test_decode_logits_match_the_usual_kernels(request, runner_name, default_model_dir, monkeypatch):
     """Each prompt prefilled (more rows than SKINNY_MAX_ROWS: the usual kernels), then greedy decode
     steps of all 8 prompts at once and of one alone, every step's logits from the skinny matmuls
-    against oneDNN's (bf16) or torch's int4 kernel at the same inputs. They differ by bf16 rounding
+    against oneDNN's (bf16) or torch's int8 / int4 kernels at the same inputs. They differ by bf16 rounding
     in another summation order, so the bar is the one bf16 meets against float32
     (tests/test_executor_exactness.py): the log-probabilities of the 5 most likely tokens within
     0.6 nats, the greedy pick the same in >= 90% of rows."""
@@ -174,7 +206,7 @@ def test_decode_logits_match_the_usual_kernels(request, runner_name, default_mod
     for batch in (list(range(len(prompts))), [3]):
         first = logits([SequenceInput(i, prompts[i], 0, tables[i]) for i in batch], skinny=False)
         tokens = first.argmax(-1).tolist()
-        for step in range(4):
+        for step in range(8):
             seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i]) for i, t in zip(batch, tokens)]
             skinny, onednn = logits(seqs, skinny=True), logits(seqs, skinny=False)
             top5 = onednn.topk(5, dim=-1).indices

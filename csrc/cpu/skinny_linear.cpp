@@ -16,14 +16,15 @@
 // the next chunk. Accumulation is float32, rounded to bf16 once at the end, as oneDNN does;
 // only the order of the additions differs.
 //
-// Registered as torch.ops.kvserve_cpu.{pack_skinny_weight, skinny_linear} and, for int4 weights (below),
-// {pack_skinny_int4, skinny_linear_int4}.
+// Registered as torch.ops.kvserve_cpu.{pack_skinny_weight, skinny_linear} and, for the quantized
+// weights of executor/quantization.py (below), {pack_skinny_int4, skinny_linear_int4} and
+// {pack_skinny_int8, skinny_linear_int8}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -335,6 +336,91 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
                    });
 }
 
+// ---- int8 weights (--quantization int8) -----------------------------------------------------
+//
+// Per output row w = q * scale, q in [-127, 127]. Per tile of 16 rows: for each input k, the 16
+// rows' codes (16 bytes), then the rows' scales as float32 (64 bytes). Sign-extending and
+// converting 16 codes is two instructions, so each input costs two plus one FMA per row of x
+// against x[m, k] (float32); the scale multiplies the finished sums.
+inline Vec16 load_int8_16(const int8_t* p) {
+#if defined(__AVX512F__)
+  // GCC's vector extensions turn this conversion into scalar code; two instructions here (the
+  // zero-masked forms: GCC 12 warns about the unmasked ones' undefined pass-through operand).
+  const __m512i wide = _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 v = _mm512_maskz_cvtepi32_ps(0xFFFF, wide);
+  Vec16 out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+#else
+  float tmp[kTile];
+  for (int64_t i = 0; i < kTile; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+#endif
+}
+
+template <int ROWS>
+void int8_tile_dot(const int8_t* w, const float* x, int64_t k_total, float* acc) {
+  constexpr int kChains = ROWS >= 4 ? 1 : (ROWS == 1 ? 4 : 2);
+  Vec16 sums[ROWS][kChains] = {};
+  int64_t k = 0;
+  for (; k + kChains <= k_total; k += kChains) {
+    for (int c = 0; c < kChains; ++c) {
+      const Vec16 wv = load_int8_16(w + (k + c) * kTile);
+      for (int m = 0; m < ROWS; ++m) sums[m][c] += wv * x[m * k_total + k + c];
+    }
+  }
+  for (; k < k_total; ++k) {
+    const Vec16 wv = load_int8_16(w + k * kTile);
+    for (int m = 0; m < ROWS; ++m) sums[m][0] += wv * x[m * k_total + k];
+  }
+  const Vec16 scale = load16(reinterpret_cast<const float*>(w + k_total * kTile));
+  for (int m = 0; m < ROWS; ++m) {
+    Vec16 total = sums[m][0];
+    for (int c = 1; c < kChains; ++c) total += sums[m][c];
+    store16(acc + m * kTile, total * scale);
+  }
+}
+
+using Int8TileDot = void (*)(const int8_t*, const float*, int64_t, float*);
+
+template <size_t... I>
+constexpr std::array<Int8TileDot, sizeof...(I)> make_int8_tile_dots(std::index_sequence<I...>) {
+  return {&int8_tile_dot<static_cast<int>(I) + 1>...};
+}
+
+constexpr auto kInt8TileDots = make_int8_tile_dots(std::make_index_sequence<kMaxChunkRows>{});
+
+at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "pack_skinny_int8: codes must be [out, in] int8");
+  const int64_t n = codes.size(0), k = codes.size(1), tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "pack_skinny_int8: scales must be [out]");
+  at::Tensor c = at::zeros({tiles * kTile, k}, codes.options());
+  c.narrow(0, 0, n).copy_(codes);
+  at::Tensor s = at::zeros({tiles * kTile}, scales.options().dtype(at::kFloat));
+  s.narrow(0, 0, n).copy_(scales);
+  // [tiles, 16 rows, K] → [tiles, K, 16 rows], then the tile's 16 float32 scales as 64 bytes.
+  at::Tensor tile_codes = c.view({tiles, kTile, k}).transpose(1, 2).reshape({tiles, k * kTile}).view(at::kByte);
+  return at::cat({tile_codes, s.view({tiles, kTile}).view(at::kByte)}, 1).contiguous();
+}
+
+at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  const at::Tensor xc = bf16_rows("skinny_linear_int8", x);
+  const int64_t k = xc.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "skinny_linear_int8: packed must come from pack_skinny_int8");
+  TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "skinny_linear_int8: x has ", k,
+              " features, the weight ", (packed.size(1) - kTile * 4) / kTile);
+  const at::Tensor x_f32 = xc.to(at::kFloat).contiguous();  // [rows, K]
+  const auto* w = reinterpret_cast<const int8_t*>(packed.data_ptr<uint8_t>());
+  const float* xp = x_f32.data_ptr<float>();
+  const int64_t tile_bytes = packed.size(1);
+  return run_tiles("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
+                   [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
+                     kInt8TileDots[chunk - 1](w + t * tile_bytes, xp + m0 * k, k, acc);
+                   });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
@@ -342,6 +428,8 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("pack_skinny_int4(Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
   m.def("skinny_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("pack_skinny_int8(Tensor codes, Tensor scales) -> Tensor");
+  m.def("skinny_linear_int8(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -349,4 +437,6 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("pack_skinny_int4", &pack_skinny_int4);
   m.impl("skinny_linear_int4", &skinny_linear_int4);
+  m.impl("pack_skinny_int8", &pack_skinny_int8);
+  m.impl("skinny_linear_int8", &skinny_linear_int8);
 }
