@@ -4,14 +4,15 @@ With up to a handful of tokens a step, a projection is bound by reading its weig
 arithmetic. oneDNN's packed bf16 matmul and torch's int4 kernel read them well below the rate one
 core can stream memory; these layouts make each projection one sequential read (docs/executor.md
 has the measurements). Beyond ``SKINNY_MAX_ROWS`` tokens the step is compute-bound and the usual
-kernels (oneDNN's GEMM, torch's int4 matmul) run instead, so both layouts are kept.
+kernel (oneDNN's GEMM) runs instead, so both layouts are kept. The quantized layouts serve every
+step: torch's CPU int8 and int4 matmuls, which they replace, are slower at any batch measured.
 """
 from __future__ import annotations
 
 import torch
 
-# Up to this many rows (tokens of a step) the skinny kernels beat oneDNN's bf16 GEMM and torch's
-# int4 matmul; measured on AVX512-BF16 (Zen 4), docs/executor.md.
+# Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
+# measured on AVX512-BF16 (Zen 4), docs/executor.md.
 SKINNY_MAX_ROWS = 8
 
 
