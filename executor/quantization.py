@@ -119,6 +119,8 @@ class Int8Linear(nn.Module):
         # any number of tokens measured (1.5-2.9x, 1 to 256).
         self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
                        if skinny_ops is not None and SkinnyInt8Matmul.fits(scales) else None)
+        if self.skinny is not None:  # torch's kernel will not run: release its copy
+            self.codes = self.scales = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] → [..., out]
@@ -155,6 +157,8 @@ class Int4Linear(nn.Module):
         # any number of tokens measured (1.5-2.9x, 1 to 256).
         self.skinny = (SkinnyInt4Matmul(skinny_ops, codes, scales, zeros)
                        if skinny_ops is not None and SkinnyInt4Matmul.fits(scales, group_size) else None)
+        if self.skinny is not None:  # torch's kernel will not run: release its copy
+            self.packed = self.scales_and_zeros = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] → [..., out]

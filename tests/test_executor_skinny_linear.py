@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import executor.skinny
+from executor.loader import load_model
 from executor.model import Linear
 from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
@@ -136,16 +136,39 @@ def test_int8_bad_arguments_are_refused_clearly(cpu_ops):
 
 
 @pytest.fixture(scope="module")
-def bf16_runner(default_model_dir, cpu_ops):
-    return ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64))
+def runners(default_model_dir, cpu_ops):
+    """runners(mode) → (a runner with the skinny kernels, one whose model was loaded without them),
+    built on first use for ``mode`` (none, int8, int4)."""
+    made = {}
+
+    def get(mode: str) -> tuple[ModelRunner, ModelRunner]:
+        if mode not in made:
+            skinny, usual = (ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu",
+                                                       num_blocks=64, quantization=mode)) for _ in range(2))
+            usual.model = load_model(default_model_dir, usual.dtype, usual.device, usual.max_model_len, mode)
+            made[mode] = (skinny, usual)
+        return made[mode]
+
+    return get
 
 
-def test_the_model_decodes_with_it_and_keeps_one_copy_less(bf16_runner):
-    model = bf16_runner.model
+def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners):
+    model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert projections and all(isinstance(m.skinny, SkinnyMatmul) and m.weight is None for m in projections)
     assert isinstance(model.skinny_lm_head, SkinnyMatmul)
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
+
+
+def test_quantized_projections_get_the_skinny_layouts_and_drop_torchs(runners):
+    for mode, linear_class, skinny_class, torch_buffer in (("int8", Int8Linear, SkinnyInt8Matmul, "codes"),
+                                                           ("int4", Int4Linear, SkinnyInt4Matmul, "packed")):
+        skinny, usual = runners(mode)
+        projections = [m for m in skinny.model.modules() if isinstance(m, linear_class)]
+        assert projections and all(isinstance(m.skinny, skinny_class) and getattr(m, torch_buffer) is None
+                                   for m in projections)
+        assert all(m.skinny is None and getattr(m, torch_buffer) is not None
+                   for m in usual.model.modules() if isinstance(m, linear_class))
 
 
 PROMPTS = [
@@ -160,60 +183,27 @@ PROMPTS = [
 ]
 
 
-def quantized_runner(model_dir, mode):
-    return ModelRunner(RunnerOptions(model_dir, dtype="bfloat16", attention_backend="cpu", num_blocks=64,
-                                     quantization=mode))
-
-
-@pytest.fixture(scope="module")
-def int8_runner(default_model_dir, cpu_ops):
-    return quantized_runner(default_model_dir, "int8")
-
-
-@pytest.fixture(scope="module")
-def int4_runner(default_model_dir, cpu_ops):
-    return quantized_runner(default_model_dir, "int4")
-
-
-def test_quantized_projections_get_the_skinny_layouts_too(int8_runner, int4_runner):
-    for runner, linear_class, skinny_class in ((int8_runner, Int8Linear, SkinnyInt8Matmul),
-                                               (int4_runner, Int4Linear, SkinnyInt4Matmul)):
-        projections = [m for m in runner.model.modules() if isinstance(m, linear_class)]
-        assert projections and all(isinstance(m.skinny, skinny_class) for m in projections)
-
-
-@pytest.mark.parametrize("runner_name", ["bf16_runner", "int8_runner", "int4_runner"])
-def test_logits_match_the_usual_kernels(request, runner_name, default_model_dir, monkeypatch):
-    """Each prompt prefilled, then greedy steps of all 8 prompts at once and of one alone; every
-    step's logits from the skinny matmuls against the usual kernels' (oneDNN for bf16, torch's int8 /
-    int4 matmuls) at the same inputs. bf16 prefills have more rows than SKINNY_MAX_ROWS and take
-    oneDNN either way; quantized ones take the skinny kernels at every size. They differ by bf16
-    rounding in another summation order, so the bar is the one bf16 meets against float32
-    (tests/test_executor_exactness.py): the log-probabilities of the 5 most likely tokens within
-    0.6 nats, the greedy pick the same in >= 90% of rows."""
-    runner = request.getfixturevalue(runner_name)
+@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+def test_logits_match_the_usual_kernels(runners, mode, default_model_dir):
+    """Each prompt prefilled, then greedy steps of all 8 prompts at once and of one alone, in a
+    runner with the skinny kernels and in one without (oneDNN for bf16, torch's int8 / int4
+    matmuls), both fed the latter's greedy tokens. bf16 prefills have more rows than
+    SKINNY_MAX_ROWS and take oneDNN either way; quantized ones take the skinny kernels at every
+    size. The logits differ by bf16 rounding in another summation order, so the bar is the one
+    bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of the 5
+    most likely tokens within 0.6 nats, the greedy pick the same in >= 90% of rows."""
+    skinny_runner, usual_runner = runners(mode)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     assert len(prompts) == SKINNY_MAX_ROWS and len(prompts[3]) > SKINNY_MAX_ROWS
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
-    quantized = [m for m in runner.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
-
-    def logits(seqs, skinny: bool):
-        with monkeypatch.context() as patch:
-            if not skinny:
-                patch.setattr(executor.skinny, "SKINNY_MAX_ROWS", 0)
-                for module in quantized:
-                    patch.setattr(module, "skinny", None)
-            return runner.forward_logits(seqs)
-
     worst, agree, total = 0.0, 0, 0
     for batch in (list(range(len(prompts))), [3]):
         seqs = [SequenceInput(i, prompts[i], 0, tables[i]) for i in batch]
         for step in range(9):
-            # The usual kernels' run goes second: its K/V and greedy tokens are what the next step sees.
-            skinny, usual = logits(seqs, skinny=True), logits(seqs, skinny=False)
+            skinny, usual = skinny_runner.forward_logits(seqs), usual_runner.forward_logits(seqs)
             top5 = usual.topk(5, dim=-1).indices
             err = (skinny.log_softmax(-1).gather(1, top5) - usual.log_softmax(-1).gather(1, top5)).abs().max()
             worst = max(worst, err.item())
@@ -221,6 +211,6 @@ def test_logits_match_the_usual_kernels(request, runner_name, default_model_dir,
             total += len(seqs)
             seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i])
                     for i, t in zip(batch, usual.argmax(-1).tolist())]
-    print(f"\n{runner_name}, skinny vs the usual kernels: worst top-5 logprob error {worst:.3f} nats, "
+    print(f"\n{mode}, skinny vs the usual kernels: worst top-5 logprob error {worst:.3f} nats, "
           f"argmax agreement {agree}/{total}")
     assert worst < 0.6 and agree / total >= 0.9

@@ -1,0 +1,101 @@
+"""The decode step's matmuls alone: the skinny kernels (executor/skinny.py) against the ones they
+stand in for, at the model's shapes, on this machine.
+
+    python -m bench.matmul_bench [--model DIR] [--rows 1,2,4,8,16,32] [--threads 1]
+
+For each number of rows (tokens of a step), every projection of every layer and the LM head
+once, with random weights of the model's shapes: bf16 through oneDNN's packed matmul and through
+``skinny_linear``; int8 and int4 (executor/quantization.py's formats) through torch's weight-only
+kernels and through the skinny ones. The kernels run in turn, round after round, and the best of
+``--rounds`` is kept. GB/s is the bytes of weights read per second (bf16: 2 a weight).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from executor.attention.csrc_loader import csrc_build_script
+from executor.model import ModelConfig, pack_weight, packed_linear
+from executor.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
+from executor.skinny import SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
+from kvserve.paths import default_model_dir
+
+
+def model_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of each matmul of one decode step: the layers' four projections, then the LM head."""
+    c = config
+    layer = [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
+             (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return layer * c.num_layers + [(c.vocab_size, c.hidden_size)]
+
+
+def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
+    """Per kernel, one callable x → y per matmul (the LM head stays bf16 in the quantized rows,
+    as in the model)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16) for n, k in shapes]
+    projections, lm_head = weights[:-1], weights[-1]
+    onednn_head = pack_weight(lm_head)
+    skinny_head = SkinnyMatmul(ops, lm_head)
+    kernels = {
+        "oneDNN bf16": [lambda x, p=pack_weight(w): packed_linear(x, p, None) for w in weights],
+        "skinny bf16": [lambda x, s=SkinnyMatmul(ops, w): s(x, None) for w in weights],
+        "torch int8": [], "skinny int8": [], "torch int4": [], "skinny int4": [],
+    }
+    for w in projections:
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        linear.weight.data.copy_(w)
+        codes8, scales8 = quantize_int8(w, torch.bfloat16)
+        kernels["torch int8"].append(Int8Linear(linear))
+        kernels["skinny int8"].append(lambda x, s=SkinnyInt8Matmul(ops, codes8, scales8): s(x, None))
+        kernels["torch int4"].append(Int4Linear(linear))
+        kernels["skinny int4"].append(lambda x, s=SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16)): s(x, None))
+    for name in ("torch int8", "torch int4"):
+        kernels[name].append(lambda x: packed_linear(x, onednn_head, None))
+    for name in ("skinny int8", "skinny int4"):
+        kernels[name].append(lambda x: skinny_head(x, None))
+    return kernels
+
+
+def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
+    head = shapes[-1][0] * shapes[-1][1] * 2
+    per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}[name.split()[-1]]  # int4: + bf16 scale, zero
+    return int(sum(n * k for n, k in shapes[:-1]) * per_weight) + head
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32", help="comma-separated numbers of rows (tokens)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops = csrc_build_script().load_cpu()
+    config = ModelConfig.from_dir(args.model or default_model_dir())
+    shapes = model_shapes(config)
+    kernels = build_kernels(shapes, ops)
+    print(f"{len(shapes)} matmuls a step ({config.architecture}, hidden {config.hidden_size}), "
+          f"{args.threads} thread(s), best of {args.rounds}")
+    print("| rows | " + " | ".join(kernels) + " |")
+    print("|---:|" + "---:|" * len(kernels))
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
+            best = {name: float("inf") for name in kernels}
+            for round_ in range(args.rounds + 1):  # the first round warms up
+                for name, fns in kernels.items():
+                    start = time.perf_counter()
+                    for fn, (_, k) in zip(fns, shapes):
+                        fn(inputs[k])
+                    if round_:
+                        best[name] = min(best[name], time.perf_counter() - start)
+            cells = [f"{best[n] * 1e3:.1f} ms ({weight_bytes(shapes, n) / best[n] / 1e9:.1f} GB/s)" for n in kernels]
+            print(f"| {rows} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
