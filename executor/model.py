@@ -164,14 +164,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed on the CPU: for oneDNN (F.linear re-packs the
     weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
-    and, for steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once both exist the
-    unpacked weight is released (``weight`` is None): nothing reads it, and it would be a third copy."""
+    and, for decode steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once both
+    exist the unpacked weight is released (``weight`` is None): nothing reads it, and it would be a
+    third copy. ``decode_step``: every sequence of the step computes one token. Prompt tokens always
+    take oneDNN, however few are left after a prefix-cache hit, so that a prompt's rounding (and a
+    greedy answer at a near-tie) does not depend on how much of it was cached."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny is not None and rows_fit(x):
+    def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
+        if self.skinny is not None and decode_step and rows_fit(x):
             return self.skinny(x, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
@@ -214,7 +217,8 @@ class Attention(nn.Module):
         ops = backend.layer_ops
         num_tokens = x.shape[0]
         heads = c.num_heads + 2 * c.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, heads, c.head_dim)  # [num_tokens, q heads + k heads + v heads, head_dim]
+        decode_step = meta.max_query_len == 1
+        qkv = self.qkv_proj(x, decode_step).view(num_tokens, heads, c.head_dim)  # [num_tokens, q heads + k heads + v heads, head_dim]
         if c.qk_norm:
             q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
             qkv = torch.cat((self.q_norm(q.reshape(-1, c.head_dim), ops).view(q.shape),
@@ -226,7 +230,7 @@ class Attention(nn.Module):
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         backend.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = backend.attend(q, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, c.q_size))
+        return self.o_proj(out.reshape(num_tokens, c.q_size), decode_step)
 
 
 class MLP(nn.Module):
@@ -237,9 +241,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: TorchLayerOps, decode_step: bool = False) -> torch.Tensor:
         # x: [num_tokens, hidden] → [num_tokens, hidden]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, decode_step)), decode_step)
 
 
 class DecoderLayer(nn.Module):
@@ -260,7 +264,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, ops, residual)
         x = self.self_attn(x, cos_sin, kv_cache, meta, backend)
         x, residual = self.post_attention_layernorm(x, ops, residual)
-        return self.mlp(x, ops), residual
+        return self.mlp(x, ops, meta.max_query_len == 1), residual
 
 
 class Transformer(nn.Module):
@@ -312,9 +316,9 @@ class Transformer(nn.Module):
         normed, _ = self.norm(x, backend.layer_ops, residual)
         return normed
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32
-        if self.skinny_lm_head is not None and rows_fit(hidden):
+    def compute_logits(self, hidden: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
+        # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32; decode_step as Linear's
+        if self.skinny_lm_head is not None and decode_step and rows_fit(hidden):
             return self.skinny_lm_head(hidden, None).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()

@@ -122,8 +122,9 @@ class Int8Linear(nn.Module):
         if self.skinny is not None:  # torch's kernel will not run: release its copy
             self.codes = self.scales = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] → [..., out]
+    def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
+        # x: [..., in] → [..., out]; the skinny kernel serves every step (its rows' rounding does not
+        # depend on the step's size), so ``decode_step`` changes nothing here
         if self.skinny is not None and x.dim() == 2:
             return self.skinny(x, self.bias)
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
@@ -160,8 +161,9 @@ class Int4Linear(nn.Module):
         if self.skinny is not None:  # torch's kernel will not run: release its copy
             self.packed = self.scales_and_zeros = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in] → [..., out]
+    def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
+        # x: [..., in] → [..., out]; the skinny kernel serves every step (its rows' rounding does not
+        # depend on the step's size), so ``decode_step`` changes nothing here
         if self.skinny is not None and x.dim() == 2:
             return self.skinny(x, self.bias)
         out = self._mm(x.reshape(-1, self.in_features), self.packed, self.group_size, self.scales_and_zeros)

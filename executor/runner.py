@@ -257,7 +257,7 @@ class ModelRunner:
         # hidden: [num_tokens, hidden] → logits [len(rows), vocab] float32 at each row's last token
         ends = list(itertools.accumulate(meta.query_lens_cpu))
         last_tokens = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, last_tokens))
+        return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.max_query_len == 1)
 
     @torch.inference_mode()
     def forward_logits(self, sequences: list[SequenceInput]) -> torch.Tensor:

@@ -114,6 +114,8 @@ class Backend:
         self.aborts: dict[str, Exception | None] = {}  # request id -> the error it fails with (None: abort)
         self.last_error: str = ""
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # decode steps whose Execute went out beside their Allocate
+        self.num_mispredicted_steps = 0  # of those, kvmanager answered otherwise (a bug: recomputed)
         self._session_id: str | None = None
         self._connection_lost: str | None = None
         self._connect_lock = asyncio.Lock()
@@ -206,6 +208,7 @@ class Backend:
                 self.deadline = StepDeadline(self.config.step_timeout_s)
             self.info = info
             self.scheduler.block_size = info.block_size if self.config.enable_prefix_caching else None
+            self.scheduler.kv_block_size = info.block_size
             self._session_id = session_id
             self._connection_lost = None
             self.last_error = ""
@@ -326,19 +329,26 @@ class Backend:
                 kv_s += time.perf_counter() - t0
             scheduler.complete_fork(request, table)
         plan = scheduler.schedule()
-        ready, usage = [], None
-        while plan:
-            t0 = time.perf_counter()
-            results, usage = await self._allocate(pool_id, session_id, plan)
-            kv_s += time.perf_counter() - t0
-            verdict = scheduler.apply_allocation(plan, results)
-            ready = scheduler.prune(ready + verdict.ready)
-            plan = verdict.retry
-        executor_s = forward_s = total_s = 0.0
-        if ready:
-            t0 = time.perf_counter()
-            ready, result = await self._execute(ready)
-            executor_s = time.perf_counter() - t0
+        predicted = scheduler.predict_decodes(plan)
+        ready, usage, result, executor_s = [], None, None, 0.0
+        if predicted is not None:
+            ready, result, usage, kv_wait_s, executor_s = await self._overlapped_decodes(
+                pool_id, session_id, plan, predicted)
+            kv_s += kv_wait_s
+        else:
+            while plan:
+                t0 = time.perf_counter()
+                results, usage = await self._allocate(pool_id, session_id, plan)
+                kv_s += time.perf_counter() - t0
+                verdict = scheduler.apply_allocation(plan, results)
+                ready = scheduler.prune(ready + verdict.ready)
+                plan = verdict.retry
+            if ready:
+                t0 = time.perf_counter()
+                ready, result = await self._execute(ready)
+                executor_s = time.perf_counter() - t0
+        forward_s = total_s = 0.0
+        if result is not None:
             self.deadline.observe(executor_s, sum(e.num_tokens for e in ready))
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
@@ -347,6 +357,34 @@ class Backend:
         self.hooks.publish_counters()
         self.hooks.on_step(self, step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
                            forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
+
+    async def _overlapped_decodes(self, pool_id: str, session_id: str, plan: list[ScheduledSeq],
+                                  predicted: list[tuple[int, int]]):
+        """A step of plain decodes whose Allocate answer is known ahead (``Scheduler.predict_decodes``):
+        its Execute goes out beside the Allocate instead of after it, so the kvmanager round trip
+        hides behind the forward pass. kvmanager still sees every step, in order (the frees and
+        written-KV reports ride along as always). Its answer is checked once both are back; any other
+        answer would be a bug, and loses this backend's KV state: every sequence is recomputed.
+        Returns (entries run, their output, KV usage, seconds waited for kvmanager after the Execute,
+        seconds of the Execute)."""
+        ready = self.scheduler.apply_predicted(plan, predicted)
+        self.num_overlapped_steps += 1
+        started = time.perf_counter()
+        allocate = asyncio.ensure_future(self._allocate(pool_id, session_id, plan))
+        try:
+            ran, result = await self._execute(ready)
+        except BaseException:
+            allocate.cancel()  # the step failed: the session is dropped, its answer would change nothing
+            await asyncio.gather(allocate, return_exceptions=True)
+            raise
+        executed = time.perf_counter()
+        results, usage = await allocate
+        if not Scheduler.answer_matches(predicted, results):
+            self.num_mispredicted_steps += 1
+            raise KVStateLost(f"kvmanager answered a step of {len(plan)} decodes otherwise than predicted "
+                              f"({[(r.ok, r.start_position, r.num_tokens) for r in results][:4]}...): recomputing")
+        self.scheduler.apply_allocation(plan, results)  # records what kvmanager knows, as any step does
+        return ran, result, usage, time.perf_counter() - executed, executed - started
 
     async def _allocate(self, pool_id: str, session_id: str, plan: list[ScheduledSeq]):
         """One Allocate carrying the pending frees and written-KV reports. When kvmanager

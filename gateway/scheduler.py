@@ -133,6 +133,8 @@ class Scheduler:
         self._admissions = 0
         # Tokens per KV block of the executor (the backend sets it); None: no same-step deferral.
         self.block_size: int | None = None
+        # The same, set whether or not prefix caching is on: for predict_decodes.
+        self.kv_block_size: int | None = None
 
     # --- requests in and out -------------------------------------------------
 
@@ -282,6 +284,36 @@ class Scheduler:
         if not bs or seq.holds_blocks or not options.enable_prefix_caching or seq.num_sendable() <= bs:
             return None
         return (options.cache_salt, tuple(seq.token_ids[:bs]))
+
+    def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
+        """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's
+        answer is known before it comes: OK, the one token at ``num_computed``, no new block, no
+        copy. Returns each entry's (seq_id, start_position) for ``apply_predicted`` then, or None when
+        any entry needs the answer first (a new sequence, a prefill chunk, a new block, a request
+        with forked choices, whose blocks may be shared until their first copy-on-write)."""
+        bs = self.kv_block_size
+        if not plan or not bs:
+            return None
+        for entry in plan:
+            seq = entry.seq
+            if (entry.num_new_tokens != 1 or not seq.holds_blocks or seq.num_to_compute() != 1
+                    or seq.request.options.n != 1 or seq.num_computed >= len(seq.block_table) * bs):
+                return None
+        return [(entry.seq_id, entry.seq.num_computed) for entry in plan]
+
+    def apply_predicted(self, plan: list[ScheduledSeq], predicted: list[tuple[int, int]]) -> list[ScheduledSeq]:
+        """Fills in ``plan`` as ``apply_allocation`` would from the predicted answer; the entries to run."""
+        for entry, (_, start) in zip(plan, predicted):
+            entry.start_position, entry.num_tokens, entry.copies = start, 1, []
+            entry.sample = True
+        return list(plan)
+
+    @staticmethod
+    def answer_matches(predicted: list[tuple[int, int]], results: list[AllocationResult]) -> bool:
+        """Whether kvmanager answered what ``predict_decodes`` said it would."""
+        return len(results) == len(predicted) and all(
+            r.ok and r.start_position == start and r.num_tokens == 1 and not r.block_table and not r.copy_src
+            for r, (_, start) in zip(results, predicted))
 
     def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
         """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""

@@ -66,6 +66,23 @@ def test_bias_strided_rows_and_threads_give_the_same_result(cpu_ops):
     torch.testing.assert_close(one, reference(x.contiguous(), weight, bias), **BF16_STEP)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
+    """A token's projection does not depend on what else is in its step: each row is summed in
+    the same order whatever the number of rows (the chunks of 8 share weight loads, not sums)."""
+    weight = randn(100, 576, scale=0.05)
+    if kind == "bf16":
+        packed, op = cpu_ops.pack_skinny_weight(weight), cpu_ops.skinny_linear
+    elif kind == "int8":
+        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
+    else:
+        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    batch = randn(17, 576)
+    alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(17)])
+    for rows in (2, 5, 8, 9, 17):
+        assert torch.equal(op(batch[:rows], packed, None, 100), alone[:rows]), rows
+
+
 def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
     weight = randn(32, 64)
     packed = cpu_ops.pack_skinny_weight(weight)
@@ -183,13 +200,25 @@ PROMPTS = [
 ]
 
 
+def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir):
+    """A prompt's last few tokens (a prefix-cache hit leaves at most a block's worth) are computed
+    exactly as without the skinny kernels, so a cached and an uncached prompt round alike."""
+    skinny_runner, usual_runner = runners("none")
+    prompt = list(range(200, 237))
+    table = [50, 51, 52]
+    results = []
+    for runner in (skinny_runner, usual_runner):
+        runner.forward_logits([SequenceInput(0, prompt[:32], 0, table)])
+        results.append(runner.forward_logits([SequenceInput(0, prompt[32:], 32, table)]))
+    assert len(prompt) - 32 <= SKINNY_MAX_ROWS and torch.equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_logits_match_the_usual_kernels(runners, mode, default_model_dir):
     """Each prompt prefilled, then greedy steps of all 8 prompts at once and of one alone, in a
     runner with the skinny kernels and in one without (oneDNN for bf16, torch's int8 / int4
-    matmuls), both fed the latter's greedy tokens. bf16 prefills have more rows than
-    SKINNY_MAX_ROWS and take oneDNN either way; quantized ones take the skinny kernels at every
-    size. The logits differ by bf16 rounding in another summation order, so the bar is the one
+    matmuls), both fed the latter's greedy tokens. bf16 prefills take oneDNN either way;
+    quantized ones take the skinny kernels at every size. The logits differ by bf16 rounding in another summation order, so the bar is the one
     bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of the 5
     most likely tokens within 0.6 nats, the greedy pick the same in >= 90% of rows."""
     skinny_runner, usual_runner = runners(mode)

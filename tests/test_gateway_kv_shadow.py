@@ -344,6 +344,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
             pool = self.manager.pools.get(self.pool_ids[address])
             if pool is not None and backend._session_id is not None:
                 assert not pool.session_seq_ids.get(backend._session_id), "blocks leaked"
+            self.seen.update({"decode steps overlapped with their Allocate": backend.num_overlapped_steps})
+            assert backend.num_mispredicted_steps == 0, "kvmanager answered a predicted decode step otherwise"
         self.loop.close()
 
     def check_outputs(self, request_id, stream):
@@ -393,5 +395,37 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
                            ("finished across an executor failure", 10),
                            ("finished across a failure with two executors", 10), ("refused request failed alone", 10),
-                           ("aborted", 10)]:
+                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20)]:
         assert seen[what] >= at_least, (what, dict(seen))
+
+
+def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_recomputed(default_model_dir):
+    """Plain decode steps send Execute beside Allocate (the shadow executor runs before kvmanager
+    has even seen the step). When kvmanager's answer is not the predicted one, nothing sampled in
+    that step is kept: the backend drops its KV state and recomputes, and every request still
+    ends with the reference tokens."""
+    GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
+    machine = GatewayKVMachine()
+    machine.setup(block_size=4, num_blocks=40, max_num_seqs=4, max_batched=40, num_executors=1, routing="kv")
+    backend = next(iter(machine.engine.backends.values()))
+    allocate = machine.engine.kvmanager.allocate
+    tampered = []
+
+    async def allocate_answering_otherwise_once(pool_id, session_id, free_seq_ids, plan, *args):
+        results, usage = await allocate(pool_id, session_id, free_seq_ids, plan, *args)
+        if not tampered and backend.num_overlapped_steps >= 3 and all(r.num_tokens == 1 for r in results):
+            results[0].start_position += 1
+            tampered.append(session_id)
+        return results, usage
+
+    machine.engine.kvmanager.allocate = allocate_answering_otherwise_once
+    for prompt in ([400] * 8 + [500], [410, 411, 412, 501], [502] * 3):
+        machine.submit(prompt=prompt, max_tokens=12, n=1, salt="", seed=None)
+    for _ in range(20):
+        machine.step(steps=1)
+        if tampered:
+            break
+    assert tampered and backend.num_overlapped_steps >= 3
+    backend.num_mispredicted_steps -= 1  # the one this test caused; teardown asserts there are no others
+    machine.teardown()  # every request finished with its reference tokens, no block leaked
+    assert backend._session_id != tampered[0]  # that step's KV state was dropped, not trusted

@@ -41,6 +41,10 @@ using namespace kvserve_cpu;
 
 constexpr int64_t kTile = 16;    // output rows per tile: one register of float32 accumulators
 constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
+// Independent accumulator chains per row of x, so that one row alone is not bound by the latency
+// of its multiply-adds. The same for any number of rows: a row's sums, and so its rounding, do
+// not depend on what else is in the step (a token gets the same result alone or in a batch).
+constexpr int kChains = 2;
 
 inline int32_t load_pair(const uint16_t* p) {
   int32_t v;
@@ -52,9 +56,6 @@ inline int32_t load_pair(const uint16_t* p) {
 #if defined(__AVX512BF16__)
 template <int ROWS>
 void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pairs, float* acc) {
-  // Independent accumulator chains per row, so that one row alone is not bound by the
-  // instruction's latency.
-  constexpr int kChains = ROWS > 4 ? 1 : 2;
   __m512 sums[ROWS][kChains];
   for (int m = 0; m < ROWS; ++m)
     for (int c = 0; c < kChains; ++c) sums[m][c] = _mm512_setzero_ps();
@@ -215,7 +216,6 @@ inline Vec16 load_bf16_16(const uint8_t* p) { return load16(reinterpret_cast<con
 template <int ROWS>
 void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const float* x_sums, int64_t groups,
                    float* acc) {
-  constexpr int kChains = ROWS >= 4 ? 1 : (ROWS == 1 ? 4 : 2);
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -360,7 +360,6 @@ inline Vec16 load_int8_16(const int8_t* p) {
 
 template <int ROWS>
 void int8_tile_dot(const int8_t* w, const float* x, int64_t k_total, float* acc) {
-  constexpr int kChains = ROWS >= 4 ? 1 : (ROWS == 1 ? 4 : 2);
   Vec16 sums[ROWS][kChains] = {};
   int64_t k = 0;
   for (; k + kChains <= k_total; k += kChains) {
