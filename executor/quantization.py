@@ -106,34 +106,35 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 # ---- the layers ----------------------------------------------------------------------------------
 class Int8Linear(nn.Module):
-    """A linear layer with per-channel int8 weights; same inputs and outputs as the float one."""
+    """A linear layer with per-channel int8 weights; same inputs and outputs as the float one.
+    With ``skinny_ops`` (and bf16 scales on the CPU) every step takes executor/skinny.py's layout,
+    which beats torch's kernel at any number of tokens measured (1.5-2.9x, 1 to 256), and torch's
+    copy is not kept; its rows round alike at any batch size, so ``decode_step`` changes nothing."""
 
     def __init__(self, linear: nn.Linear, skinny_ops=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
-        self.register_buffer("codes", codes)  # [out, in] int8
-        self.register_buffer("scales", scales)  # [out], compute dtype
         self.bias = linear.bias
-        # The same codes in executor/skinny.py's layout, for every step: it beats torch's kernel at
-        # any number of tokens measured (1.5-2.9x, 1 to 256).
         self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
                        if skinny_ops is not None and SkinnyInt8Matmul.fits(scales) else None)
-        if self.skinny is not None:  # torch's kernel will not run: release its copy
-            self.codes = self.scales = None
+        keep = self.skinny is None
+        self.register_buffer("codes", codes if keep else None)  # [out, in] int8
+        self.register_buffer("scales", scales if keep else None)  # [out], compute dtype
 
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
-        # x: [..., in] → [..., out]; the skinny kernel serves every step (its rows' rounding does not
-        # depend on the step's size), so ``decode_step`` changes nothing here
-        if self.skinny is not None and x.dim() == 2:
-            return self.skinny(x, self.bias)
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.codes, self.scales)
+        # x: [..., in] → [..., out]
+        rows = x.reshape(-1, self.in_features)
+        if self.skinny is not None:
+            return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
+        out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
 class Int4Linear(nn.Module):
-    """A linear layer with group-wise int4 weights, packed once for the device's kernel."""
+    """A linear layer with group-wise int4 weights, packed once for the device's kernel. With
+    ``skinny_ops``, as ``Int8Linear``: executor/skinny.py's layout only (2x torch's CPU kernel)."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, skinny_ops=None):
         super().__init__()
@@ -142,31 +143,30 @@ class Int4Linear(nn.Module):
         weight = linear.weight.detach()
         device = weight.device
         codes, scales, zeros = quantize_int4(weight, weight.dtype, group_size)
-        pack_op, mm_op = _INT4_OPS[device.type]
-        self._mm = getattr(torch.ops.aten, mm_op)
-        if device.type == "cpu":
-            packed = getattr(torch.ops.aten, pack_op)(codes.to(torch.int32), 1)  # [out, in / 2] uint8
-        else:
-            # tinygemm takes two codes per byte, the even input feature in the high nibble.
-            pairs = (codes[:, ::2] << 4) | codes[:, 1::2]  # [out, in / 2] uint8
-            packed = getattr(torch.ops.aten, pack_op)(pairs, _inner_k_tiles(self.in_features))
-        self.register_buffer("packed", packed)
-        # [in / group, out, 2]: (scale, zero) per group and output, as both kernels read them.
-        self.register_buffer("scales_and_zeros", torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous())
         self.bias = linear.bias
-        # The same codes in executor/skinny.py's layout, for every step: it beats torch's kernel at
-        # any number of tokens measured (1.5-2.9x, 1 to 256).
         self.skinny = (SkinnyInt4Matmul(skinny_ops, codes, scales, zeros)
                        if skinny_ops is not None and SkinnyInt4Matmul.fits(scales, group_size) else None)
-        if self.skinny is not None:  # torch's kernel will not run: release its copy
-            self.packed = self.scales_and_zeros = None
+        packed = scales_and_zeros = None
+        if self.skinny is None:
+            pack_op, mm_op = _INT4_OPS[device.type]
+            self._mm = getattr(torch.ops.aten, mm_op)
+            if device.type == "cpu":
+                packed = getattr(torch.ops.aten, pack_op)(codes.to(torch.int32), 1)  # [out, in / 2] uint8
+            else:
+                # tinygemm takes two codes per byte, the even input feature in the high nibble.
+                pairs = (codes[:, ::2] << 4) | codes[:, 1::2]  # [out, in / 2] uint8
+                packed = getattr(torch.ops.aten, pack_op)(pairs, _inner_k_tiles(self.in_features))
+            # [in / group, out, 2]: (scale, zero) per group and output, as both kernels read them.
+            scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
-        # x: [..., in] → [..., out]; the skinny kernel serves every step (its rows' rounding does not
-        # depend on the step's size), so ``decode_step`` changes nothing here
-        if self.skinny is not None and x.dim() == 2:
-            return self.skinny(x, self.bias)
-        out = self._mm(x.reshape(-1, self.in_features), self.packed, self.group_size, self.scales_and_zeros)
+        # x: [..., in] → [..., out]
+        rows = x.reshape(-1, self.in_features)
+        if self.skinny is not None:
+            return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
+        out = self._mm(rows, self.packed, self.group_size, self.scales_and_zeros)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

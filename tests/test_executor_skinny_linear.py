@@ -11,6 +11,7 @@ from executor.model import Linear
 from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
 from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
+from tests.test_executor_exactness import PROMPTS as EXACTNESS_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -188,16 +189,8 @@ def test_quantized_projections_get_the_skinny_layouts_and_drop_torchs(runners):
                    for m in usual.model.modules() if isinstance(m, linear_class))
 
 
-PROMPTS = [
-    "The history of the Roman Empire spans many centuries, from the founding of the city to the fall of",
-    "Water boils at",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "The three primary colors are",
-    "Translate to French: I would like a cup of coffee, please. Answer:",
-    "1, 2, 3, 4, 5,",
-    "Photosynthesis is the process by which green plants and some other organisms use sunlight to",
-]
+# The exactness test's prompts less its second (a near-copy of the first): one batch of SKINNY_MAX_ROWS.
+PROMPTS = EXACTNESS_PROMPTS[:1] + EXACTNESS_PROMPTS[2:]
 
 
 def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir):
