@@ -285,10 +285,10 @@ class Scheduler:
             return None
         return (options.cache_salt, tuple(seq.token_ids[:bs]))
 
-    def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
+    def predict_decodes(self, plan: list[ScheduledSeq]) -> list[int] | None:
         """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's
         answer is known before it comes: OK, the one token at ``num_computed``, no new block, no
-        copy. Returns each entry's (seq_id, start_position) for ``apply_predicted`` then, or None when
+        copy. Returns each entry's start position for ``apply_predicted`` then, or None when
         any entry needs the answer first (a new sequence, a prefill chunk, a new block, a request
         with forked choices, whose blocks may be shared until their first copy-on-write)."""
         bs = self.kv_block_size
@@ -299,21 +299,21 @@ class Scheduler:
             if (entry.num_new_tokens != 1 or not seq.holds_blocks or seq.num_to_compute() != 1
                     or seq.request.options.n != 1 or seq.num_computed >= len(seq.block_table) * bs):
                 return None
-        return [(entry.seq_id, entry.seq.num_computed) for entry in plan]
+        return [entry.seq.num_computed for entry in plan]
 
-    def apply_predicted(self, plan: list[ScheduledSeq], predicted: list[tuple[int, int]]) -> list[ScheduledSeq]:
+    def apply_predicted(self, plan: list[ScheduledSeq], predicted: list[int]) -> list[ScheduledSeq]:
         """Fills in ``plan`` as ``apply_allocation`` would from the predicted answer; the entries to run."""
-        for entry, (_, start) in zip(plan, predicted):
+        for entry, start in zip(plan, predicted):
             entry.start_position, entry.num_tokens, entry.copies = start, 1, []
             entry.sample = True
         return list(plan)
 
     @staticmethod
-    def answer_matches(predicted: list[tuple[int, int]], results: list[AllocationResult]) -> bool:
+    def answer_matches(predicted: list[int], results: list[AllocationResult]) -> bool:
         """Whether kvmanager answered what ``predict_decodes`` said it would."""
         return len(results) == len(predicted) and all(
             r.ok and r.start_position == start and r.num_tokens == 1 and not r.block_table and not r.copy_src
-            for r, (_, start) in zip(results, predicted))
+            for r, start in zip(results, predicted))
 
     def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
         """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""

@@ -348,3 +348,47 @@ def test_without_a_block_size_or_with_prefix_caching_off_nothing_waits():
     add(scheduler, make_request("a", [7] * 8, enable_prefix_caching=False))
     add(scheduler, make_request("b", [7] * 8, enable_prefix_caching=False))
     assert len(scheduler.schedule()) == 2
+
+
+@pytest.mark.parametrize("num_blocks", [40, 12])
+def test_predicted_decode_steps_get_exactly_the_predicted_answer(num_blocks):
+    """``predict_decodes`` (the gateway sends such a step's Execute before kvmanager answers) over
+    a mixed workload — forked choices (copy-on-write), block boundaries, admissions, and with 12
+    blocks preemptions: every predicted step gets the answer it predicted from a kvmanager with
+    copy-on-write, and the outputs are the reference ones."""
+    scheduler = new_scheduler(max_num_seqs=6)
+    scheduler.kv_block_size = BLOCK
+    pool, model = FakePool(num_blocks), FakeModel()
+    requests = [add(scheduler, make_request("solo", [3, 1, 4, 1, 5], max_tokens=24)),
+                add(scheduler, make_request("pair", [2, 7, 1, 8, 2, 8], max_tokens=4, n=2)),
+                add(scheduler, make_request("late", [9] * 9, max_tokens=20))]
+    predicted_steps = 0
+    outputs: dict[str, dict[int, list[int]]] = {}
+    for _ in range(500):
+        if not scheduler.has_work():
+            break
+        for request in scheduler.take_pending_forks():
+            table = pool.fork(request.sequences[0].seq_id, [c.seq_id for c in request.sequences[1:]])
+            scheduler.complete_fork(request, table)
+        plan = scheduler.schedule()
+        predicted = scheduler.predict_decodes(plan)
+        ready = []
+        if predicted is not None:
+            predicted_steps += 1
+            ready = scheduler.apply_predicted(plan, predicted)
+            results = pool.allocate(scheduler.take_pending_frees(), plan)
+            assert Scheduler.answer_matches(predicted, results), (predicted, results)
+            scheduler.apply_allocation(plan, results)
+        while plan and predicted is None:
+            verdict = scheduler.apply_allocation(plan, pool.allocate(scheduler.take_pending_frees(), plan))
+            ready = scheduler.prune(ready + verdict.ready)
+            plan = verdict.retry
+        if ready:
+            scheduler.apply_samples(ready, model.execute(ready))
+        for out in scheduler.take_outputs():
+            for choice in out.choices:
+                outputs.setdefault(out.request_id, {}).setdefault(choice.index, []).extend(choice.token_ids)
+    assert not scheduler.has_work() and predicted_steps >= 5, predicted_steps
+    for request in requests:
+        for index, tokens in outputs[request.request_id].items():
+            assert tokens == reference_output(request.prompt_token_ids, request.options.max_tokens, index)
