@@ -73,6 +73,8 @@ class BackendHooks:
     accept: Callable[["Backend", ExecutorInfo], None]  # raises IncompatibleDependency to refuse it
     on_step: Callable[..., None]
     publish_counters: Callable[[], None]
+    # After each overlapped decode step's Allocate answer: whether it was the predicted one.
+    on_overlapped_step: Callable[["Backend", bool], None]
 
 
 class StepDeadline:
@@ -379,7 +381,9 @@ class Backend:
             raise
         executed = time.perf_counter()
         results, usage = await allocate
-        if not Scheduler.answer_matches(predicted, results):
+        matched = Scheduler.answer_matches(predicted, results)
+        self.hooks.on_overlapped_step(self, matched)
+        if not matched:
             self.num_mispredicted_steps += 1
             raise KVStateLost(f"kvmanager answered a step of {len(plan)} decodes otherwise than predicted "
                               f"({[(r.ok, r.start_position, r.num_tokens) for r in results][:4]}...): recomputing")

@@ -169,7 +169,8 @@ class Engine:
 
     def _add_backend(self, address: str) -> Backend:
         hooks = BackendHooks(deliver=self._deliver, evacuated=self._evacuated, came_up=self._came_up,
-                             accept=self._accept, on_step=self._on_step, publish_counters=self._publish_counters)
+                             accept=self._accept, on_step=self._on_step, publish_counters=self._publish_counters,
+                             on_overlapped_step=self._on_overlapped_step)
         backend = Backend(address, self.config.pool_id_for(address), self.config, self.kvmanager,
                           self._new_seq_id, hooks)
         self.backends[address] = backend
@@ -391,6 +392,9 @@ class Engine:
             if info.instance_id and info.instance_id == other.info.instance_id:
                 raise IncompatibleDependency(f"{backend.address} reaches the same executor as {other.address} "
                                              f"(instance {info.instance_id}); it is used once")
+
+    def _on_overlapped_step(self, backend: Backend, matched: bool) -> None:
+        self.metrics.on_overlapped_step(backend.address, matched)
 
     def _on_step(self, backend: Backend, **step) -> None:
         self.metrics.on_step(**step)

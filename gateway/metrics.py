@@ -7,6 +7,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    10.0, 20.0, 40.0, 80.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 PER_LABEL_METRICS = ("step_rpc", "step_time", "request_success", "dependency_up", "executor_up", "executor_steps",
+                     "executor_overlapped_steps", "executor_mispredicted_steps",
                      "executor_running", "executor_waiting", "routing_decisions", "requests_migrated")
 STEP_PHASES = ("step", "scheduler", "kvmanager_rpc", "executor_rpc", "executor_forward", "executor_total")
 
@@ -57,6 +58,12 @@ class GatewayMetrics:
         self.executor_up = Gauge("kvserve:executor_up", "Whether the gateway can run steps on this executor",
                                  executor, registry=r)
         self.executor_steps = Counter("kvserve:executor_steps", "Steps run on this executor", executor, registry=r)
+        self.executor_overlapped_steps = Counter(
+            "kvserve:executor_overlapped_steps", "Decode steps whose Execute went out beside their kvmanager "
+            "Allocate (its answer predicted)", executor, registry=r)
+        self.executor_mispredicted_steps = Counter(
+            "kvserve:executor_mispredicted_steps", "Overlapped steps kvmanager answered otherwise than predicted "
+            "(a bug; the executor's sequences were recomputed)", executor, registry=r)
         self.executor_running = Gauge("kvserve:executor_num_sequences_running", "Sequences running on this "
                                       "executor", executor, registry=r)
         self.executor_waiting = Gauge("kvserve:executor_num_requests_waiting", "Requests waiting for this "
@@ -135,6 +142,11 @@ class GatewayMetrics:
         self.executor_steps.labels(self.model_name, executor).inc()
         self.executor_running.labels(self.model_name, executor).set(running_seqs)
         self.executor_waiting.labels(self.model_name, executor).set(waiting_requests)
+
+    def on_overlapped_step(self, executor: str, matched: bool) -> None:
+        self.executor_overlapped_steps.labels(self.model_name, executor).inc()
+        if not matched:
+            self.executor_mispredicted_steps.labels(self.model_name, executor).inc()
 
     def set_executor_up(self, executor: str, up: bool) -> None:
         self.executor_up.labels(self.model_name, executor).set(1 if up else 0)

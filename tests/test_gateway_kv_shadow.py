@@ -426,6 +426,10 @@ def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_rec
         if tampered:
             break
     assert tampered and backend.num_overlapped_steps >= 3
+    metrics = machine.engine.metrics.render().decode()
+    label = f'{{executor="{backend.address}",model_name="shadow"}}'
+    assert f"kvserve:executor_mispredicted_steps_total{label} 1.0" in metrics, metrics
+    assert f"kvserve:executor_overlapped_steps_total{label} {float(backend.num_overlapped_steps)}" in metrics
     backend.num_mispredicted_steps -= 1  # the one this test caused; teardown asserts there are no others
     machine.teardown()  # every request finished with its reference tokens, no block leaked
     assert backend._session_id != tampered[0]  # that step's KV state was dropped, not trusted
