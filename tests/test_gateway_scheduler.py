@@ -140,7 +140,8 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **options) ->
     return request
 
 
-def run_to_completion(scheduler: Scheduler, pool: FakePool, model: FakeModel, max_steps: int = 2000):
+def run_to_completion(scheduler: Scheduler, pool: FakePool, model: FakeModel, max_steps: int = 2000,
+                      predicted_steps: list[int] | None = None):
     outputs: dict[str, dict[int, list[int]]] = {}
     texts: dict[str, dict[int, str]] = {}
     finish: dict[str, dict[int, FinishReason]] = {}
@@ -154,6 +155,14 @@ def run_to_completion(scheduler: Scheduler, pool: FakePool, model: FakeModel, ma
             scheduler.complete_fork(request, table)
         plan = scheduler.schedule()
         ready = []
+        predicted = scheduler.predict_decodes(plan) if predicted_steps is not None else None
+        if predicted is not None:  # as the gateway runs it: Execute before kvmanager's answer
+            predicted_steps.append(len(plan))
+            ready = scheduler.apply_predicted(plan, predicted)
+            results = pool.allocate(scheduler.take_pending_frees(), plan)
+            assert Scheduler.answer_matches(predicted, results), (predicted, results)
+            scheduler.apply_allocation(plan, results)
+            plan = []
         while plan:
             verdict = scheduler.apply_allocation(plan, pool.allocate(scheduler.take_pending_frees(), plan))
             ready = scheduler.prune(ready + verdict.ready)
@@ -362,33 +371,9 @@ def test_predicted_decode_steps_get_exactly_the_predicted_answer(num_blocks):
     requests = [add(scheduler, make_request("solo", [3, 1, 4, 1, 5], max_tokens=24)),
                 add(scheduler, make_request("pair", [2, 7, 1, 8, 2, 8], max_tokens=4, n=2)),
                 add(scheduler, make_request("late", [9] * 9, max_tokens=20))]
-    predicted_steps = 0
-    outputs: dict[str, dict[int, list[int]]] = {}
-    for _ in range(500):
-        if not scheduler.has_work():
-            break
-        for request in scheduler.take_pending_forks():
-            table = pool.fork(request.sequences[0].seq_id, [c.seq_id for c in request.sequences[1:]])
-            scheduler.complete_fork(request, table)
-        plan = scheduler.schedule()
-        predicted = scheduler.predict_decodes(plan)
-        ready = []
-        if predicted is not None:
-            predicted_steps += 1
-            ready = scheduler.apply_predicted(plan, predicted)
-            results = pool.allocate(scheduler.take_pending_frees(), plan)
-            assert Scheduler.answer_matches(predicted, results), (predicted, results)
-            scheduler.apply_allocation(plan, results)
-        while plan and predicted is None:
-            verdict = scheduler.apply_allocation(plan, pool.allocate(scheduler.take_pending_frees(), plan))
-            ready = scheduler.prune(ready + verdict.ready)
-            plan = verdict.retry
-        if ready:
-            scheduler.apply_samples(ready, model.execute(ready))
-        for out in scheduler.take_outputs():
-            for choice in out.choices:
-                outputs.setdefault(out.request_id, {}).setdefault(choice.index, []).extend(choice.token_ids)
-    assert not scheduler.has_work() and predicted_steps >= 5, predicted_steps
+    predicted_steps: list[int] = []
+    outputs, _, _, errors = run_to_completion(scheduler, pool, model, predicted_steps=predicted_steps)
+    assert not errors and len(predicted_steps) >= 5, predicted_steps
     for request in requests:
         for index, tokens in outputs[request.request_id].items():
             assert tokens == reference_output(request.prompt_token_ids, request.options.max_tokens, index)
