@@ -17,9 +17,14 @@ BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 def key_at(backend, cache, slot: int) -> torch.Tensor:
     """The stored key of one slot, [kv_heads, head_size], whatever the backend's layout."""
     key_cache = cache[0]
-    if isinstance(backend, CpuAttentionBackend):  # [kv_heads, blocks, head_size, block_size]
-        return key_cache[:, slot // key_cache.shape[3], :, slot % key_cache.shape[3]]
+    if isinstance(backend, CpuAttentionBackend):  # [blocks, kv_heads, head_size, block_size]
+        return key_cache[slot // key_cache.shape[3], :, :, slot % key_cache.shape[3]]
     return key_cache[:, slot // key_cache.shape[2], slot % key_cache.shape[2], :]
+
+
+def block_of(backend, part: torch.Tensor, block: int) -> torch.Tensor:
+    """One block of a K or V cache, all heads, whatever the backend's layout."""
+    return part[block] if isinstance(backend, CpuAttentionBackend) else part[:, block]
 
 
 def make_meta(query_lens, seq_lens, tables, block_size):
@@ -133,6 +138,37 @@ def test_cpu_decode_kernel_every_gqa_group_size(num_heads, kv_heads):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_decode_kernel_rows_do_not_depend_on_batch_or_threads():
+    """A sequence's attention is bit for bit the same alone or in a batch, on 1 or 2 threads: the
+    kernel visits a sequence's KV heads together in runs that threads and batches cut differently,
+    and a greedy answer must not depend on that."""
+    generator = torch.Generator().manual_seed(4)
+    kv_heads, num_heads, head, num_blocks = 3, 9, 64, 300
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    key_cache, value_cache = backend.allocate_kv_cache(num_blocks, 16, kv_heads, head, torch.bfloat16,
+                                                       torch.device("cpu"))
+    key_cache.copy_(torch.randn(key_cache.shape, generator=generator))
+    value_cache.copy_(torch.randn(value_cache.shape, generator=generator))
+    seq_lens = torch.tensor([700, 33, 1, 250, 16], dtype=torch.int32)
+    tables = torch.randperm(num_blocks - 1, generator=generator)[: 5 * 44].add(1).view(5, 44).to(torch.int32)
+    query = torch.randn(5, num_heads, head, generator=generator).to(torch.bfloat16)
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return backend._ops.paged_decode_attention(query[rows], key_cache, value_cache, tables[rows],
+                                                       seq_lens[rows], head ** -0.5)
+        finally:
+            torch.set_num_threads(previous)
+
+    batched = attend([0, 1, 2, 3, 4], 1)
+    assert torch.equal(attend([0, 1, 2, 3, 4], 2), batched)
+    for row in range(5):
+        assert torch.equal(attend([row], 1)[0], batched[row])
+        assert torch.equal(attend([row], 2)[0], batched[row])
+
+
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
 def test_write_kv_skips_negative_slots_and_copy_blocks(backend_name):
     backend = BACKENDS[backend_name](torch.device("cpu"))
@@ -141,11 +177,12 @@ def test_write_kv_skips_negative_slots_and_copy_blocks(backend_name):
     backend.write_kv(cache, key, -key, torch.tensor([2, -1, 3]))
     assert key_at(backend, cache, 2).tolist() == [[0.0, 1.0]]
     assert key_at(backend, cache, 3).tolist() == [[4.0, 5.0]]
-    assert cache[1][:, 1].reshape(-1).tolist() == [-0.0, -1.0, -4.0, -5.0]
-    assert cache[0][:, 0].abs().sum() == 0 and cache[1][:, 0].abs().sum() == 0  # nothing in the null block
+    assert block_of(backend, cache[1], 1).reshape(-1).tolist() == [-0.0, -1.0, -4.0, -5.0]
+    assert all(block_of(backend, part, 0).abs().sum() == 0 for part in cache)  # nothing in the null block
     backend.copy_blocks([cache], torch.tensor([1]), torch.tensor([2]))
-    assert torch.equal(cache[0][:, 2], cache[0][:, 1]) and torch.equal(cache[1][:, 2], cache[1][:, 1])
-    assert cache[0][:, 1].abs().sum() > 0
+    assert all(torch.equal(block_of(backend, part, 2), block_of(backend, part, 1)) for part in cache)
+    assert block_of(backend, cache[0], 1).abs().sum() > 0
+    assert all(block_of(backend, part, 3).abs().sum() == 0 for part in cache)  # only the destination changed
 
 
 def test_decode_kernel_rejects_a_block_id_outside_the_cache():

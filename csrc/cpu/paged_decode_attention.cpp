@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -43,28 +44,57 @@ struct Shape {
 // K column or a V chunk is loaded once for all of them. Larger GQA groups are split.
 constexpr int kMaxRows = 4;
 
-// scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes].
+// scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes]. Each row sums
+// into kChains accumulators (key dimensions d mod kChains) so that the FMAs of a row do not
+// wait on one another (a 4-cycle latency each); the sum's order depends on nothing but d.
+constexpr int64_t kChains = 4;
+
 template <typename T, int R>
 inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row) {
-  Vec16 s[R] = {};
-  for (int64_t d = 0; d < head_size; ++d) {
-    const Vec16 k = load16(keys + d * kLanes);
-    for (int r = 0; r < R; ++r) s[r] += q[r * head_size + d] * k;
+  Vec16 s[R][kChains] = {};
+  for (int64_t d = 0; d < head_size; d += kChains) {
+    for (int64_t j = 0; j < kChains; ++j) {
+      const Vec16 k = load16(keys + (d + j) * kLanes);
+      for (int r = 0; r < R; ++r) s[r][j] += q[r * head_size + d + j] * k;
+    }
   }
-  for (int r = 0; r < R; ++r) store16(scores + r * row, s[r]);
+  for (int r = 0; r < R; ++r) store16(scores + r * row, (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]));
 }
 
-// acc[r] += sum over the block's first n tokens of p[r][t] * V[t]; V tile [kLanes, head_size].
+// acc[r][c0, c0 + 16 C) += sum over the block's first n tokens of p[r][t] * V[t][c0, c0 + 16 C);
+// V tile [kLanes, head_size]. R x C independent accumulators stay in registers across the tokens.
+template <typename T, int R, int C>
+inline void block_values_columns(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row,
+                                 int64_t c0, float* acc) {
+  Vec16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * head_size + c0 + c * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(values + t * head_size + c0 + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float pt = p[r * row + t];
+      for (int c = 0; c < C; ++c) a[r][c] += pt * v[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store16(acc + r * head_size + c0 + c * kLanes, a[r][c]);
+}
+
+// Columns go four vectors (64) at a time: with R <= 4 rows that is at most 16 accumulators.
+constexpr int64_t kValueColumns = 4;
+
 template <typename T, int R>
 inline void block_values(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row, float* acc) {
-  for (int64_t c = 0; c < head_size; c += kLanes) {
-    Vec16 a[R];
-    for (int r = 0; r < R; ++r) a[r] = load16(acc + r * head_size + c);
-    for (int64_t t = 0; t < n; ++t) {
-      const Vec16 v = load16(values + t * head_size + c);
-      for (int r = 0; r < R; ++r) a[r] += p[r * row + t] * v;
-    }
-    for (int r = 0; r < R; ++r) store16(acc + r * head_size + c, a[r]);
+  int64_t c0 = 0;
+  for (; c0 + kValueColumns * kLanes <= head_size; c0 += kValueColumns * kLanes) {
+    block_values_columns<T, R, kValueColumns>(p, values, n, head_size, row, c0, acc);
+  }
+  switch ((head_size - c0) / kLanes) {
+    case 1: block_values_columns<T, R, 1>(p, values, n, head_size, row, c0, acc); break;
+    case 2: block_values_columns<T, R, 2>(p, values, n, head_size, row, c0, acc); break;
+    case 3: block_values_columns<T, R, 3>(p, values, n, head_size, row, c0, acc); break;
+    default: break;
   }
 }
 
@@ -88,88 +118,123 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t row, int64_t seq_l
   }
 }
 
-// R query rows (pre-scaled, float) of one (sequence, kv head) against seq_len keys: two
-// passes over the blocks (K for the scores, then V) with the softmax between them over the
-// whole row, which stays in L1/L2 and vectorizes.
-template <typename T, int R>
-void attend_rows(const float* q, const T* key_head, const T* value_head, const int32_t* table, int64_t seq_len,
-                 int64_t head_size, float* scores, float* acc) {
-  const int64_t tile = kLanes * head_size;
-  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
-  const int64_t row = num_seq_blocks * kLanes;  // a scores row, padded to whole blocks
-  for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    if (b + kPrefetchDistance < num_seq_blocks) {
-      prefetch_tile(key_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
-    }
-    block_scores<T, R>(q, key_head + static_cast<int64_t>(table[b]) * tile, head_size, scores + b * kLanes, row);
-  }
-  softmax_rows(scores, R, row, seq_len);
-  std::fill(acc, acc + R * head_size, 0.f);
-  for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    if (b + kPrefetchDistance < num_seq_blocks) {
-      prefetch_tile(value_head + static_cast<int64_t>(table[b + kPrefetchDistance]) * tile, tile);
-    }
-    const int64_t n = std::min(kLanes, seq_len - b * kLanes);
-    block_values<T, R>(scores + b * kLanes, value_head + static_cast<int64_t>(table[b]) * tile, n, head_size, row,
-                       acc);
+// Calls f(std::integral_constant<int, R>) for R = rows (1..kMaxRows): the row count as a
+// template argument, so that a chunk's accumulators are registers.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, kMaxRows>{}); break;
   }
 }
 
-// One (sequence, kv head): `group` query rows against `seq_len` keys in `table`'s blocks.
+// Where one layer's tiles lie: the tile of (block, kv head) starts `block * block_stride +
+// head * head_stride` elements in; a tile is kLanes * head_size contiguous elements.
+struct Tiles {
+  int64_t block_stride;
+  int64_t head_stride;
+};
+
+// One sequence's kv heads [h0, h1) (each with `group` query rows) against its seq_len keys:
+// two passes over its blocks (K for the scores, then V) with the softmax between them over
+// whole rows, which stay in L1/L2 and vectorize. The heads of a block are visited together
+// because the cache keeps them side by side: one block's K (or V) tiles are one contiguous
+// stretch of memory, which scattered blocks read at several times the speed of separate
+// 2 KiB tiles. Every query row's arithmetic, and its order, is the same however heads are
+// grouped into runs (and so however the batch is split between threads).
 template <typename T>
-void attend_one(const T* query,        // [group, head_size], the group's query heads
-                const T* key_head,     // [num_blocks, head_size, kLanes] of this kv head
-                const T* value_head,   // [num_blocks, kLanes, head_size] of this kv head
+void attend_run(const T* query,        // [kv heads of the run, group, head_size]
+                const T* key_cache, const Tiles& keys, const T* value_cache, const Tiles& values,
                 const int32_t* table,  // this sequence's block table
-                int64_t seq_len, const Shape& shape,
-                T* out,                // [group, head_size]
+                int64_t seq_len, int64_t h0, int64_t h1, const Shape& shape,
+                T* out,                // [kv heads of the run, group, head_size]
                 std::vector<float>& scratch) {
-  const int64_t group = shape.group, head_size = shape.head_size;
-  const int64_t row = (seq_len + kLanes - 1) / kLanes * kLanes;
-  scratch.resize(static_cast<size_t>(2 * group * head_size + kMaxRows * row));
-  float* q = scratch.data();                // [group, head_size], pre-scaled
-  float* acc = q + group * head_size;       // [group, head_size]
-  float* scores = acc + group * head_size;  // [kMaxRows, row]
-  for (int64_t i = 0; i < group * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
-  for (int64_t g = 0; g < group; g += kMaxRows) {
-    const float* qg = q + g * head_size;
-    float* ag = acc + g * head_size;
-    switch (std::min<int64_t>(kMaxRows, group - g)) {
-      case 1: attend_rows<T, 1>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
-      case 2: attend_rows<T, 2>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
-      case 3: attend_rows<T, 3>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
-      default: attend_rows<T, 4>(qg, key_head, value_head, table, seq_len, head_size, scores, ag); break;
+  const int64_t group = shape.group, head_size = shape.head_size, tile = kLanes * head_size;
+  const int64_t rows = (h1 - h0) * group;
+  const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
+  const int64_t row = num_seq_blocks * kLanes;  // a scores row, padded to whole blocks
+  scratch.resize(static_cast<size_t>(2 * rows * head_size + rows * row));
+  float* q = scratch.data();               // [rows, head_size], pre-scaled
+  float* acc = q + rows * head_size;       // [rows, head_size]
+  float* scores = acc + rows * head_size;  // [rows, row]
+  for (int64_t i = 0; i < rows * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
+  auto prefetch_heads = [&](const T* cache, const Tiles& where, int64_t b) {
+    if (b >= num_seq_blocks) return;
+    const T* first = cache + static_cast<int64_t>(table[b]) * where.block_stride + h0 * where.head_stride;
+    if (where.head_stride == tile) {
+      prefetch_tile(first, (h1 - h0) * tile);
+    } else {
+      for (int64_t h = 0; h < h1 - h0; ++h) prefetch_tile(first + h * where.head_stride, tile);
+    }
+  };
+
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    prefetch_heads(key_cache, keys, b + kPrefetchDistance);
+    const T* block = key_cache + static_cast<int64_t>(table[b]) * keys.block_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* key_tile = block + h * keys.head_stride;
+      for (int64_t g = 0; g < group; g += kMaxRows) {
+        const int64_t r0 = (h - h0) * group + g;
+        with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
+          block_scores<T, decltype(r)::value>(q + r0 * head_size, key_tile, head_size, scores + r0 * row + b * kLanes,
+                                              row);
+        });
+      }
     }
   }
-  for (int64_t i = 0; i < group * head_size; ++i) out[i] = static_cast<T>(acc[i]);
+  softmax_rows(scores, rows, row, seq_len);
+  std::fill(acc, acc + rows * head_size, 0.f);
+  for (int64_t b = 0; b < num_seq_blocks; ++b) {
+    prefetch_heads(value_cache, values, b + kPrefetchDistance);
+    const T* block = value_cache + static_cast<int64_t>(table[b]) * values.block_stride;
+    const int64_t n = std::min(kLanes, seq_len - b * kLanes);
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* value_tile = block + h * values.head_stride;
+      for (int64_t g = 0; g < group; g += kMaxRows) {
+        const int64_t r0 = (h - h0) * group + g;
+        with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
+          block_values<T, decltype(r)::value>(scores + r0 * row + b * kLanes, value_tile, n, head_size, row,
+                                              acc + r0 * head_size);
+        });
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows * head_size; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& tables, const at::Tensor& lens, const Shape& shape, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
-  const int64_t kv_heads = value_cache.size(0), max_blocks = tables.size(1);
-  const int64_t head_cache = value_cache.size(1) * kLanes * head_size;
+  const int64_t kv_heads = value_cache.size(1), max_blocks = tables.size(1);
+  const Tiles keys{key_cache.stride(0), key_cache.stride(1)};
+  const Tiles values{value_cache.stride(0), value_cache.stride(1)};
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = key_cache.data_ptr<T>();
   const T* v_ptr = value_cache.data_ptr<T>();
   const int32_t* tables_ptr = tables.data_ptr<int32_t>();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
   T* o_ptr = out.data_ptr<T>();
-  // One work item per (sequence, kv head), a sequence's heads side by side.
+  // Work items are (sequence, kv head); a thread's contiguous range of them is cut into runs
+  // of one sequence's heads.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t offset = (s * num_heads + h * shape.group) * head_size;
-      attend_one<T>(q_ptr + offset, k_ptr + h * head_cache, v_ptr + h * head_cache, tables_ptr + s * max_blocks,
-                    lens_ptr[s], shape, o_ptr + offset, scratch);
+    for (int64_t item = begin; item < end;) {
+      const int64_t s = item / kv_heads, h0 = item % kv_heads;
+      const int64_t h1 = std::min(kv_heads, h0 + (end - item));
+      const int64_t offset = (s * num_heads + h0 * shape.group) * head_size;
+      attend_run<T>(q_ptr + offset, k_ptr, keys, v_ptr, values, tables_ptr + s * max_blocks, lens_ptr[s], h0, h1,
+                    shape, o_ptr + offset, scratch);
+      item += h1 - h0;
     }
   });
 }
 
 // query: [num_seqs, num_heads, head_size], one decode token per sequence
-// key_cache: [num_kv_heads, num_blocks, head_size, 16]; value_cache: [num_kv_heads, num_blocks, 16, head_size]
+// key_cache: [num_blocks, num_kv_heads, head_size, 16]; value_cache: [num_blocks, num_kv_heads, 16, head_size];
+//   each (block, head) tile contiguous, blocks and heads at any stride
 // block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (keys to attend, incl. the new one)
 // returns [num_seqs, num_heads, head_size]
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -177,19 +242,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
-              "paged_decode_attention: query [seqs, heads, d], K [kv_heads, blocks, d, 16], V [kv_heads, blocks, 16, d]");
+              "paged_decode_attention: query [seqs, heads, d], K [blocks, kv_heads, d, 16], V [blocks, kv_heads, 16, d]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_decode_attention: query and caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_decode_attention: block_tables and seq_lens are int32");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "paged_decode_attention: contiguous caches");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t kv_heads = value_cache.size(0), num_blocks = value_cache.size(1);
+  const int64_t num_blocks = value_cache.size(0), kv_heads = value_cache.size(1);
   TORCH_CHECK(value_cache.size(2) == kLanes && value_cache.size(3) == head_size && head_size % kLanes == 0,
               "paged_decode_attention: block_size must be 16 and head_size a multiple of 16");
-  TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(1) == num_blocks && key_cache.size(2) == head_size &&
+  TORCH_CHECK(key_cache.size(0) == num_blocks && key_cache.size(1) == kv_heads && key_cache.size(2) == head_size &&
                   key_cache.size(3) == kLanes,
               "paged_decode_attention: K must be V's shape with the last two dims swapped");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == kLanes && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == head_size,
+              "paged_decode_attention: each cache tile must be contiguous");
   TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention: num_heads not a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.numel() == num_seqs,
               "paged_decode_attention: one block table row and one seq_len per sequence");

@@ -6,6 +6,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -28,9 +32,17 @@ inline Vec16 load16(const float* p) {
 
 inline Vec16 load16(const c10::BFloat16* p) {
   // bf16 is the top half of an fp32: widen and shift.
+#ifdef __AVX512F__
+  // GCC lowers the generic widening below to two 256-bit halves and a shuffle; one
+  // VPMOVZXWD does it (the masked form: GCC 12 warns that the unmasked one reads an
+  // uninitialized register).
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const UInt16 bits = reinterpret_cast<UInt16>(_mm512_maskz_cvtepu16_epi32(static_cast<__mmask16>(0xFFFF), raw)) << 16;
+#else
   Half16Bits raw;
   std::memcpy(&raw, p, sizeof(raw));
-  UInt16 bits = __builtin_convertvector(raw, UInt16) << 16;
+  const UInt16 bits = __builtin_convertvector(raw, UInt16) << 16;
+#endif
   Vec16 v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;

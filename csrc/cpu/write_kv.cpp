@@ -1,7 +1,8 @@
 // Reshape-and-cache for the CPU backend's layout: one step's new K/V into their slots.
 //
-//   K: [num_kv_heads, num_blocks, head_size, block_size]  (tiles transposed, see paged_decode_attention.cpp)
-//   V: [num_kv_heads, num_blocks, block_size, head_size]
+//   K: [num_blocks, num_kv_heads, head_size, block_size]  (tiles transposed, see paged_decode_attention.cpp)
+//   V: [num_blocks, num_kv_heads, block_size, head_size]
+// each (block, head) tile contiguous, blocks and heads at any stride.
 //
 // In torch this is an index_put_ through a permuted view plus an index_copy_, two dispatches
 // and index tensors per layer, ~60 us per layer for a batch of 32 decode tokens; a loop
@@ -22,12 +23,13 @@ template <typename T>
 void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                const int64_t* slots) {
   const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head_size = key.size(2);
-  const int64_t num_blocks = value_cache.size(1), block_size = value_cache.size(2);
-  const int64_t head_cache = num_blocks * block_size * head_size;
+  const int64_t block_size = value_cache.size(2);
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
   T* kc = key_cache.data_ptr<T>();
   T* vc = value_cache.data_ptr<T>();
+  const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
+  const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
   at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / kv_heads, h = item % kv_heads;
@@ -35,9 +37,10 @@ void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
       if (slot < 0) continue;  // a token whose K/V is not to be stored
       const int64_t block = slot / block_size, offset = slot % block_size;
       const T* k_row = k + (t * kv_heads + h) * head_size;
-      T* k_tile = kc + h * head_cache + block * block_size * head_size;
+      T* k_tile = kc + block * k_block + h * k_head;
       for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
-      std::memcpy(vc + h * head_cache + slot * head_size, v + (t * kv_heads + h) * head_size, head_size * sizeof(T));
+      std::memcpy(vc + block * v_block + h * v_head + offset * head_size, v + (t * kv_heads + h) * head_size,
+                  head_size * sizeof(T));
     }
   });
 }
@@ -46,13 +49,14 @@ void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv: key and value [tokens, kv_heads, d]");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.is_contiguous() &&
-                  value_cache.is_contiguous(), "write_kv: contiguous 4-d caches");
-  const int64_t kv_heads = value_cache.size(0), num_blocks = value_cache.size(1);
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "write_kv: 4-d caches");
+  const int64_t num_blocks = value_cache.size(0), kv_heads = value_cache.size(1);
   const int64_t block_size = value_cache.size(2), head_size = value_cache.size(3);
   TORCH_CHECK(key.size(1) == kv_heads && key.size(2) == head_size, "write_kv: key shape does not match the cache");
-  TORCH_CHECK(key_cache.size(0) == kv_heads && key_cache.size(1) == num_blocks && key_cache.size(2) == head_size &&
+  TORCH_CHECK(key_cache.size(0) == num_blocks && key_cache.size(1) == kv_heads && key_cache.size(2) == head_size &&
                   key_cache.size(3) == block_size, "write_kv: K must be V's shape with the last two dims swapped");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == block_size && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == head_size, "write_kv: each cache tile must be contiguous");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type() &&
                   key_cache.scalar_type() == value_cache.scalar_type(), "write_kv: one dtype for K/V and caches");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),

@@ -2,12 +2,17 @@
 
 The plain torch backend gathers every decode sequence's blocks into one contiguous
 tensor per layer before SDPA; at batch 32 x 1024 tokens that copy costs as much as
-the attention. ``csrc/cpu/paged_decode_attention.cpp`` streams each (sequence, KV head)
-over its own blocks instead. Its layout, per layer:
+the attention. ``csrc/cpu/paged_decode_attention.cpp`` streams each sequence over its own
+blocks instead. Its layout, per layer, block-major:
 
-- K ``[num_kv_heads, num_blocks, head_size, block_size]``: each block's tile transposed,
-  so one block's 16 scores are broadcast-FMAs into one vector register;
-- V ``[num_kv_heads, num_blocks, block_size, head_size]``, as the torch backend's.
+- K ``[num_blocks, num_kv_heads, head_size, block_size]``: each tile transposed, so one
+  block's 16 scores are broadcast-FMAs into one vector register;
+- V ``[num_blocks, num_kv_heads, block_size, head_size]``.
+
+Block-major because blocks are scattered once sequences come and go: one block's K tiles for
+every head (SmolLM2: 3 x 2 KiB) are one stretch of memory, read at ~1.5x the speed of separate
+tiles each in a page of its own, while consecutive blocks still make one sequential stream
+(``python -m bench.attention_bench`` measures both layouts).
 
 Prefill chunks (more than one new token per sequence) stay on the torch backend's path
 (two oneDNN GEMMs and a softmax in bf16, SDPA otherwise): they are compute-bound, so the
@@ -46,8 +51,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
-        key_cache = torch.zeros((num_kv_heads, num_blocks, head_size, block_size), dtype=dtype, device=device)
-        value_cache = torch.zeros((num_kv_heads, num_blocks, block_size, head_size), dtype=dtype, device=device)
+        key_cache = torch.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype=dtype, device=device)
+        value_cache = torch.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype=dtype, device=device)
         return key_cache, value_cache
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -55,11 +60,23 @@ class CpuAttentionBackend(TorchAttentionBackend):
         key_cache, value_cache = kv_cache
         self._ops.write_kv(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
 
+    def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
+        for key_cache, value_cache in kv_caches:
+            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
     def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
-        kv_heads, num_blocks, head_size, block_size = key_cache.shape
-        tiles = key_cache.view(kv_heads * num_blocks, -1).index_select(0, g.cache_rows(kv_heads, num_blocks))
-        # [kv_heads, num_seqs, blocks, head_size, block_size] → [num_seqs, kv_heads, ctx_len, head_size]
-        tiles = tiles.view(kv_heads, g.num_seqs, -1, head_size, block_size).permute(1, 0, 2, 4, 3)
+        _, kv_heads, head_size, block_size = key_cache.shape
+        tiles = key_cache.index_select(0, g.block_ids)
+        # [num_seqs, blocks, kv_heads, head_size, block_size] → [num_seqs, kv_heads, ctx_len, head_size]
+        tiles = tiles.view(g.num_seqs, -1, kv_heads, head_size, block_size).permute(0, 2, 1, 4, 3)
+        return tiles.reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
+
+    def _gather_values(self, value_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        _, kv_heads, block_size, head_size = value_cache.shape
+        tiles = value_cache.index_select(0, g.block_ids)
+        # [num_seqs, blocks, kv_heads, block_size, head_size] → [num_seqs, kv_heads, ctx_len, head_size]
+        tiles = tiles.view(g.num_seqs, -1, kv_heads, block_size, head_size).transpose(1, 2)
         return tiles.reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
 
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:

@@ -159,14 +159,18 @@ class TorchAttentionBackend(AttentionBackend):
         """The group's keys, [num_seqs, kv_heads, ctx_len, head_size]."""
         return _gather_token_rows(key_cache, g)
 
+    def _gather_values(self, value_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        """The group's values, [num_seqs, kv_heads, ctx_len, head_size]."""
+        return _gather_token_rows(value_cache, g)
+
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         key_cache, value_cache = kv_cache
-        kv_heads, head_size = value_cache.shape[0], value_cache.shape[3]
+        keys = self._gather_keys(key_cache, g)
+        values = self._gather_values(value_cache, g)
+        kv_heads, head_size = keys.shape[1], keys.shape[3]
         num_heads = query.shape[1]
         group_size = num_heads // kv_heads
-        keys = self._gather_keys(key_cache, g)
-        values = _gather_token_rows(value_cache, g)
         q = query.to(key_cache.dtype)
         if g.padded_index is not None:
             padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)

@@ -1,0 +1,103 @@
+"""The decode attention kernel alone, on the CPU backend's KV layout and on the head-major one it
+replaced, at the model's shapes, on this machine.
+
+    python -m bench.attention_bench [--model DIR] [--cases 1x512,20x512,32x1024] [--threads 1]
+
+For each (batch, context) case, ``paged_decode_attention`` runs over one layer's worth of caches
+at a time, cycling through enough layers that their K/V (over 512 MiB) cannot stay in the CPU's
+caches, as in a real step where 30 layers' K/V pass through once. Block tables are either
+consecutive block ids (a fresh prompt's blocks) or shuffled ones (blocks handed out, freed and
+reused by many sequences). The same kernel reads both layouts (it takes any block and head
+stride): *block-major* is the backend's ``[num_blocks, kv_heads, tile]`` (K and V apart), where
+one block's tiles for every head lie side by side; *head-major* is ``[kv_heads, num_blocks, tile]``,
+where each (head, block) tile is a 2 KiB island. The layouts run in turn, round after round, and
+the best of ``--rounds`` is kept. GB/s is K/V bytes attended per second.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from executor.attention.csrc_loader import csrc_build_script
+from executor.model import ModelConfig
+from kvserve.paths import default_model_dir
+
+BLOCK = 16
+CACHE_BYTES = 512 << 20  # K/V of all cycled layers together: beyond any CPU's last-level cache
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    cases = []
+    for item in text.split(","):
+        batch, ctx = item.lower().split("x")
+        cases.append((int(batch), int(ctx)))
+    return cases
+
+
+def layer_caches(layout: str, num_blocks: int, kv_heads: int, head_size: int, generator: torch.Generator):
+    """One layer's (K, V) as the kernel's 4-d views [num_blocks, kv_heads, ...] of ``layout``."""
+    if layout == "block-major":
+        return (torch.randn(num_blocks, kv_heads, head_size, BLOCK, generator=generator).to(torch.bfloat16),
+                torch.randn(num_blocks, kv_heads, BLOCK, head_size, generator=generator).to(torch.bfloat16))
+    keys = torch.randn(kv_heads, num_blocks, head_size, BLOCK, generator=generator).to(torch.bfloat16)
+    values = torch.randn(kv_heads, num_blocks, BLOCK, head_size, generator=generator).to(torch.bfloat16)
+    return keys.transpose(0, 1), values.transpose(0, 1)
+
+
+def block_tables(batch: int, ctx: int, num_blocks: int, order: str, generator: torch.Generator) -> torch.Tensor:
+    per_seq = -(-ctx // BLOCK)
+    if order == "consecutive":
+        ids = torch.arange(batch * per_seq) + 1
+    else:
+        ids = torch.randperm(num_blocks - 1, generator=generator)[: batch * per_seq] + 1
+    return ids.view(batch, per_seq).to(torch.int32)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.attention_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=default_model_dir().__class__, default=default_model_dir())
+    parser.add_argument("--cases", type=parse_cases, default=parse_cases("1x512,20x512,32x1024"),
+                        help="batch x context pairs")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ops = csrc_build_script().load_cpu()
+    config = ModelConfig.from_dir(args.model)
+    kv_heads, head_size, num_heads = config.num_kv_heads, config.head_dim, config.num_heads
+    scale = head_size ** -0.5
+    generator = torch.Generator().manual_seed(0)
+    print(f"paged_decode_attention, {config.architecture} shapes ({num_heads} heads, {kv_heads} KV heads, "
+          f"head_size {head_size}), bf16, {args.threads} thread(s), best of {args.rounds}; ms per layer")
+    print("| batch x context | block order | head-major | block-major | speed-up |")
+    print("|---|---|---:|---:|---:|")
+    for batch, ctx in args.cases:
+        per_seq = -(-ctx // BLOCK)
+        num_blocks = max(1 + batch * per_seq, 4096)
+        layer_bytes = num_blocks * 2 * kv_heads * BLOCK * head_size * 2
+        num_layers = max(2, -(-CACHE_BYTES // layer_bytes))
+        attended = batch * ctx * 2 * kv_heads * head_size * 2
+        query = torch.randn(batch, num_heads, head_size, generator=generator).to(torch.bfloat16)
+        lens = torch.full((batch,), ctx, dtype=torch.int32)
+        for order in ("consecutive", "shuffled"):
+            tables = block_tables(batch, ctx, num_blocks, order, generator)
+            layers = {layout: [layer_caches(layout, num_blocks, kv_heads, head_size, generator)
+                               for _ in range(num_layers)] for layout in ("head-major", "block-major")}
+            best = {layout: float("inf") for layout in layers}
+            for _ in range(args.rounds):
+                for layout, caches in layers.items():
+                    start = time.perf_counter()
+                    for key_cache, value_cache in caches:
+                        ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+                    best[layout] = min(best[layout], (time.perf_counter() - start) / len(caches))
+            cells = [f"{best[layout] * 1e3:.3f} ({attended / best[layout] / 1e9:.1f} GB/s)" for layout in layers]
+            print(f"| {batch} x {ctx} | {order} | {cells[0]} | {cells[1]} | "
+                  f"{best['head-major'] / best['block-major']:.2f}x |", flush=True)
+            del layers
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
