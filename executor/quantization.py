@@ -2,8 +2,11 @@
 
 The seven projections of every layer (q/k/v and gate/up fused, o, down) are
 replaced after loading; the embedding, the (tied or separate) LM head and the
-norms stay in the compute dtype. Activations stay in the compute dtype too: the
-kernels dequantize weights inside the matmul.
+norms stay in the compute dtype. int4 is weight-only: the kernels dequantize
+weights inside the matmul. int8 on the CPU with the compiled kernels also rounds
+each token's activations per group of ``INT8_ACTIVATION_GROUP_SIZE`` inputs
+(``quantize_activations_int8``) so that its products are integer dot products;
+elsewhere it is weight-only too.
 
 - ``int8``: per output channel, symmetric: ``w ≈ q * scale``, ``q`` in [-127, 127].
   ``torch.ops.aten._weight_int8pack_mm`` (CPU; other devices where this torch has it).
@@ -26,10 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.skinny import SkinnyInt4Matmul, SkinnyInt8Matmul
+from executor.skinny import INT8_ACTIVATION_GROUP, SkinnyInt4Matmul, SkinnyInt8Matmul
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
+# The compiled int8 kernel quantizes each token's activations per group of this many inputs.
+INT8_ACTIVATION_GROUP_SIZE = INT8_ACTIVATION_GROUP
 
 # The device type's dispatch key, for asking whether this torch build has a kernel there.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
@@ -82,6 +87,20 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.float()[:, None]
 
 
+def quantize_activations_int8(x: torch.Tensor, group_size: int = INT8_ACTIVATION_GROUP_SIZE) -> torch.Tensor:
+    """What the compiled int8 kernel multiplies the weights by: x [rows, in] with each row's groups of
+    ``group_size`` inputs rounded to 255 levels, ``round(x * (127 / max|x|)) * (max|x| / 127)``
+    (ties to even, float32), as float32 [rows, in]."""
+    rows, in_features = x.shape
+    groups = x.float().reshape(rows, in_features // group_size, group_size)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    # A tensor divided by a tensor: one rounding, as the kernel's 127.f / amax (``127 / amax``
+    # is a reciprocal then a product in torch, two roundings, which can move a code at a tie).
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    codes = torch.round(groups * inverse).clamp_(-127, 127)
+    return (codes * (amax / 127)).reshape(rows, in_features)
+
+
 def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,
                   group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [out, in] → (codes [out, in] uint8 in [0, 15], scales [out, in / group], zeros [out, in / group]),
@@ -107,9 +126,9 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 # ---- the layers ----------------------------------------------------------------------------------
 class Int8Linear(nn.Module):
     """A linear layer with per-channel int8 weights; same inputs and outputs as the float one.
-    With ``skinny_ops`` (and bf16 scales on the CPU) every step takes executor/skinny.py's layout,
-    which beats torch's kernel at any number of tokens measured (1.5-2.9x, 1 to 256), and torch's
-    copy is not kept; its rows round alike at any batch size, so ``decode_step`` changes nothing."""
+    With ``skinny_ops`` (and bf16 scales on the CPU, in_features a multiple of 32) every step
+    takes executor/skinny.py's VNNI kernel on int8-rounded activations, and torch's copy is not
+    kept; its rows round alike at any batch size, so ``decode_step`` changes nothing."""
 
     def __init__(self, linear: nn.Linear, skinny_ops=None):
         super().__init__()
@@ -117,7 +136,7 @@ class Int8Linear(nn.Module):
         codes, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
         self.bias = linear.bias
         self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
-                       if skinny_ops is not None and SkinnyInt8Matmul.fits(scales) else None)
+                       if skinny_ops is not None and SkinnyInt8Matmul.fits(codes, scales) else None)
         keep = self.skinny is None
         self.register_buffer("codes", codes if keep else None)  # [out, in] int8
         self.register_buffer("scales", scales if keep else None)  # [out], compute dtype

@@ -14,6 +14,9 @@ import torch
 # Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
 # measured on AVX512-BF16 (Zen 4), docs/executor.md.
 SKINNY_MAX_ROWS = 8
+# skinny_linear_int8 quantizes activations per token and group of this many inputs
+# (executor/quantization.py: INT8_ACTIVATION_GROUP_SIZE, the same number).
+INT8_ACTIVATION_GROUP = 32
 
 
 def rows_fit(x: torch.Tensor) -> bool:
@@ -40,7 +43,9 @@ class SkinnyMatmul:
 
 class SkinnyInt8Matmul:
     """Per-channel int8 weights (executor/quantization.py's codes and scales) in
-    ``skinny_linear_int8``'s layout: per tile of 16 rows, each input's 16 codes, then the scales."""
+    ``skinny_linear_int8``'s layout: per tile of 16 rows, each 4 inputs' 64 codes (+128, unsigned),
+    then the scales. x is quantized per token and group of 32 inputs on the way in
+    (``quantize_activations_int8``), so that the products are VNNI integer dot products."""
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
         # codes: [out, in] int8; scales: [out]
@@ -49,8 +54,9 @@ class SkinnyInt8Matmul:
         self.packed = cpu_ops.pack_skinny_int8(codes, scales)
 
     @staticmethod
-    def fits(scales: torch.Tensor) -> bool:
-        return scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
+    def fits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        return (scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
+                and codes.shape[1] % INT8_ACTIVATION_GROUP == 0)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] bf16 → [rows, out] bf16

@@ -29,8 +29,10 @@
 #endif
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "vec16.h"
@@ -338,49 +340,150 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 
 // ---- int8 weights (--quantization int8) -----------------------------------------------------
 //
-// Per output row w = q * scale, q in [-127, 127]. Per tile of 16 rows: for each input k, the 16
-// rows' codes (16 bytes), then the rows' scales as float32 (64 bytes). Sign-extending and
-// converting 16 codes is two instructions, so each input costs two plus one FMA per row of x
-// against x[m, k] (float32); the scale multiplies the finished sums.
-inline Vec16 load_int8_16(const int8_t* p) {
+// Per output row w = q * scale, q in [-127, 127] (executor/quantization.py). The activations are
+// quantized as well, per row of x and group of 32 inputs, symmetric: x ~ a * sx, a in [-127, 127]
+// (what OpenVINO's CPU plugin does for its int8 weights), so that a group's dot product is integer
+// arithmetic: VPDPBUSD multiplies 4 unsigned bytes by 4 signed ones into each 32-bit lane, 64
+// multiply-adds an instruction where an FMA does 16. The unsigned operand is the weight, stored
+// as q + 128 (in [1, 255]); the offset comes back out through the group's code sum A = sum(a):
+//
+//   sum_k (q + 128) a = sum_k q a + 128 A
+//
+// and the group adds sx * (that - 128 A) to the row's float32 sum, which the weight row's scale
+// multiplies at the end. Integer sums are exact, so a row's result depends neither on the order
+// of its additions nor on the batch, and the fallback without VNNI computes the same integers.
+//
+// Tile layout, 16 output rows: for each 4 inputs k..k+3, the 16 rows' 4 codes (64 bytes, one
+// register); then the 16 scales as float32 (64 bytes).
+constexpr int64_t kInt8Group = 32;
+constexpr int64_t kQuadBytes = 4 * kTile;
+
+typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
+
+inline int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// v rounded to the nearest integer, ties to even (|v| < 2^22).
+inline Vec16 round_to_integer(Vec16 v) {
 #if defined(__AVX512F__)
-  // GCC's vector extensions turn this conversion into scalar code; two instructions here (the
-  // zero-masked forms: GCC 12 warns about the unmasked ones' undefined pass-through operand).
-  const __m512i wide = _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 v = _mm512_maskz_cvtepi32_ps(0xFFFF, wide);
-  Vec16 out;
-  std::memcpy(&out, &v, sizeof(out));
-  return out;
+  // One instruction (the zero-masked form: GCC 12 warns that the unmasked one reads an
+  // uninitialized register); and the product feeding it cannot be fused with the rounding, which the
+  // bias trick below allows (an FMA would skip the product's own rounding and so change ties).
+  __m512 raw;
+  std::memcpy(&raw, &v, sizeof(raw));
+  const __m512 rounded = _mm512_maskz_roundscale_ps(0xFFFF, raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  std::memcpy(&v, &rounded, sizeof(v));
+  return v;
 #else
-  float tmp[kTile];
-  for (int64_t i = 0; i < kTile; ++i) tmp[i] = static_cast<float>(p[i]);
-  return load16(tmp);
+  const Vec16 bias = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  return (v + bias) - bias;
 #endif
 }
 
-template <int ROWS>
-void int8_tile_dot(const int8_t* w, const float* x, int64_t k_total, float* acc) {
-  Vec16 sums[ROWS][kChains] = {};
-  int64_t k = 0;
-  for (; k + kChains <= k_total; k += kChains) {
-    for (int c = 0; c < kChains; ++c) {
-      const Vec16 wv = load_int8_16(w + (k + c) * kTile);
-      for (int m = 0; m < ROWS; ++m) sums[m][c] += wv * x[m * k_total + k + c];
+// x [rows, K] bf16 → codes [rows, K] int8, scales and code sums [rows, K / 32]: per group,
+// sx = max|x| / 127 and a = x * (127 / max|x|) rounded to the nearest integer (ties to even), as
+// executor/quantization.py's quantize_activations_int8 computes them.
+void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t k, int8_t* codes, float* scales,
+                   int32_t* sums) {
+  const int64_t groups = k / kInt8Group;
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const auto* src = reinterpret_cast<const c10::BFloat16*>(x + m * x_stride + g * kInt8Group);
+      const Vec16 v[2] = {load16(src), load16(src + kLanes)};
+      Vec16 magnitude = v[0] < 0 ? -v[0] : v[0];
+      magnitude = magnitude > (v[1] < 0 ? -v[1] : v[1]) ? magnitude : (v[1] < 0 ? -v[1] : v[1]);
+      const float amax = reduce_max(magnitude);
+      const int64_t slot = m * groups + g;
+      int8_t* out = codes + m * k + g * kInt8Group;
+      const bool finite = !std::isnan(reduce_sum(v[0] + v[1]));
+      if (!(amax > 0.f) || !finite) {
+        // All zero: the group adds nothing. NaN (or inf): a NaN scale, so that it reaches the
+        // output as it would through a float matmul instead of vanishing.
+        std::memset(out, 0, kInt8Group);
+        scales[slot] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        sums[slot] = 0;
+        continue;
+      }
+      const float inverse = 127.f / amax;
+      Int16 total{};
+      for (int half = 0; half < 2; ++half) {
+        Vec16 r = round_to_integer(v[half] * inverse);
+        r = r > 127.f ? splat(127.f) : r;
+        r = r < -127.f ? splat(-127.f) : r;
+        const Int16 q = __builtin_convertvector(r, Int16);
+        total += q;
+        const Int8x16 bytes = __builtin_convertvector(q, Int8x16);
+        std::memcpy(out + half * kLanes, &bytes, sizeof(bytes));
+      }
+      scales[slot] = amax / 127.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
+      sums[slot] = sum;
     }
-  }
-  for (; k < k_total; ++k) {
-    const Vec16 wv = load_int8_16(w + k * kTile);
-    for (int m = 0; m < ROWS; ++m) sums[m][0] += wv * x[m * k_total + k];
-  }
-  const Vec16 scale = load16(reinterpret_cast<const float*>(w + k_total * kTile));
-  for (int m = 0; m < ROWS; ++m) {
-    Vec16 total = sums[m][0];
-    for (int c = 1; c < kChains; ++c) total += sums[m][c];
-    store16(acc + m * kTile, total * scale);
   }
 }
 
-using Int8TileDot = void (*)(const int8_t*, const float*, int64_t, float*);
+// acc[m][0..16) = the tile's 16 weight rows . row m of x, for ROWS rows of quantized x.
+#if defined(__AVX512VNNI__)
+template <int ROWS>
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* sums, float* acc) {
+  const int64_t groups = k / kInt8Group;
+  __m512 totals[ROWS];
+  for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dots[ROWS][kChains];
+    for (int m = 0; m < ROWS; ++m)
+      for (int c = 0; c < kChains; ++c) dots[m][c] = _mm512_setzero_si512();
+    for (int64_t quad = 0; quad < kInt8Group / 4; quad += kChains) {
+      for (int c = 0; c < kChains; ++c) {
+        const int64_t k0 = g * kInt8Group + 4 * (quad + c);
+        const __m512i wv = _mm512_loadu_si512(w + (k0 / 4) * kQuadBytes);
+        for (int m = 0; m < ROWS; ++m) {
+          dots[m][c] = _mm512_dpbusd_epi32(dots[m][c], wv, _mm512_set1_epi32(load_quad(a + m * k + k0)));
+        }
+      }
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      __m512i dot = dots[m][0];
+      for (int c = 1; c < kChains; ++c) dot = _mm512_add_epi32(dot, dots[m][c]);
+      dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sums[m * groups + g]));
+      totals[m] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot), _mm512_set1_ps(sx[m * groups + g]),
+                                  totals[m]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes));
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(acc + m * kTile, _mm512_mul_ps(totals[m], scale));
+}
+#else
+template <int ROWS>
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* sums, float* acc) {
+  const int64_t groups = k / kInt8Group;
+  Vec16 totals[ROWS] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    Int16 dots[ROWS] = {};
+    for (int64_t quad = 0; quad < kInt8Group / 4; ++quad) {
+      const int64_t k0 = g * kInt8Group + 4 * quad;
+      UInt16 packed;
+      std::memcpy(&packed, w + (k0 / 4) * kQuadBytes, sizeof(packed));
+      for (int j = 0; j < 4; ++j) {
+        const Int16 wj = reinterpret_cast<Int16>((packed >> (8 * j)) & 0xFFu);
+        for (int m = 0; m < ROWS; ++m) dots[m] += wj * static_cast<int32_t>(a[m * k + k0 + j]);
+      }
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      const Int16 dot = dots[m] - 128 * sums[m * groups + g];
+      totals[m] += __builtin_convertvector(dot, Vec16) * sx[m * groups + g];
+    }
+  }
+  const Vec16 scale = load16(reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes));
+  for (int m = 0; m < ROWS; ++m) store16(acc + m * kTile, totals[m] * scale);
+}
+#endif
+
+using Int8TileDot = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, const int32_t*, float*);
 
 template <size_t... I>
 constexpr std::array<Int8TileDot, sizeof...(I)> make_int8_tile_dots(std::index_sequence<I...>) {
@@ -392,31 +495,42 @@ constexpr auto kInt8TileDots = make_int8_tile_dots(std::make_index_sequence<kMax
 at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "pack_skinny_int8: codes must be [out, in] int8");
   const int64_t n = codes.size(0), k = codes.size(1), tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(k % kInt8Group == 0, "pack_skinny_int8: in_features must be a multiple of ", kInt8Group, ", got ", k);
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "pack_skinny_int8: scales must be [out]");
-  at::Tensor c = at::zeros({tiles * kTile, k}, codes.options());
-  c.narrow(0, 0, n).copy_(codes);
+  // The unsigned operand of VPDPBUSD: q + 128, in [1, 255] (padding rows: 128, i.e. q = 0).
+  at::Tensor c = at::full({tiles * kTile, k}, 128, codes.options().dtype(at::kShort));
+  c.narrow(0, 0, n).add_(codes.to(at::kShort));
   at::Tensor s = at::zeros({tiles * kTile}, scales.options().dtype(at::kFloat));
   s.narrow(0, 0, n).copy_(scales);
-  // [tiles, 16 rows, K] → [tiles, K, 16 rows], then the tile's 16 float32 scales as 64 bytes.
-  at::Tensor tile_codes = c.view({tiles, kTile, k}).transpose(1, 2).reshape({tiles, k * kTile}).view(at::kByte);
+  // [tiles, 16 rows, K / 4, 4] → [tiles, K / 4, 16 rows, 4], then the tile's 16 float32 scales.
+  at::Tensor tile_codes = c.to(at::kByte).view({tiles, kTile, k / 4, 4}).permute({0, 2, 1, 3}).reshape({tiles, k * kTile});
   return at::cat({tile_codes, s.view({tiles, kTile}).view(at::kByte)}, 1).contiguous();
 }
 
 at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
   const at::Tensor xc = bf16_rows("skinny_linear_int8", x);
-  const int64_t k = xc.size(1);
+  const int64_t rows = xc.size(0), k = xc.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "skinny_linear_int8: packed must come from pack_skinny_int8");
   TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "skinny_linear_int8: x has ", k,
               " features, the weight ", (packed.size(1) - kTile * 4) / kTile);
-  const at::Tensor x_f32 = xc.to(at::kFloat).contiguous();  // [rows, K]
-  const auto* w = reinterpret_cast<const int8_t*>(packed.data_ptr<uint8_t>());
-  const float* xp = x_f32.data_ptr<float>();
+  TORCH_CHECK(k % kInt8Group == 0, "skinny_linear_int8: in_features must be a multiple of ", kInt8Group);
+  const int64_t groups = k / kInt8Group;
+  at::Tensor codes = at::empty({rows, k}, xc.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({rows, groups}, xc.options().dtype(at::kInt));
+  quantize_rows(xc.data_ptr<at::BFloat16>(), xc.stride(0), rows, k, codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                sums.data_ptr<int32_t>());
+  const auto* w = packed.data_ptr<uint8_t>();
+  const int8_t* a = codes.data_ptr<int8_t>();
+  const float* sx = scales.data_ptr<float>();
+  const int32_t* sp = sums.data_ptr<int32_t>();
   const int64_t tile_bytes = packed.size(1);
   return run_tiles("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
                    [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
-                     kInt8TileDots[chunk - 1](w + t * tile_bytes, xp + m0 * k, k, acc);
+                     kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, sp + m0 * groups,
+                                              acc);
                    });
 }
 
