@@ -32,13 +32,14 @@ def model_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
-    """Per kernel, one callable x → y per matmul (the LM head stays bf16 in the quantized rows,
-    as in the model)."""
+    """Per kernel, one callable x → y per matmul. The LM head is as the model has it: int8 in the
+    quantized columns of the skinny kernels (executor/quantization.py: quantize_lm_head), bf16
+    through oneDNN in torch's."""
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16) for n, k in shapes]
     projections, lm_head = weights[:-1], weights[-1]
     onednn_head = pack_weight(lm_head)
-    skinny_head = SkinnyMatmul(ops, lm_head)
+    int8_head = SkinnyInt8Matmul(ops, *quantize_int8(lm_head, torch.bfloat16))
     kernels = {
         "oneDNN bf16": [lambda x, p=pack_weight(w): packed_linear(x, p, None) for w in weights],
         "skinny bf16": [lambda x, s=SkinnyMatmul(ops, w): s(x, None) for w in weights],
@@ -55,12 +56,12 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
     for name in ("torch int8", "torch int4"):
         kernels[name].append(lambda x: packed_linear(x, onednn_head, None))
     for name in ("skinny int8", "skinny int4"):
-        kernels[name].append(lambda x: skinny_head(x, None))
+        kernels[name].append(lambda x: int8_head(x, None))
     return kernels
 
 
 def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
-    head = shapes[-1][0] * shapes[-1][1] * 2
+    head = shapes[-1][0] * shapes[-1][1] * (1 if name in ("skinny int8", "skinny int4") else 2)
     per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}[name.split()[-1]]  # int4: + bf16 scale, zero
     return int(sum(n * k for n, k in shapes[:-1]) * per_weight) + head
 

@@ -70,9 +70,9 @@ def weights_description(dtype: str, quantization: str) -> str:
     """The side-by-side table's weights column of a kvserve row."""
     loaded = f"{dtype} safetensors"
     if quantization == "int8":
-        return f"{loaded}, int8 weights (per channel; LM head bf16)"
+        return f"{loaded}, int8 weights (per channel) x int8 activations (per token, groups of 32); LM head int8"
     if quantization == "int4":
-        return f"{loaded}, int4 weights (groups of 32; LM head bf16)"
+        return f"{loaded}, int4 weights (groups of 32); LM head int8"
     return loaded
 
 

@@ -279,6 +279,8 @@ class Transformer(nn.Module):
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
         self.skinny_lm_head: SkinnyMatmul | None = None  # set by use_skinny_matmuls
+        # set by quantize_model (executor/quantization.py): an int8 head for every step, in place of both
+        self.quantized_lm_head = None
 
     def setup_rope(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -290,7 +292,8 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed_weight = pack_weight(module.weight)
-        self.packed_lm_head = pack_weight(self.lm_head_weight())
+        if self.quantized_lm_head is None:
+            self.packed_lm_head = pack_weight(self.lm_head_weight())
 
     def use_skinny_matmuls(self, cpu_ops) -> None:
         """Gives every oneDNN-packed projection and the LM head a ``SkinnyMatmul`` (``cpu_ops``:
@@ -318,6 +321,8 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32; decode_step as Linear's
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden, None).float()
         if self.skinny_lm_head is not None and decode_step and rows_fit(hidden):
             return self.skinny_lm_head(hidden, None).float()
         if self.packed_lm_head is not None:

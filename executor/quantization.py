@@ -207,6 +207,22 @@ def check_shapes(mode: str, linears: dict[str, nn.Linear], device: torch.device)
                 f"on {device.type}; {name} is [{linear.out_features}, {linear.in_features}]")
 
 
+def quantize_lm_head(model: nn.Module, skinny_ops) -> int:
+    """Gives ``model`` an int8 LM head (``SkinnyInt8Matmul``, every step) where the CPU kernels take
+    it, as the quantized checkpoints of the peers have (llama.cpp's Q4_1 GGUF: a Q8_0 head;
+    OpenVINO's int8 export: int8); the bf16 matrix stays for the embedding. Returns its bytes."""
+    weight = model.lm_head_weight()
+    if skinny_ops is None:
+        return 0
+    codes, scales = quantize_int8(weight.detach(), weight.dtype)
+    if not SkinnyInt8Matmul.fits(codes, scales):
+        return 0
+    model.quantized_lm_head = SkinnyInt8Matmul(skinny_ops, codes, scales)
+    if not model.config.tie_word_embeddings:
+        model.lm_head = None  # nothing else reads a separate head's matrix
+    return model.quantized_lm_head.packed.nbytes
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
     """Replaces the projections of every decoder layer of ``model`` (a ``Transformer``) by their
@@ -221,7 +237,7 @@ def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
     device = model.embed_tokens.weight.device
     check_supported(mode, model.embed_tokens.weight.dtype, device)
     check_shapes(mode, {name: getattr(parent, attr) for name, parent, attr in projections}, device)
-    total = 0
+    total = quantize_lm_head(model, skinny_ops)
     for _, parent, attr in projections:  # one at a time, so that each float weight is freed as it goes
         linear = getattr(parent, attr)
         replacement = (Int8Linear if mode == "int8" else Int4Linear)(linear, skinny_ops=skinny_ops)

@@ -214,8 +214,9 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
                                                     [*budget_args, "--quantization", "int4"]]
     assert all(s.gateway_args[-len(prefix.gateway_args()):] == prefix.gateway_args() for s in asked[1:])
     assert [r.weights for r in rows] == ["bfloat16 safetensors",
-                                         "bfloat16 safetensors, int8 weights (per channel; LM head bf16)",
-                                         "bfloat16 safetensors, int4 weights (groups of 32; LM head bf16)"]
+                                         "bfloat16 safetensors, int8 weights (per channel) x int8 activations "
+                                         "(per token, groups of 32); LM head int8",
+                                         "bfloat16 safetensors, int4 weights (groups of 32); LM head int8"]
     assert all(r.failed == 1 and "no stack under test" in r.errors[0] for r in rows)
     # The running executor's dtype says whether the quantization was applied.
     int4 = plan_configs(set(), ["int4"])[0]

@@ -200,7 +200,7 @@ def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners):
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
 
 
-def test_quantized_projections_get_the_skinny_layouts_and_drop_torchs(runners):
+def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(runners):
     for mode, linear_class, skinny_class, torch_buffer in (("int8", Int8Linear, SkinnyInt8Matmul, "codes"),
                                                            ("int4", Int4Linear, SkinnyInt4Matmul, "packed")):
         skinny, usual = runners(mode)
@@ -209,6 +209,11 @@ def test_quantized_projections_get_the_skinny_layouts_and_drop_torchs(runners):
                                    for m in projections)
         assert all(m.skinny is None and getattr(m, torch_buffer) is not None
                    for m in usual.model.modules() if isinstance(m, linear_class))
+        # the LM head as the peers' quantized checkpoints have it: int8 at every step, no bf16 copies
+        head = skinny.model.quantized_lm_head
+        assert isinstance(head, SkinnyInt8Matmul) and head.out_features == skinny.model.config.vocab_size
+        assert skinny.model.packed_lm_head is None and skinny.model.skinny_lm_head is None
+        assert usual.model.quantized_lm_head is None and usual.model.packed_lm_head is not None
 
 
 # The exactness test's prompts less its second (a near-copy of the first): one batch of SKINNY_MAX_ROWS.
