@@ -89,16 +89,17 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def quantize_activations_int8(x: torch.Tensor, group_size: int = INT8_ACTIVATION_GROUP_SIZE) -> torch.Tensor:
     """What the compiled int8 kernel multiplies the weights by: x [rows, in] with each row's groups of
-    ``group_size`` inputs rounded to 255 levels, ``round(x * (127 / max|x|)) * (max|x| / 127)``
+    ``group_size`` inputs rounded to 255 levels, ``round(x / s) * s`` with ``s = max|x| / 127``
     (ties to even, float32), as float32 [rows, in]."""
     rows, in_features = x.shape
     groups = x.float().reshape(rows, in_features // group_size, group_size)
     amax = groups.abs().amax(dim=-1, keepdim=True)
-    # A tensor divided by a tensor: one rounding, as the kernel's 127.f / amax (``127 / amax``
-    # is a reciprocal then a product in torch, two roundings, which can move a code at a tie).
-    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
-    codes = torch.round(groups * inverse).clamp_(-127, 127)
-    return (codes * (amax / 127)).reshape(rows, in_features)
+    # Tensors divided by tensors: one rounding each, as the kernel's divisions (torch turns a
+    # division by a scalar into a product with its reciprocal, two roundings, which can move a
+    # code at a tie).
+    scale = amax / torch.full_like(amax, 127.0)
+    codes = torch.round(groups / torch.where(amax > 0, scale, 1.0)).clamp_(-127, 127)
+    return (codes * scale).reshape(rows, in_features)
 
 
 def quantize_int4(weight: torch.Tensor, scale_dtype: torch.dtype,

@@ -370,8 +370,7 @@ inline int32_t load_quad(const int8_t* p) {
 inline Vec16 round_to_integer(Vec16 v) {
 #if defined(__AVX512F__)
   // One instruction (the zero-masked form: GCC 12 warns that the unmasked one reads an
-  // uninitialized register); and the product feeding it cannot be fused with the rounding, which the
-  // bias trick below allows (an FMA would skip the product's own rounding and so change ties).
+  // uninitialized register).
   __m512 raw;
   std::memcpy(&raw, &v, sizeof(raw));
   const __m512 rounded = _mm512_maskz_roundscale_ps(0xFFFF, raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -384,7 +383,7 @@ inline Vec16 round_to_integer(Vec16 v) {
 }
 
 // x [rows, K] bf16 → codes [rows, K] int8, scales and code sums [rows, K / 32]: per group,
-// sx = max|x| / 127 and a = x * (127 / max|x|) rounded to the nearest integer (ties to even), as
+// sx = max|x| / 127 and a = x / sx rounded to the nearest integer (ties to even), as
 // executor/quantization.py's quantize_activations_int8 computes them.
 void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t k, int8_t* codes, float* scales,
                    int32_t* sums) {
@@ -407,10 +406,13 @@ void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_
         sums[slot] = 0;
         continue;
       }
-      const float inverse = 127.f / amax;
+      // A division, not a product with 127 / amax: GCC may fuse a product with the rounding's
+      // addition below into one FMA, which skips the product's own rounding and moves ties, so
+      // that builds for different CPUs would disagree on a code.
+      const float scale = amax / 127.f;
       Int16 total{};
       for (int half = 0; half < 2; ++half) {
-        Vec16 r = round_to_integer(v[half] * inverse);
+        Vec16 r = round_to_integer(v[half] / scale);
         r = r > 127.f ? splat(127.f) : r;
         r = r < -127.f ? splat(-127.f) : r;
         const Int16 q = __builtin_convertvector(r, Int16);
@@ -418,7 +420,7 @@ void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_
         const Int8x16 bytes = __builtin_convertvector(q, Int8x16);
         std::memcpy(out + half * kLanes, &bytes, sizeof(bytes));
       }
-      scales[slot] = amax / 127.f;
+      scales[slot] = scale;
       int32_t sum = 0;
       for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
       sums[slot] = sum;
@@ -469,7 +471,7 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
       UInt16 packed;
       std::memcpy(&packed, w + (k0 / 4) * kQuadBytes, sizeof(packed));
       for (int j = 0; j < 4; ++j) {
-        const Int16 wj = reinterpret_cast<Int16>((packed >> (8 * j)) & 0xFFu);
+        const Int16 wj = __builtin_convertvector((packed >> (8 * j)) & 0xFFu, Int16);
         for (int m = 0; m < ROWS; ++m) dots[m] += wj * static_cast<int32_t>(a[m * k + k0 + j]);
       }
     }
