@@ -1,10 +1,11 @@
 """Weight-only quantization of the decoder's projections: ``--quantization none|int8|int4``.
 
 The seven projections of every layer (q/k/v and gate/up fused, o, down) are
-replaced after loading; the embedding, the (tied or separate) LM head and the
-norms stay in the compute dtype. int4 is weight-only: the kernels dequantize
+replaced after loading; the embedding and the norms stay in the compute dtype,
+and on the CPU with the compiled kernels the (tied or separate) LM head gets an
+int8 copy (``quantize_lm_head``) used at every step. int4 is weight-only: the kernels dequantize
 weights inside the matmul. int8 on the CPU with the compiled kernels also rounds
-each token's activations per group of ``INT8_ACTIVATION_GROUP_SIZE`` inputs
+each token's activations per group of ``INT8_ACTIVATION_GROUP`` inputs
 (``quantize_activations_int8``) so that its products are integer dot products;
 elsewhere it is weight-only too.
 
@@ -33,8 +34,6 @@ from executor.skinny import INT8_ACTIVATION_GROUP, SkinnyInt4Matmul, SkinnyInt8M
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
-# The compiled int8 kernel quantizes each token's activations per group of this many inputs.
-INT8_ACTIVATION_GROUP_SIZE = INT8_ACTIVATION_GROUP
 
 # The device type's dispatch key, for asking whether this torch build has a kernel there.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "musa": "PrivateUse1"}
@@ -87,7 +86,7 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.float()[:, None]
 
 
-def quantize_activations_int8(x: torch.Tensor, group_size: int = INT8_ACTIVATION_GROUP_SIZE) -> torch.Tensor:
+def quantize_activations_int8(x: torch.Tensor, group_size: int = INT8_ACTIVATION_GROUP) -> torch.Tensor:
     """What the compiled int8 kernel multiplies the weights by: x [rows, in] with each row's groups of
     ``group_size`` inputs rounded to 255 levels, ``round(x / s) * s`` with ``s = max|x| / 127``
     (ties to even, float32), as float32 [rows, in]."""

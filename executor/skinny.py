@@ -15,7 +15,7 @@ import torch
 # measured on AVX512-BF16 (Zen 4), docs/executor.md.
 SKINNY_MAX_ROWS = 8
 # skinny_linear_int8 quantizes activations per token and group of this many inputs
-# (executor/quantization.py: INT8_ACTIVATION_GROUP_SIZE, the same number).
+# (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
 
 

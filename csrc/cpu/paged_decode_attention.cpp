@@ -1,12 +1,12 @@
 // Paged attention for decode tokens on the CPU, reading K/V blocks where they lie.
 //
-// Layout of the CPU backend (executor/attention/cpu_backend.py), per layer:
-//   K: [num_kv_heads, num_blocks, head_size, block_size]  (each block's tile transposed)
-//   V: [num_kv_heads, num_blocks, block_size, head_size]
+// Layout of the CPU backend (executor/attention/cpu_backend.py), per layer, block-major:
+//   K: [num_blocks, num_kv_heads, head_size, block_size]  (each tile transposed)
+//   V: [num_blocks, num_kv_heads, block_size, head_size]
 // with block_size == 16 == the lanes of one Vec16. Plain torch must gather a batch's
 // blocks into a contiguous tensor before SDPA, which writes and re-reads the whole
 // context once more per layer (at batch 32 x 1024 tokens as costly as the attention).
-// Here each (sequence, kv head) streams its own blocks in place:
+// Here each sequence streams its own blocks in place, all its KV heads per block:
 //   scores: a K tile column is one key dimension for all 16 tokens of the block, so a
 //           block's scores are broadcast-FMAs over head_size into one vector, no
 //           horizontal sums;
@@ -58,6 +58,7 @@ inline void block_scores(const float* q, const T* keys, int64_t head_size, float
       for (int r = 0; r < R; ++r) s[r][j] += q[r * head_size + d + j] * k;
     }
   }
+  static_assert(kChains == 4, "the pairwise sum below adds four chains");
   for (int r = 0; r < R; ++r) store16(scores + r * row, (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]));
 }
 
