@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,7 +58,7 @@ def block_tables(batch: int, ctx: int, num_blocks: int, order: str, generator: t
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.attention_bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=default_model_dir().__class__, default=default_model_dir())
+    parser.add_argument("--model", type=Path, default=default_model_dir())
     parser.add_argument("--cases", type=parse_cases, default=parse_cases("1x512,20x512,32x1024"),
                         help="batch x context pairs")
     parser.add_argument("--threads", type=int, default=1)

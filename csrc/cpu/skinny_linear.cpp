@@ -48,7 +48,8 @@ constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
 // not depend on what else is in the step (a token gets the same result alone or in a batch).
 constexpr int kChains = 2;
 
-inline int32_t load_pair(const uint16_t* p) {
+// The 32 bits at p: a pair of bf16 inputs, or four int8 ones, to broadcast.
+inline int32_t load_32_bits(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
@@ -66,7 +67,7 @@ void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pa
     for (int c = 0; c < kChains; ++c) {
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (kp + c) * 2 * kTile);
       for (int m = 0; m < ROWS; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + m * x_stride + 2 * (kp + c)));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_32_bits(x + m * x_stride + 2 * (kp + c)));
         sums[m][c] = _mm512_dpbf16_ps(sums[m][c], wv, xv);
       }
     }
@@ -74,7 +75,7 @@ void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pa
   for (; kp < pairs; ++kp) {
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kTile);
     for (int m = 0; m < ROWS; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + m * x_stride + 2 * kp));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_32_bits(x + m * x_stride + 2 * kp));
       sums[m][0] = _mm512_dpbf16_ps(sums[m][0], wv, xv);
     }
   }
@@ -234,7 +235,7 @@ void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const 
         const UInt16 pair = (byte & 0xFu) | (byte << 12 & 0xF0000u) | 0x43004300u;
         const int64_t k = g * kGroup + block * 8 + 2 * p;
         for (int m = 0; m < ROWS; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_pair(x + m * x_stride + k));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_32_bits(x + m * x_stride + k));
           dots[m][p % kChains] = _mm512_dpbf16_ps(dots[m][p % kChains], (__m512bh)pair, xv);
         }
       }
@@ -360,12 +361,6 @@ constexpr int64_t kQuadBytes = 4 * kTile;
 
 typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
 
-inline int32_t load_quad(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // v rounded to the nearest integer, ties to even (|v| < 2^22).
 inline Vec16 round_to_integer(Vec16 v) {
 #if defined(__AVX512F__)
@@ -444,7 +439,7 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
         const int64_t k0 = g * kInt8Group + 4 * (quad + c);
         const __m512i wv = _mm512_loadu_si512(w + (k0 / 4) * kQuadBytes);
         for (int m = 0; m < ROWS; ++m) {
-          dots[m][c] = _mm512_dpbusd_epi32(dots[m][c], wv, _mm512_set1_epi32(load_quad(a + m * k + k0)));
+          dots[m][c] = _mm512_dpbusd_epi32(dots[m][c], wv, _mm512_set1_epi32(load_32_bits(a + m * k + k0)));
         }
       }
     }
