@@ -5,7 +5,8 @@ a restarted kvmanager, costs the streams in flight nothing (they move to an exec
 that can serve and are recomputed from the tokens the gateway holds, so their output
 equals the same request computed fresh, token for token and logprob for logprob);
 no block stays held in any pool afterwards; and KV-aware routing sends requests with
-a shared system prompt to the executor that has it.
+a shared system prompt to the executor that has it (compared with round-robin
+on the same executors).
 """
 from __future__ import annotations
 
@@ -199,6 +200,7 @@ def routed_hit_rate(url: str, system_prompts: list[list[int]], order: list[int],
     """Share of the ideal prefix hits (every system prompt computed once) the requests got."""
     rng = random.Random(6)
     cached = 0
+    failures: list[str] = []
     lock = threading.Lock()
     jobs = list(order)
 
@@ -209,35 +211,50 @@ def routed_hit_rate(url: str, system_prompts: list[list[int]], order: list[int],
                 if not jobs:
                     return
                 which = jobs.pop()
-            prompt = system_prompts[which] + [rng.randrange(1000, 30000) for _ in range(8)]
-            reply = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4, "temperature": 0},
-                               timeout=300).json()
+                suffix = [rng.randrange(1000, 30000) for _ in range(8)]
+            reply = httpx.post(url + "/v1/completions", timeout=300,
+                               json={"prompt": system_prompts[which] + suffix, "max_tokens": 4, "temperature": 0})
             with lock:
-                cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+                if reply.status_code != 200:
+                    failures.append(f"{reply.status_code}: {reply.text}")
+                else:
+                    cached += reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
+    assert not failures, f"{len(failures)} of {len(order)} requests failed, first: {failures[0]}"
     repeats = len(order) // len(system_prompts)
     ideal = len(system_prompts) * (repeats - 1) * len(system_prompts[0])
     return cached / ideal
 
 
 def test_kv_routing_keeps_shared_system_prompts_where_they_are_cached(cluster, start_service):
-    stack = cluster(2, "--routing", "kv", "--pool-id", "kv")
-    url = stack["url"]
-    system_prompts = random_prompts(8, 256, seed=5)
+    """One request at a time, kv routing computes every system prompt once (the ideal);
+    round-robin over the same three executors computes it once on each executor its
+    requests land on. Under load kv routing may give hits up for an idle executor
+    (a prefix pending behind a busy one costs as much as computing it afresh), so the
+    bar there is lower; the gap to round-robin stays."""
+    stack = cluster(3, "--routing", "kv", "--pool-id", "shared")
     order = [i for i in range(8) for _ in range(8)]
     random.Random(7).shuffle(order)
-    kv_rate = routed_hit_rate(url, system_prompts, order, concurrency=4)
+    rates = {("kv", 1): routed_hit_rate(stack["url"], random_prompts(8, 256, seed=5), order, concurrency=1),
+             ("kv", 4): routed_hit_rate(stack["url"], random_prompts(8, 256, seed=6), order, concurrency=4)}
     stack["gateway"].stop()
-    # Round-robin on the same executors, through its own pools (the kv gateway is gone).
+    # Round-robin on the same executors and pool (one pool per executor), on system prompts none of them holds.
     http_port = free_port()
     start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", stack["kvmanager"].address,
                   "--executor-address", ",".join(e.address for e in stack["executors"]),
-                  "--model", str(stack["model"]), "--routing", "round-robin", "--pool-id", "rr")
-    rr_rate = routed_hit_rate(f"http://127.0.0.1:{http_port}", system_prompts, order, concurrency=4)
-    print(f"prefix hit rate, share of the ideal: kv {kv_rate:.3f}, round-robin {rr_rate:.3f}")
-    assert kv_rate >= 0.9, f"kv routing reached {kv_rate:.1%} of the ideal hit rate (round-robin {rr_rate:.1%})"
+                  "--model", str(stack["model"]), "--routing", "round-robin", "--pool-id", "shared")
+    rr_url = f"http://127.0.0.1:{http_port}"
+    assert wait_for(lambda: len(metric_by_executor(rr_url, "kvserve:executor_up")) == 3, 30)
+    rates["round-robin", 1] = routed_hit_rate(rr_url, random_prompts(8, 256, seed=7), order, concurrency=1)
+    rates["round-robin", 4] = routed_hit_rate(rr_url, random_prompts(8, 256, seed=8), order, concurrency=4)
+    print("prefix hit rate, share of the ideal:",
+          ", ".join(f"{policy} x{concurrency} {rate:.3f}" for (policy, concurrency), rate in rates.items()))
+    assert rates["kv", 1] >= 0.99, rates
+    assert rates["round-robin", 1] <= 0.9, rates  # the comparison can tell routings apart
+    assert rates["kv", 4] >= 0.8, rates
+    assert rates["kv", 4] >= rates["round-robin", 4] + 0.05, rates
