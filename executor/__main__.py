@@ -38,8 +38,9 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
     parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_MODES),
-                        help="weight-only quantization of the layers' projections (embeddings and LM head stay "
-                             "in --dtype): int8 per output channel, int4 in groups of 32 with scale and min "
+                        help="quantized weights for the layers' projections (the embedding stays in --dtype): "
+                             "int8 per output channel, int4 in groups of 32 with scale and min; on the CPU with "
+                             "the compiled kernels, activations rounded to int8 too and an int8 LM head "
                              "(docs/quantization.md); Describe reports it in dtype, e.g. bfloat16+int8")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")

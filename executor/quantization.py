@@ -1,13 +1,13 @@
-"""Weight-only quantization of the decoder's projections: ``--quantization none|int8|int4``.
+"""Quantization of the decoder's projections: ``--quantization none|int8|int4``.
 
 The seven projections of every layer (q/k/v and gate/up fused, o, down) are
 replaced after loading; the embedding and the norms stay in the compute dtype,
 and on the CPU with the compiled kernels the (tied or separate) LM head gets an
-int8 copy (``quantize_lm_head``) used at every step. int4 is weight-only: the kernels dequantize
-weights inside the matmul. int8 on the CPU with the compiled kernels also rounds
-each token's activations per group of ``INT8_ACTIVATION_GROUP`` inputs
-(``quantize_activations_int8``) so that its products are integer dot products;
-elsewhere it is weight-only too.
+int8 copy (``quantize_lm_head``) used at every step. On the CPU with the compiled
+kernels both modes also round each token's activations per group of
+``INT8_ACTIVATION_GROUP`` inputs (``quantize_activations_int8``) so that their
+products are integer dot products; elsewhere (torch's kernels) they are
+weight-only: the kernels dequantize weights inside the matmul.
 
 - ``int8``: per output channel, symmetric: ``w ≈ q * scale``, ``q`` in [-127, 127].
   ``torch.ops.aten._weight_int8pack_mm`` (CPU; other devices where this torch has it).

@@ -14,8 +14,8 @@ import torch
 # Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
 # measured on AVX512-BF16 (Zen 4), docs/executor.md.
 SKINNY_MAX_ROWS = 8
-# skinny_linear_int8 quantizes activations per token and group of this many inputs
-# (executor/quantization.py: quantize_activations_int8 does the same in torch).
+# skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
+# many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
 
 
@@ -66,7 +66,8 @@ class SkinnyInt8Matmul:
 class SkinnyInt4Matmul:
     """Group-wise int4 weights (executor/quantization.py's codes, scales and zeros, groups of 32)
     in ``skinny_linear_int4``'s layout: per tile of 16 rows and group, the codes two a byte and the
-    group's bf16 scales and zeros, one 320-byte record."""
+    group's bf16 scales and zeros, one 320-byte record. x is quantized as for
+    ``SkinnyInt8Matmul``, so that the products are VNNI integer dot products with the codes."""
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16

@@ -196,96 +196,182 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
                    });
 }
 
+// ---- int8 activations (both quantized formats) ------------------------------------------------
+//
+// With int8 or int4 weights the activations are quantized as well, per row of x and group of 32
+// inputs, symmetric: x ~ a * sx, a in [-127, 127] (what OpenVINO's CPU plugin does for its int8
+// weights, and llama.cpp's Q8_1 blocks for its Q4_1 ones), so that a group's dot product is
+// integer arithmetic: VPDPBUSD multiplies 4 unsigned bytes (the weight codes) by 4 signed ones
+// into each 32-bit lane, 64 multiply-adds an instruction where an FMA does 16. Integer sums are
+// exact, and the float ones run in the same order whatever the batch, so a row's result does not
+// depend on the batch, and the fallback without VNNI computes the same numbers.
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQuadBytes = 4 * kTile;  // 4 inputs of 16 rows: one register of codes
+
+typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
+
+// v rounded to the nearest integer, ties to even (|v| < 2^22).
+inline Vec16 round_to_integer(Vec16 v) {
+#if defined(__AVX512F__)
+  // One instruction (the zero-masked form: GCC 12 warns that the unmasked one reads an
+  // uninitialized register).
+  __m512 raw;
+  std::memcpy(&raw, &v, sizeof(raw));
+  const __m512 rounded = _mm512_maskz_roundscale_ps(0xFFFF, raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  std::memcpy(&v, &rounded, sizeof(v));
+  return v;
+#else
+  const Vec16 bias = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  return (v + bias) - bias;
+#endif
+}
+
+// x quantized per row and group of 32 inputs, as executor/quantization.py's
+// quantize_activations_int8 computes it: sx = max|x| / 127 and a = x / sx rounded to the nearest
+// integer (ties to even); with each group's sx * sum(a), which both formats' offsets need.
+struct QuantizedRows {
+  at::Tensor codes;        // [rows, K] int8
+  at::Tensor scales;       // [rows, K / 32] float32: sx (0 for an all-zero group, NaN for one with NaN or inf)
+  at::Tensor scaled_sums;  // [rows, K / 32] float32: sx * sum(a)
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
+  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
+                  at::empty({rows, groups}, x.options().dtype(at::kFloat)),
+                  at::empty({rows, groups}, x.options().dtype(at::kFloat))};
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  int8_t* codes = q.codes.data_ptr<int8_t>();
+  float* scales = q.scales.data_ptr<float>();
+  float* scaled_sums = q.scaled_sums.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const auto* src = reinterpret_cast<const c10::BFloat16*>(xp + m * x.stride(0) + g * kGroup);
+      const Vec16 v[2] = {load16(src), load16(src + kLanes)};
+      Vec16 magnitude = v[0] < 0 ? -v[0] : v[0];
+      magnitude = magnitude > (v[1] < 0 ? -v[1] : v[1]) ? magnitude : (v[1] < 0 ? -v[1] : v[1]);
+      const float amax = reduce_max(magnitude);
+      const int64_t slot = m * groups + g;
+      int8_t* out = codes + m * k + g * kGroup;
+      const bool finite = !std::isnan(reduce_sum(v[0] + v[1]));
+      if (!(amax > 0.f) || !finite) {
+        // All zero: the group adds nothing. NaN (or inf): a NaN scale, so that it reaches the
+        // output as it would through a float matmul instead of vanishing.
+        std::memset(out, 0, kGroup);
+        scales[slot] = scaled_sums[slot] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      // A division, not a product with 127 / amax: GCC may fuse a product with the rounding's
+      // addition below into one FMA, which skips the product's own rounding and moves ties, so
+      // that builds for different CPUs would disagree on a code.
+      const float scale = amax / 127.f;
+      Int16 total{};
+      for (int half = 0; half < 2; ++half) {
+        Vec16 r = round_to_integer(v[half] / scale);
+        r = r > 127.f ? splat(127.f) : r;
+        r = r < -127.f ? splat(-127.f) : r;
+        const Int16 codes16 = __builtin_convertvector(r, Int16);
+        total += codes16;
+        const Int8x16 bytes = __builtin_convertvector(codes16, Int8x16);
+        std::memcpy(out + half * kLanes, &bytes, sizeof(bytes));
+      }
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
+      scales[slot] = scale;
+      scaled_sums[slot] = scale * static_cast<float>(sum);
+    }
+  }
+  return q;
+}
+
 // ---- int4 weights (--quantization int4) -----------------------------------------------------
 //
-// The codes of executor/quantization.py: per group of 32 inputs of a row, w = (q - 8) * scale + zero
-// with q in [0, 15]. Per tile of 16 rows and group, one 320-byte record read front to back:
+// The codes of executor/quantization.py: per group of 32 inputs of a row, w = (c - 8) * scale + zero
+// with c in [0, 15]. Per tile of 16 rows and group, one 320-byte record read front to back:
 //
-//   bytes   0..255: 4 blocks of 8 inputs; in each, 16 rows × 4 bytes, byte p of a row holding
-//                   inputs 2p (low nibble) and 2p+1 (high nibble) of the block
+//   bytes   0..255: 4 blocks of 64 bytes; block b holds, for each of the 16 rows, 4 bytes: byte j
+//                   has input 4b + j in its low nibble and input 16 + 4b + j in its high one
 //   bytes 256..319: the 16 rows' scales, then their zeros, bf16
 //
-// A row's 4 bytes land in one 32-bit lane, so a pair of inputs becomes the lane's two bf16
-// halves with a shift, a mask and an OR: 0x4300 | q is the bf16 number 128 + q, exactly. The
-// group's dot product D = sum (128 + q) x is then one VDPBF16PS per pair, as in the bf16 tile,
-// and the group contributes scale * (D - 128 X) + (zero - 8 scale) X, X = sum of the group's x.
-constexpr int64_t kGroup = 32;
-constexpr int64_t kInt4CodeBytes = kTile * kGroup / 2;        // 256
+// So a mask gives one register of VPDPBUSD's unsigned operand (4 codes per row, inputs 4b..4b+3)
+// and a shift and the mask a second (inputs 16 + 4b..). With the group's D = sum c a (exact) and
+// A = sum a, the group contributes
+//
+//   sx * (scale * (D - 8 A) + zero * A) = (D sx) * scale + (sx A) * (zero - 8 scale)
+//
+// to each row: a conversion, a product and two FMAs per group and row for eight VPDPBUSDs.
+constexpr int64_t kInt4CodeBytes = kTile * kGroup / 2;                 // 256
 constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;  // + scales and zeros, bf16
 
 inline Vec16 load_bf16_16(const uint8_t* p) { return load16(reinterpret_cast<const c10::BFloat16*>(p)); }
 
-#if defined(__AVX512BF16__)
+// acc[m][0..16) = the tile's 16 weight rows . row m of x, for ROWS rows of quantized x.
+#if defined(__AVX512VNNI__)
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const float* x_sums, int64_t groups,
-                   float* acc) {
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+  const int64_t groups = k / kGroup;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* record = w + g * kInt4RecordBytes;
-    __m512 dots[ROWS][kChains];
-    for (int m = 0; m < ROWS; ++m)
-      for (int c = 0; c < kChains; ++c) dots[m][c] = _mm512_setzero_ps();
+    __m512i dots[ROWS];
+    for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
     for (int block = 0; block < 4; ++block) {
-      UInt16 codes;
-      std::memcpy(&codes, record + block * 64, sizeof(codes));
-      for (int p = 0; p < 4; ++p) {
-        const UInt16 byte = codes >> (8 * p);
-        // The low nibble into the low half, the high one into the high half, each under 0x4300.
-        const UInt16 pair = (byte & 0xFu) | (byte << 12 & 0xF0000u) | 0x43004300u;
-        const int64_t k = g * kGroup + block * 8 + 2 * p;
-        for (int m = 0; m < ROWS; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_32_bits(x + m * x_stride + k));
-          dots[m][p % kChains] = _mm512_dpbf16_ps(dots[m][p % kChains], (__m512bh)pair, xv);
-        }
+      const __m512i both = _mm512_loadu_si512(record + block * kQuadBytes);
+      const __m512i low = _mm512_and_si512(both, nibble), high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+      const int64_t k0 = g * kGroup + 4 * block;
+      for (int m = 0; m < ROWS; ++m) {
+        dots[m] = _mm512_dpbusd_epi32(dots[m], low, _mm512_set1_epi32(load_32_bits(a + m * k + k0)));
+        dots[m] = _mm512_dpbusd_epi32(dots[m], high, _mm512_set1_epi32(load_32_bits(a + m * k + k0 + 16)));
       }
     }
     const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
-    const Vec16 x_coef = zero - 136.f * scale;  // (zero - 8 scale) - 128 scale
-    __m512 scale_v, x_coef_v;
+    const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
+    __m512 scale_v, a_coef_v;
     std::memcpy(&scale_v, &scale, sizeof(scale_v));
-    std::memcpy(&x_coef_v, &x_coef, sizeof(x_coef_v));
+    std::memcpy(&a_coef_v, &a_coef, sizeof(a_coef_v));
     for (int m = 0; m < ROWS; ++m) {
-      __m512 dot = dots[m][0];
-      for (int c = 1; c < kChains; ++c) dot = _mm512_add_ps(dot, dots[m][c]);
+      const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dots[m]), _mm512_set1_ps(sx[m * groups + g]));
       totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
-      totals[m] = _mm512_fmadd_ps(_mm512_set1_ps(x_sums[m * groups + g]), x_coef_v, totals[m]);
+      totals[m] = _mm512_fmadd_ps(_mm512_set1_ps(sxa[m * groups + g]), a_coef_v, totals[m]);
     }
   }
   for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
 }
 #else
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const uint16_t* x, int64_t x_stride, const float* x_sums, int64_t groups,
-                   float* acc) {
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+  const int64_t groups = k / kGroup;
   Vec16 totals[ROWS] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* record = w + g * kInt4RecordBytes;
-    Vec16 dots[ROWS] = {};
+    Int16 dots[ROWS] = {};
     for (int block = 0; block < 4; ++block) {
-      UInt16 codes;
-      std::memcpy(&codes, record + block * 64, sizeof(codes));
-      for (int p = 0; p < 4; ++p) {
-        const UInt16 byte = codes >> (8 * p);
-        const Vec16 q_even = __builtin_convertvector(byte & 0xFu, Vec16);
-        const Vec16 q_odd = __builtin_convertvector((byte >> 4) & 0xFu, Vec16);
-        const int64_t k = g * kGroup + block * 8 + 2 * p;
+      UInt16 both;
+      std::memcpy(&both, record + block * kQuadBytes, sizeof(both));
+      const int64_t k0 = g * kGroup + 4 * block;
+      for (int j = 0; j < 4; ++j) {
+        const UInt16 bytes = (both >> (8 * j)) & 0xFFu;
+        const Int16 low = __builtin_convertvector(bytes & 0xFu, Int16);
+        const Int16 high = __builtin_convertvector(bytes >> 4, Int16);
         for (int m = 0; m < ROWS; ++m) {
-          const uint16_t* xm = x + m * x_stride + k;
-          dots[m] += q_even * static_cast<float>(c10::BFloat16(xm[0], c10::BFloat16::from_bits())) +
-                     q_odd * static_cast<float>(c10::BFloat16(xm[1], c10::BFloat16::from_bits()));
+          dots[m] += low * static_cast<int32_t>(a[m * k + k0 + j]) + high * static_cast<int32_t>(a[m * k + k0 + 16 + j]);
         }
       }
     }
     const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
-    const Vec16 x_coef = zero - 8.f * scale;
-    for (int m = 0; m < ROWS; ++m) totals[m] += dots[m] * scale + x_sums[m * groups + g] * x_coef;
+    const Vec16 a_coef = zero - 8.f * scale;
+    for (int m = 0; m < ROWS; ++m) {
+      totals[m] += __builtin_convertvector(dots[m], Vec16) * sx[m * groups + g] * scale;
+      totals[m] += sxa[m * groups + g] * a_coef;
+    }
   }
   for (int m = 0; m < ROWS; ++m) store16(acc + m * kTile, totals[m]);
 }
 #endif
 
-using Int4TileDot = void (*)(const uint8_t*, const uint16_t*, int64_t, const float*, int64_t, float*);
+using Int4TileDot = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, const float*, float*);
 
 template <size_t... I>
 constexpr std::array<Int4TileDot, sizeof...(I)> make_int4_tile_dots(std::index_sequence<I...>) {
@@ -307,9 +393,11 @@ at::Tensor pack_skinny_int4(const at::Tensor& codes, const at::Tensor& scales, c
   // Padding rows: codes, scales and zeros 0, so their weights are 0.
   at::Tensor c = at::zeros({tiles * kTile, k}, codes.options());
   c.narrow(0, 0, n).copy_(codes);
-  at::Tensor bytes = at::bitwise_or(c.slice(1, 0, k, 2), at::bitwise_left_shift(c.slice(1, 1, k, 2), 4));
+  // [tiles, 16 rows, groups, 2 halves, 4 blocks, 4] → a byte per (block, j): the first half's code low
+  at::Tensor halves = c.view({tiles, kTile, groups, 2, 4, 4});
+  at::Tensor bytes = at::bitwise_or(halves.select(3, 0), at::bitwise_left_shift(halves.select(3, 1), 4));
   // [tiles, 16 rows, groups, 4 blocks, 4 bytes] → [tiles, groups, 4 blocks, 16 rows, 4 bytes]
-  bytes = bytes.view({tiles, kTile, groups, 4, 4}).permute({0, 2, 3, 1, 4}).reshape({tiles, groups, kInt4CodeBytes});
+  bytes = bytes.permute({0, 2, 3, 1, 4}).reshape({tiles, groups, kInt4CodeBytes});
   auto per_tile = [&](const at::Tensor& t) {  // [out, groups] → [tiles, groups, 32 bytes]
     at::Tensor padded = at::zeros({tiles * kTile, groups}, t.options());
     padded.narrow(0, 0, n).copy_(t);
@@ -324,110 +412,34 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte,
               "skinny_linear_int4: packed must come from pack_skinny_int4");
-  const int64_t k = xc.size(1), groups = packed.size(1), rows = xc.size(0);
+  const int64_t k = xc.size(1), groups = packed.size(1);
   TORCH_CHECK(groups * kGroup == k, "skinny_linear_int4: x has ", k, " features, the weight ", groups * kGroup);
-  // Each group's sum of x (as the bf16 values the dot products see), [rows, groups] float32.
-  const at::Tensor x_sums = xc.to(at::kFloat).view({rows, groups, kGroup}).sum(-1).contiguous();
+  const QuantizedRows q = quantize_rows(xc);
   const auto* w = packed.data_ptr<uint8_t>();
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const float* sums = x_sums.data_ptr<float>();
-  const int64_t x_stride = xc.stride(0);
+  const int8_t* a = q.codes.data_ptr<int8_t>();
+  const float* sx = q.scales.data_ptr<float>();
+  const float* sxa = q.scaled_sums.data_ptr<float>();
   return run_tiles("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
                    [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
-                     kInt4TileDots[chunk - 1](w + t * groups * kInt4RecordBytes, xp + m0 * x_stride, x_stride,
-                                              sums + m0 * groups, groups, acc);
+                     kInt4TileDots[chunk - 1](w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
+                                              sxa + m0 * groups, acc);
                    });
 }
 
 // ---- int8 weights (--quantization int8) -----------------------------------------------------
 //
-// Per output row w = q * scale, q in [-127, 127] (executor/quantization.py). The activations are
-// quantized as well, per row of x and group of 32 inputs, symmetric: x ~ a * sx, a in [-127, 127]
-// (what OpenVINO's CPU plugin does for its int8 weights), so that a group's dot product is integer
-// arithmetic: VPDPBUSD multiplies 4 unsigned bytes by 4 signed ones into each 32-bit lane, 64
-// multiply-adds an instruction where an FMA does 16. The unsigned operand is the weight, stored
-// as q + 128 (in [1, 255]); the offset comes back out through the group's code sum A = sum(a):
+// Per output row w = q * scale, q in [-127, 127] (executor/quantization.py). VPDPBUSD's unsigned
+// operand is the weight, stored as q + 128 (in [1, 255]); the offset comes back out through the
+// group's code sum A = sum(a):
 //
 //   sum_k (q + 128) a = sum_k q a + 128 A
 //
-// The group adds sx * (that integer) to the row's float32 sum; the offset's share, the row's
-// sum over groups of sx * 128 A, is one number per row of x (computed with its codes) taken off
-// at the end, where the weight row's scale multiplies. Per group and row, then, one conversion
-// and one FMA for eight VPDPBUSDs. Integer sums are exact, and the float ones run in the same
-// order whatever the batch, so a row's result does not depend on the batch, and the fallback
-// without VNNI computes the same numbers.
+// The group adds sx * (that integer) to the row's float32 sum; the offset's share, the row's sum
+// over groups of 128 * sx * A, is one number per row of x taken off at the end, where the weight
+// row's scale multiplies. Per group and row, then, one conversion and one FMA for eight VPDPBUSDs.
 //
 // Tile layout, 16 output rows: for each 4 inputs k..k+3, the 16 rows' 4 codes (64 bytes, one
 // register); then the 16 scales as float32 (64 bytes).
-constexpr int64_t kInt8Group = 32;
-constexpr int64_t kQuadBytes = 4 * kTile;
-
-typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
-
-// v rounded to the nearest integer, ties to even (|v| < 2^22).
-inline Vec16 round_to_integer(Vec16 v) {
-#if defined(__AVX512F__)
-  // One instruction (the zero-masked form: GCC 12 warns that the unmasked one reads an
-  // uninitialized register).
-  __m512 raw;
-  std::memcpy(&raw, &v, sizeof(raw));
-  const __m512 rounded = _mm512_maskz_roundscale_ps(0xFFFF, raw, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  std::memcpy(&v, &rounded, sizeof(v));
-  return v;
-#else
-  const Vec16 bias = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  return (v + bias) - bias;
-#endif
-}
-
-// x [rows, K] bf16 → codes [rows, K] int8, scales [rows, K / 32] and the weights' offset [rows]:
-// per group, sx = max|x| / 127 and a = x / sx rounded to the nearest integer (ties to even), as
-// executor/quantization.py's quantize_activations_int8 computes them; per row, the sum over groups
-// of sx * 128 * sum(a).
-void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_t k, int8_t* codes, float* scales,
-                   float* offsets) {
-  const int64_t groups = k / kInt8Group;
-  for (int64_t m = 0; m < rows; ++m) {
-    float offset = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      const auto* src = reinterpret_cast<const c10::BFloat16*>(x + m * x_stride + g * kInt8Group);
-      const Vec16 v[2] = {load16(src), load16(src + kLanes)};
-      Vec16 magnitude = v[0] < 0 ? -v[0] : v[0];
-      magnitude = magnitude > (v[1] < 0 ? -v[1] : v[1]) ? magnitude : (v[1] < 0 ? -v[1] : v[1]);
-      const float amax = reduce_max(magnitude);
-      const int64_t slot = m * groups + g;
-      int8_t* out = codes + m * k + g * kInt8Group;
-      const bool finite = !std::isnan(reduce_sum(v[0] + v[1]));
-      if (!(amax > 0.f) || !finite) {
-        // All zero: the group adds nothing. NaN (or inf): a NaN scale, so that it reaches the
-        // output as it would through a float matmul instead of vanishing.
-        std::memset(out, 0, kInt8Group);
-        scales[slot] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-        if (!finite) offset = std::numeric_limits<float>::quiet_NaN();
-        continue;
-      }
-      // A division, not a product with 127 / amax: GCC may fuse a product with the rounding's
-      // addition below into one FMA, which skips the product's own rounding and moves ties, so
-      // that builds for different CPUs would disagree on a code.
-      const float scale = amax / 127.f;
-      Int16 total{};
-      for (int half = 0; half < 2; ++half) {
-        Vec16 r = round_to_integer(v[half] / scale);
-        r = r > 127.f ? splat(127.f) : r;
-        r = r < -127.f ? splat(-127.f) : r;
-        const Int16 q = __builtin_convertvector(r, Int16);
-        total += q;
-        const Int8x16 bytes = __builtin_convertvector(q, Int8x16);
-        std::memcpy(out + half * kLanes, &bytes, sizeof(bytes));
-      }
-      scales[slot] = scale;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
-      offset += scale * static_cast<float>(128 * sum);
-    }
-    offsets[m] = offset;
-  }
-}
 
 // acc[m][0..16) = the tile's 16 weight rows . row m of x, for ROWS rows of quantized x. One
 // accumulator per row: a group's eight multiply-adds into it are a dependency chain, but the
@@ -435,14 +447,14 @@ void quantize_rows(const at::BFloat16* x, int64_t x_stride, int64_t rows, int64_
 #if defined(__AVX512VNNI__)
 template <int ROWS>
 void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
-  const int64_t groups = k / kInt8Group;
+  const int64_t groups = k / kGroup;
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512i dots[ROWS];
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
-    for (int64_t quad = 0; quad < kInt8Group / 4; ++quad) {
-      const int64_t k0 = g * kInt8Group + 4 * quad;
+    for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
+      const int64_t k0 = g * kGroup + 4 * quad;
       const __m512i wv = _mm512_loadu_si512(w + (k0 / 4) * kQuadBytes);
       for (int m = 0; m < ROWS; ++m) {
         dots[m] = _mm512_dpbusd_epi32(dots[m], wv, _mm512_set1_epi32(load_32_bits(a + m * k + k0)));
@@ -461,12 +473,12 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 #else
 template <int ROWS>
 void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
-  const int64_t groups = k / kInt8Group;
+  const int64_t groups = k / kGroup;
   Vec16 totals[ROWS] = {};
   for (int64_t g = 0; g < groups; ++g) {
     Int16 dots[ROWS] = {};
-    for (int64_t quad = 0; quad < kInt8Group / 4; ++quad) {
-      const int64_t k0 = g * kInt8Group + 4 * quad;
+    for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
+      const int64_t k0 = g * kGroup + 4 * quad;
       UInt16 packed;
       std::memcpy(&packed, w + (k0 / 4) * kQuadBytes, sizeof(packed));
       for (int j = 0; j < 4; ++j) {
@@ -493,7 +505,7 @@ constexpr auto kInt8TileDots = make_int8_tile_dots(std::make_index_sequence<kMax
 at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "pack_skinny_int8: codes must be [out, in] int8");
   const int64_t n = codes.size(0), k = codes.size(1), tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(k % kInt8Group == 0, "pack_skinny_int8: in_features must be a multiple of ", kInt8Group, ", got ", k);
+  TORCH_CHECK(k % kGroup == 0, "pack_skinny_int8: in_features must be a multiple of ", kGroup, ", got ", k);
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n, "pack_skinny_int8: scales must be [out]");
   // The unsigned operand of VPDPBUSD: q + 128, in [1, 255] (padding rows: 128, i.e. q = 0).
   at::Tensor c = at::full({tiles * kTile, k}, 128, codes.options().dtype(at::kShort));
@@ -513,16 +525,20 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
               "skinny_linear_int8: packed must come from pack_skinny_int8");
   TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "skinny_linear_int8: x has ", k,
               " features, the weight ", (packed.size(1) - kTile * 4) / kTile);
-  TORCH_CHECK(k % kInt8Group == 0, "skinny_linear_int8: in_features must be a multiple of ", kInt8Group);
-  const int64_t groups = k / kInt8Group;
-  at::Tensor codes = at::empty({rows, k}, xc.options().dtype(at::kChar));
-  at::Tensor scales = at::empty({rows, groups}, xc.options().dtype(at::kFloat));
+  TORCH_CHECK(k % kGroup == 0, "skinny_linear_int8: in_features must be a multiple of ", kGroup);
+  const int64_t groups = k / kGroup;
+  const QuantizedRows q = quantize_rows(xc);
+  // Per row, 128 * the sum over groups of sx A, in group order (scaling by 128 is exact).
   at::Tensor offsets = at::empty({rows}, xc.options().dtype(at::kFloat));
-  quantize_rows(xc.data_ptr<at::BFloat16>(), xc.stride(0), rows, k, codes.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                offsets.data_ptr<float>());
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* row = q.scaled_sums.data_ptr<float>() + m * groups;
+    float sum = 0.f;
+    for (int64_t g = 0; g < groups; ++g) sum += row[g];
+    offsets.data_ptr<float>()[m] = 128.f * sum;
+  }
   const auto* w = packed.data_ptr<uint8_t>();
-  const int8_t* a = codes.data_ptr<int8_t>();
-  const float* sx = scales.data_ptr<float>();
+  const int8_t* a = q.codes.data_ptr<int8_t>();
+  const float* sx = q.scales.data_ptr<float>();
   const float* offset = offsets.data_ptr<float>();
   const int64_t tile_bytes = packed.size(1);
   return run_tiles("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
