@@ -80,6 +80,14 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
         return executor_pb2.DescribeResponse(**dataclasses.asdict(self.runner.info))
 
     async def Execute(self, request, context):
+        return await self._step(request)
+
+    async def ExecuteStream(self, request_iterator, context):
+        # A refused step raises out of here: the interceptor ends the stream with its status.
+        async for request in request_iterator:
+            yield await self._step(request)
+
+    async def _step(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse:
         start = time.perf_counter()
         sequences = [sequence_from_proto(s) for s in request.sequences]
         copy_src, copy_dst = list(request.copy_src), list(request.copy_dst)

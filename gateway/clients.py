@@ -11,6 +11,7 @@ its config to both clients.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import grpc
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.stopping import suppressed_token_ids
-from kvserve.auth import BearerCallInterceptor, channel_credentials
+from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
 from kvserve.kv_medium import medium_for_device
@@ -106,7 +107,7 @@ class ChannelSecurity:
     tls_ca_file: str | Path | None = None  # TLS, trusting this PEM CA bundle
 
     def open_channel(self, address: str) -> grpc.aio.Channel:
-        interceptors = [BearerCallInterceptor(self.service_token)] if self.service_token else None
+        interceptors = bearer_call_interceptors(self.service_token) if self.service_token else None
         if self.tls_ca_file:
             return grpc.aio.secure_channel(address, channel_credentials(self.tls_ca_file), options=CHANNEL_OPTIONS,
                                            interceptors=interceptors)
@@ -141,6 +142,9 @@ class ExecutorClient(_Client):
         self._stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._execute_timeout = execute_timeout
         self.block_size = 16
+        self._steps: grpc.aio.StreamStreamCall | None = None  # the open ExecuteStream
+        self._steps_lock = asyncio.Lock()
+        self._streaming = True  # False once the executor answers ExecuteStream with UNIMPLEMENTED
 
     async def describe(self, timeout: float = 3.0) -> ExecutorInfo:
         reply = await self._call(self._stub.Describe, executor_pb2.DescribeRequest(), timeout)
@@ -168,7 +172,7 @@ class ExecutorClient(_Client):
                 want_top = want_top or bool(entry.seq.request.options.logprobs)
             sequences.append(sequence)
         request = executor_pb2.ExecuteRequest(copy_src=copy_src, copy_dst=copy_dst, sequences=sequences)
-        reply = await self._call(self._stub.Execute, request, timeout or self._execute_timeout)
+        reply = await self._step(request, timeout or self._execute_timeout)
         logprobs = list(reply.sampled_logprobs)
         sampled = []
         for i, token_id in enumerate(reply.sampled_token_ids):
@@ -179,6 +183,43 @@ class ExecutorClient(_Client):
             sampled.append(SampledToken(token_id, logprobs[i] if i < len(logprobs) else None, top))
         timings = reply.timings
         return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id)
+
+
+    async def _step(self, request: executor_pb2.ExecuteRequest, timeout: float) -> executor_pb2.ExecuteResponse:
+        """One step on the open ExecuteStream (half the round trip of a unary Execute on a
+        loopback channel, docs/gateway.md), or through Execute where the executor has no stream."""
+        if not self._streaming:
+            return await self._call(self._stub.Execute, request, timeout)
+        async with self._steps_lock:
+            call = self._steps
+            if call is None or call.done():
+                call = self._steps = self._stub.ExecuteStream()
+            try:
+                reply = await asyncio.wait_for(self._write_and_read(call, request), timeout)
+            except BaseException as exc:
+                # Its reply may still come, and would be read as the next step's: never reuse the stream.
+                self._steps = None
+                call.cancel()
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise DependencyError(self.service, self.address, grpc.aio.AioRpcError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                        f"no reply to the step within {timeout:.1f} s")) from exc
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                        self._streaming = False
+                        return await self._call(self._stub.Execute, request, timeout)
+                    raise DependencyError(self.service, self.address, exc) from exc
+                raise
+        return reply
+
+    async def _write_and_read(self, call: grpc.aio.StreamStreamCall,
+                              request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse:
+        await call.write(request)
+        reply = await call.read()
+        if reply is grpc.aio.EOF:  # the executor closed the stream without answering (it stops)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       "the executor ended the step stream")
+        return reply
 
 
 def _fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq) -> None:

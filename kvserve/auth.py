@@ -7,7 +7,7 @@
   UNAUTHENTICATED to every RPC without the token, except the health and
   reflection services (``OPEN_SERVICES``), so probes and ``grpcurl describe``
   keep working.
-* ``BearerCallInterceptor``: the client side, adding the metadata to every call
+* ``bearer_call_interceptors``: the client side, adding the metadata to every call
   on a ``grpc.aio`` channel.
 * ``server_credentials`` / ``channel_credentials``: TLS from PEM files.
 
@@ -113,17 +113,16 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.stream_stream_rpc_method_handler(refuse)
 
 
-class BearerCallInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                            grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call made on the channel."""
+class _BearerCallDetails:
+    """Adds ``authorization: Bearer <token>`` to a call's details."""
 
     def __init__(self, secret: str):
         if not secret:
             raise ValueError("an empty token")
         self._entry = (METADATA_KEY, f"Bearer {secret}")
 
-    def __repr__(self) -> str:
-        return "BearerCallInterceptor(***)"
+    def __repr__(self) -> str:  # never the secret
+        return f"{type(self).__name__}(***)"
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*[(k, v) for k, v in (details.metadata or ()) if k != METADATA_KEY],
@@ -131,17 +130,32 @@ class BearerCallInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.Unary
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+class _BearerUnaryUnary(_BearerCallDetails, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerUnaryStream(_BearerCallDetails, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _BearerStreamUnary(_BearerCallDetails, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _BearerStreamStream(_BearerCallDetails, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def bearer_call_interceptors(secret: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add ``authorization: Bearer <token>`` to every call on a grpc.aio channel.
+    One per kind of call: a channel files an interceptor under the first kind it is an instance
+    of, so one class of all four would see unary-unary calls only."""
+    return [kind(secret) for kind in (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)]
 
 
 def bearer_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:

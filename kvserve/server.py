@@ -95,6 +95,12 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_bidi(handler.stream_stream, method),
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
     @staticmethod
@@ -130,6 +136,25 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
                 await self._abort(context, exc, method)
 
         return stream
+
+    def _wrap_bidi(self, behavior, method: str):
+        async def bidi(request_iterator, context):
+            async def requests():
+                async for request in request_iterator:
+                    if isinstance(request, _Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            f"malformed request message: {request.error}")
+                    yield request
+
+            try:
+                async for item in behavior(requests(), context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                await self._abort(context, exc, method)
+
+        return bidi
 
 
 def check_port_free(address: str) -> None:

@@ -95,6 +95,43 @@ def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
     assert after.timings.total_ms > 0 and after.timings.forward_ms > 0
 
 
+def test_execute_stream_answers_each_step_in_order_as_execute_does(tiny_executor):
+    """ExecuteStream (what the gateway uses): step after step on one stream, each reply the one a
+    unary Execute gives for the same step; a refused step ends the stream with Execute's status
+    and changes no KV; a malformed message is INVALID_ARGUMENT; the next stream serves again."""
+    service, stub = tiny_executor
+    prompt = list(range(300, 340))
+    unary = [stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3])]))]
+    unary.append(stub.Execute(pb.ExecuteRequest(sequences=[seq([unary[0].sampled_token_ids[0]], 40, [1, 2, 3],
+                                                               top_logprobs=3)])))
+    steps = [pb.ExecuteRequest(sequences=[seq(prompt, 0, [4, 5, 6])]),
+             pb.ExecuteRequest(sequences=[seq([unary[0].sampled_token_ids[0]], 40, [4, 5, 6], top_logprobs=3)])]
+    streamed = list(stub.ExecuteStream(iter(steps), timeout=60))
+    assert [r.sampled_token_ids for r in streamed] == [r.sampled_token_ids for r in unary]
+    assert [list(r.sampled_logprobs) for r in streamed] == [list(r.sampled_logprobs) for r in unary]
+    assert streamed[1].top_logprobs == unary[1].top_logprobs
+    # A refused step after a good one: the good one is answered, then the stream ends with the refusal.
+    garbage = seq(list(range(1000, 1040)), 0, [4, 5, 6])
+    replies = stub.ExecuteStream(iter([steps[1], pb.ExecuteRequest(sequences=[garbage, seq([5, 49152], 0, [7])]),
+                                       steps[1]]), timeout=60)
+    assert next(replies).sampled_token_ids
+    with pytest.raises(grpc.RpcError) as info:
+        next(replies)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[1]" in info.value.details()
+    with grpc.insecure_channel(service.address) as channel:
+        malformed = channel.stream_stream("/kvserve.v1.Executor/ExecuteStream", request_serializer=lambda b: b,
+                                          response_deserializer=pb.ExecuteResponse.FromString)
+        with pytest.raises(grpc.RpcError) as info:
+            list(malformed(iter([b"\xff\xff"]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in info.value.details()
+    # B's KV is as the good steps left it: the same next step as A's, unary or streamed.
+    token = unary[1].sampled_token_ids[0]
+    again = [pb.ExecuteRequest(sequences=[seq([token], 41, [1, 2, 3])]),
+             pb.ExecuteRequest(sequences=[seq([token], 41, [4, 5, 6])])]
+    assert [r.sampled_token_ids for r in stub.ExecuteStream(iter(again), timeout=60)] == \
+        [stub.Execute(again[0]).sampled_token_ids] * 2
+
+
 def test_missing_model_dir_is_one_line_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "executor", "--model", str(tmp_path / "nope"), "--port", str(free_port())],

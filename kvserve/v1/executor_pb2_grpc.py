@@ -44,6 +44,11 @@ class ExecutorStub:
                 request_serializer=kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.ExecuteStream = channel.stream_stream(
+                '/kvserve.v1.Executor/ExecuteStream',
+                request_serializer=kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+                _registered_method=True)
 
 
 class ExecutorServicer:
@@ -66,6 +71,17 @@ class ExecutorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExecuteStream(self, request_iterator, context):
+        """Execute, step after step on one stream: each request message is one step,
+        answered by one response message, in order, without a call's setup per
+        step (what the gateway uses; an executor without it answers UNIMPLEMENTED
+        and the gateway calls Execute). A step Execute would refuse ends the stream
+        with that status; the client opens another for the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExecutorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +92,11 @@ def add_ExecutorServicer_to_server(servicer, server):
             ),
             'Execute': grpc.unary_unary_rpc_method_handler(
                     servicer.Execute,
+                    request_deserializer=kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'ExecuteStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecuteStream,
                     request_deserializer=kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.SerializeToString,
             ),
@@ -132,6 +153,33 @@ class Executor:
             request,
             target,
             '/kvserve.v1.Executor/Execute',
+            kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
+            kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecuteStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvserve.v1.Executor/ExecuteStream',
             kvserve_dot_v1_dot_executor__pb2.ExecuteRequest.SerializeToString,
             kvserve_dot_v1_dot_executor__pb2.ExecuteResponse.FromString,
             options,
