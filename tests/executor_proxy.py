@@ -1,4 +1,6 @@
-"""A test proxy in front of an executor: forwards Describe and Execute, serves grpc.health.v1.
+"""A test proxy in front of an executor: forwards Describe, Execute and ExecuteStream (each step of
+a stream as one Execute; with ``streaming=False`` it answers ExecuteStream UNIMPLEMENTED, as an
+executor with only Execute does), serves grpc.health.v1.
 
 It lets a test put a step "on hold" (``pause``/``resume``: after a given number of
 Executes, the next one waits at the proxy before it is forwarded), refuse any Execute that carries a marker token
@@ -25,8 +27,11 @@ CHANNEL_OPTIONS = [
 
 
 class ExecutorProxy(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, upstream: str, refuse_token_id: int | None = None, forward_timeout: float = 60.0):
+    def __init__(self, upstream: str, refuse_token_id: int | None = None, forward_timeout: float = 60.0,
+                 streaming: bool = True):
         self.upstream = upstream
+        self.streaming = streaming
+        self.steps = {"unary": 0, "streamed": 0}  # Executes forwarded, by how they came
         self.refuse_token_id = refuse_token_id
         self.forward_timeout = forward_timeout
         self._channel = grpc.insecure_channel(upstream, options=CHANNEL_OPTIONS)
@@ -86,6 +91,21 @@ class ExecutorProxy(executor_pb2_grpc.ExecutorServicer):
         return self._forward(self._stub.Describe, request, context)
 
     def Execute(self, request, context):
+        reply = self._step(request, context)
+        with self.lock:
+            self.steps["unary"] += 1
+        return reply
+
+    def ExecuteStream(self, request_iterator, context):
+        if not self.streaming:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this proxy forwards Execute only")
+        for request in request_iterator:
+            reply = self._step(request, context)
+            with self.lock:
+                self.steps["streamed"] += 1
+            yield reply
+
+    def _step(self, request, context):
         with self.lock:
             hold = not self._open.is_set() and self._countdown == 0
             if not self._open.is_set() and self._countdown > 0:

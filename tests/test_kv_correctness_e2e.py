@@ -359,6 +359,27 @@ def test_refused_step_fails_only_its_request_and_publishes_nothing(proxied):
     assert cached_tokens(reused) == 0, "a hit on P's blocks, which the refused step never wrote"
     fresh = complete(url, p + [123], cache_salt="fresh")
     assert_same_output(output(reused["choices"][0]), output(fresh["choices"][0]), "P + [123]")
+    assert proxy.steps["streamed"] > 0 and proxy.steps["unary"] == 0, proxy.steps  # the gateway's usual path
+
+
+def test_executor_with_execute_only_is_served_through_unary_calls(tiny_model_dir, tmp_path):
+    """An executor that answers ExecuteStream UNIMPLEMENTED (the proxy in that mode) gets unary
+    Executes, and the outputs are what a fresh computation gives, prefix hits included."""
+    services = Services(tiny_model_dir, tmp_path, ["--num-blocks", "64", *FP32], [])
+    proxy = ExecutorProxy(services.executor.address, streaming=False)
+    try:
+        proxy.start()
+        services.start_gateway(executor_address=proxy.address)
+        prompt = random_ids(random.Random(5), 40)
+        first, again = complete(services.url, prompt, max_tokens=8), complete(services.url, prompt, max_tokens=8)
+        assert cached_tokens(again) == 32
+        fresh = complete(services.url, prompt, max_tokens=8, cache_salt="fresh")
+        for reply in (first, again):
+            assert_same_output(output(reply["choices"][0]), output(fresh["choices"][0]), "through unary Executes")
+        assert proxy.steps["unary"] >= 8 * 3 - 2 and proxy.steps["streamed"] == 0, proxy.steps
+    finally:
+        services.stop()
+        proxy.stop()
 
 
 def test_executor_restarted_behind_a_proxy_is_recomputed_without_error(proxied):
