@@ -243,6 +243,15 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
             reply.num_tokens = sum(len(s.token_ids) for s in request.sequences)
             return reply
 
+    def ExecuteStream(self, request_iterator, context):
+        if self.flaw == "execute_only":
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        first = None
+        for request in request_iterator:
+            reply = self.Execute(request, context)
+            first = first or reply
+            yield first if self.flaw == "stream_repeats_first_reply" else reply
+
 
 @pytest.fixture
 def toy_executor():
@@ -279,7 +288,15 @@ FLAWS = {
     "unseeded": {"sampling.seeded"},
     "changing_instance_id": {"execute.instance_id"},
     "describe_changes": {"describe.consistent"},
+    "stream_repeats_first_reply": {"execute.stream"},
 }
+
+
+def test_an_executor_without_execute_stream_is_skipped_there_only(toy_executor):
+    proc = run_kit("executor", toy_executor("execute_only"))
+    found = verdicts(proc)
+    assert found["execute.stream"][0] == "SKIP" and "not implemented" in found["execute.stream"][1], proc.stdout
+    assert proc.returncode == 0 and all(v[0] == "PASS" for name, v in found.items() if name != "execute.stream")
 
 
 @pytest.mark.parametrize("flaw", sorted(FLAWS))

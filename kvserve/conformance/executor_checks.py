@@ -574,6 +574,34 @@ def execute_repeatable(ctx: ExecutorContext) -> str:
     return comparison.verdict()
 
 
+@rules.rule("execute.stream",
+            "ExecuteStream (optional): the reference run as messages on one stream gives Execute's tokens and "
+            "logprobs, one reply per step in order; a refused step ends the stream with INVALID_ARGUMENT")
+def execute_stream(ctx: ExecutorContext) -> str:
+    ref = ctx.reference()
+    table = ctx.take(ctx.seq_blocks)
+    seq_id = ctx.seq_id()
+    steps = [pb.ExecuteRequest(sequences=[sequence(seq_id, ref.prompt, 0, table, greedy())])]
+    steps += [pb.ExecuteRequest(sequences=[sequence(seq_id, [token], len(ref.prompt) + i, table, greedy())])
+              for i, token in enumerate(ref.fed)]
+    try:
+        replies = list(ctx.stub.ExecuteStream(iter(steps), timeout=ctx.timeout))
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            raise Skip("ExecuteStream is not implemented (the gateway then calls Execute)") from error
+        raise Fail(f"ExecuteStream failed: {rpc_error_text(error)}") from error
+    require(len(replies) == len(steps), f"{len(replies)} replies to {len(steps)} steps")
+    for reply in replies:
+        ctx.instance_ids[reply.instance_id] += 1
+    comparison = Comparison(ctx.tolerance)
+    comparison.add_all(ref.steps, [sampled_from(reply, 0) for reply in replies], "on a stream")
+    verdict = comparison.verdict()
+    refused = pb.ExecuteRequest(sequences=[sequence(ctx.seq_id(), [ctx.info.vocab_size], 0, ctx.take(1))])
+    expect_status(lambda: list(ctx.stub.ExecuteStream(iter([refused, steps[0]]), timeout=ctx.timeout)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "a step with a token outside the vocabulary")
+    return verdict
+
+
 # ---- layout independence -----------------------------------------------------------------
 
 
