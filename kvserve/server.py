@@ -112,8 +112,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap_unary(self, behavior, method: str):
         async def unary(request, context):
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
+            await _refuse_malformed(request, context)
             try:
                 return await behavior(request, context)
             except grpc.aio.AbortError:
@@ -123,17 +122,21 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return unary
 
+    async def _relay(self, replies, context: grpc.aio.ServicerContext, method: str):
+        """A streaming handler's replies, and its error as a status."""
+        try:
+            async for item in replies:
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await self._abort(context, exc, method)
+
     def _wrap_stream(self, behavior, method: str):
         async def stream(request, context):
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
-            try:
-                async for item in behavior(request, context):
-                    yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                await self._abort(context, exc, method)
+            await _refuse_malformed(request, context)
+            async for item in self._relay(behavior(request, context), context, method):
+                yield item
 
         return stream
 
@@ -141,20 +144,18 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
         async def bidi(request_iterator, context):
             async def requests():
                 async for request in request_iterator:
-                    if isinstance(request, _Undecodable):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                            f"malformed request message: {request.error}")
+                    await _refuse_malformed(request, context)
                     yield request
 
-            try:
-                async for item in behavior(requests(), context):
-                    yield item
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                await self._abort(context, exc, method)
+            async for item in self._relay(behavior(requests(), context), context, method):
+                yield item
 
         return bidi
+
+
+async def _refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message: {request.error}")
 
 
 def check_port_free(address: str) -> None:
