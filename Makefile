@@ -49,7 +49,7 @@ test: model
 bench: model
 	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 1024 --max-output-len 512 \
 	  --system-prompt-len 128 --concurrency 32 --seed 0 --out bench/results \
-	  --peers transformers,llama-server,openvino --kvserve-quantization none,int8,int4
+	  --peers transformers,llama-server,openvino --openvino-weights fp16,int8,int4 --kvserve-quantization none,int8,int4
 
 proto: install
 	$(PY) -m kvserve.protogen
