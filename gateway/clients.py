@@ -184,35 +184,40 @@ class ExecutorClient(_Client):
         timings = reply.timings
         return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id)
 
-
     async def _step(self, request: executor_pb2.ExecuteRequest, timeout: float) -> executor_pb2.ExecuteResponse:
         """One step on the open ExecuteStream (half the round trip of a unary Execute on a
         loopback channel, docs/gateway.md), or through Execute where the executor has no stream."""
         if not self._streaming:
             return await self._call(self._stub.Execute, request, timeout)
         async with self._steps_lock:
+            if self._steps is None or self._steps.done():
+                self._steps = self._stub.ExecuteStream()
             call = self._steps
-            if call is None or call.done():
-                call = self._steps = self._stub.ExecuteStream()
             try:
-                reply = await asyncio.wait_for(self._write_and_read(call, request), timeout)
-            except BaseException as exc:
-                # Its reply may still come, and would be read as the next step's: never reuse the stream.
-                self._steps = None
-                call.cancel()
-                if isinstance(exc, asyncio.TimeoutError):
-                    raise DependencyError(self.service, self.address, grpc.aio.AioRpcError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                        f"no reply to the step within {timeout:.1f} s")) from exc
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                        self._streaming = False
-                        return await self._call(self._stub.Execute, request, timeout)
+                return await asyncio.wait_for(self._write_and_read(call, request), timeout)
+            except asyncio.TimeoutError as exc:
+                self._drop(call)
+                raise DependencyError(self.service, self.address, grpc.aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                    f"no reply to the step within {timeout:.1f} s")) from exc
+            except grpc.aio.AioRpcError as exc:
+                self._drop(call)
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                     raise DependencyError(self.service, self.address, exc) from exc
+                self._streaming = False
+            except BaseException:
+                self._drop(call)
                 raise
-        return reply
+        return await self._call(self._stub.Execute, request, timeout)
 
-    async def _write_and_read(self, call: grpc.aio.StreamStreamCall,
+    def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
+        """A step that did not complete may still be answered, and its reply would be read as the
+        next step's: the stream is never used again."""
+        self._steps = None
+        call.cancel()
+
+    @staticmethod
+    async def _write_and_read(call: grpc.aio.StreamStreamCall,
                               request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse:
         await call.write(request)
         reply = await call.read()
