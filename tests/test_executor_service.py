@@ -150,8 +150,10 @@ def test_default_model_answers_paris_and_stays_healthy_during_a_step(start_servi
     stub = executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(service.address))
     assert stub.Describe(pb.DescribeRequest()).dtype == "bfloat16"  # auto on the CPU
     chat = AutoTokenizer.from_pretrained(default_model_dir)
-    prompt = chat.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                      add_generation_prompt=True, tokenize=True, return_dict=False)
+    # Not the plain question: its first token is a near-tie that bf16 rounding flips on some CPUs
+    # (tests/test_gateway_real_model.py); this one has a margin of 1.5 nats.
+    question = "What is the capital of France? Answer in one sentence."
+    prompt = chat.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
     tokens, table, position, generated = list(prompt), list(range(1, 9)), 0, []
     while len(generated) < 24:
         out = stub.Execute(pb.ExecuteRequest(sequences=[seq(tokens, position, table)]), timeout=60)

@@ -21,19 +21,19 @@ def served(request, default_model_dir, tmp_path_factory):
     assert stack.stop()["gateway"] == 0
 
 
+PARIS_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
 def test_chat_answers_and_stream_matches(served):
     client, quantization = served
     model = client.models.list().data[0].id
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # Asked plainly ("What is the capital of France?") the model's first token is a near-tie (fp32
+    # logits 0.1 apart: "The" vs "L'Étoile, …"), which bf16 or quantized rounding may flip on one
+    # CPU and not another (docs/executor.md); asked for a sentence, the margin is 1.5 nats.
+    messages = [{"role": "user", "content": PARIS_QUESTION}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
     answer = whole.choices[0].message.content
-    # The quantized formats answer "L'Étoile, la Cité, …" here (greedy text of a 135M model flips
-    # at a near-tie, docs/executor.md; which format lands on which side moves with any change of
-    # rounding); what holds for every format is that the cached prompt below answers exactly as
-    # this cold one, and the counting completion of the next test.
-    assert whole.choices[0].finish_reason in ("stop", "length") and answer
-    if quantization == "none":
-        assert "Paris" in answer and whole.choices[0].finish_reason == "stop"
+    assert "Paris" in answer and whole.choices[0].finish_reason == "stop", (quantization, answer)
     chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     parts, usage = [], None
