@@ -21,7 +21,7 @@ from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
 from executor.layer_ops import TorchLayerOps
-from executor.skinny import SkinnyMatmul, rows_fit
+from executor.skinny import SkinnyMatmul, bf16_layout_pays_off, rows_fit
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -297,7 +297,10 @@ class Transformer(nn.Module):
 
     def use_skinny_matmuls(self, cpu_ops) -> None:
         """Gives every oneDNN-packed projection and the LM head a ``SkinnyMatmul`` (``cpu_ops``:
-        ``torch.ops.kvserve_cpu``) for steps of few tokens, releasing the projections' unpacked weights."""
+        ``torch.ops.kvserve_cpu``) for steps of few tokens, releasing the projections' unpacked weights;
+        none where oneDNN is as fast (``bf16_layout_pays_off``)."""
+        if not bf16_layout_pays_off(cpu_ops):
+            return
         for module in self.modules():
             if isinstance(module, Linear) and module.packed_weight is not None and SkinnyMatmul.fits(module.weight):
                 module.skinny = SkinnyMatmul(cpu_ops, module.weight)

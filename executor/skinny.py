@@ -23,6 +23,14 @@ def rows_fit(x: torch.Tensor) -> bool:
     return x.shape[0] <= SKINNY_MAX_ROWS
 
 
+def bf16_layout_pays_off(cpu_ops) -> bool:
+    """Whether ``SkinnyMatmul`` beats oneDNN here. Not on a CPU with AMX: there oneDNN's bf16 GEMM
+    runs on the tiles, as fast as the skinny kernel at one row and ahead from two (a step's matmuls
+    on a Sapphire Rapids-class Xeon, one thread: 23.3 vs 23.6 ms at 1 row, 23.3 vs 29.9 at 2, 24.1 vs
+    44.4 at 8; docs/executor.md), so the second copy of the weights would cost memory for nothing."""
+    return not cpu_ops.has_amx()
+
+
 class SkinnyMatmul:
     """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
     columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""

@@ -11,7 +11,7 @@ from executor.model import Linear
 from executor.quantization import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_activations_int8,
                                    quantize_int4, quantize_int8)
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
-from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
+from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul, bf16_layout_pays_off
 from tests.test_executor_exactness import PROMPTS as EXACTNESS_PROMPTS
 
 
@@ -79,9 +79,9 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
         packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
     else:
         packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
-    batch = randn(17, 576)
-    alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(17)])
-    for rows in (2, 5, 8, 9, 17):
+    batch = randn(40, 576)
+    alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(40)])
+    for rows in (2, 5, 8, 9, 17, 40):  # from 9 rows the quantized kernels take AMX tiles of 16 rows, where there is AMX
         assert torch.equal(op(batch[:rows], packed, None, 100), alone[:rows]), rows
 
 
@@ -108,7 +108,7 @@ def int4_weight(out_features, in_features, seed=0):
     return (codes, scales, zeros), dequantize_int4(codes, scales, zeros)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (40, 64), (832, 576), (7, 1536)])
 def test_int4_matches_float32_arithmetic_on_quantized_activations_and_dequantized_weights(cpu_ops, rows, out_features,
                                                                                         in_features):
@@ -123,12 +123,13 @@ def test_int4_matches_float32_arithmetic_on_quantized_activations_and_dequantize
     torch.testing.assert_close(out, reference(x, weight, bias), atol=0.05, rtol=0.02)
 
 
-def test_int4_a_nan_activation_reaches_its_token_only(cpu_ops):
+@pytest.mark.parametrize("rows", [3, 20])
+def test_int4_a_nan_activation_reaches_its_token_only(cpu_ops, rows):
     quantized, _ = int4_weight(48, 64)
-    x = randn(3, 64)
+    x = randn(rows, 64)
     x[1, 40] = float("nan")
     out = cpu_ops.skinny_linear_int4(x, cpu_ops.pack_skinny_int4(*quantized), None, 48)
-    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    assert out[1].isnan().all() and not out[[0, *range(2, rows)]].isnan().any()
 
 
 def test_int4_bad_arguments_are_refused_clearly(cpu_ops):
@@ -146,7 +147,7 @@ def test_int4_bad_arguments_are_refused_clearly(cpu_ops):
         cpu_ops.skinny_linear_int4(randn(1, 64), codes, None, 32)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 40])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (40, 64), (832, 576), (7, 1536)])
 def test_int8_matches_float32_arithmetic_on_quantized_activations_and_weights(cpu_ops, rows, out_features,
                                                                               in_features):
@@ -166,12 +167,13 @@ def test_int8_matches_float32_arithmetic_on_quantized_activations_and_weights(cp
     torch.testing.assert_close(out, reference(x, dequantize_int8(codes, scales), bias), atol=0.05, rtol=0.02)
 
 
-def test_int8_a_nan_activation_reaches_its_token_only(cpu_ops):
+@pytest.mark.parametrize("rows", [3, 20])
+def test_int8_a_nan_activation_reaches_its_token_only(cpu_ops, rows):
     codes, scales = quantize_int8(randn(48, 64, scale=0.05), torch.bfloat16)
-    x = randn(3, 64)
+    x = randn(rows, 64)
     x[1, 40] = float("nan")
     out = cpu_ops.skinny_linear_int8(x, cpu_ops.pack_skinny_int8(codes, scales), None, 48)
-    assert out[1].isnan().all() and not out[0].isnan().any() and not out[2].isnan().any()
+    assert out[1].isnan().all() and not out[[0, *range(2, rows)]].isnan().any()
 
 
 def test_int8_bad_arguments_are_refused_clearly(cpu_ops):
@@ -205,12 +207,21 @@ def runners(default_model_dir, cpu_ops):
     return get
 
 
-def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners):
+def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
-    assert projections and all(isinstance(m.skinny, SkinnyMatmul) and m.weight is None for m in projections)
+    assert projections and all(m.packed_weight is not None for m in projections)
+    if not bf16_layout_pays_off(cpu_ops):  # AMX: oneDNN alone
+        assert all(m.skinny is None for m in projections) and model.skinny_lm_head is None
+        return
+    assert all(isinstance(m.skinny, SkinnyMatmul) and m.weight is None for m in projections)
     assert isinstance(model.skinny_lm_head, SkinnyMatmul)
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
+
+
+def skip_without_bf16_layout(cpu_ops):
+    if not bf16_layout_pays_off(cpu_ops):
+        pytest.skip("this CPU has AMX: bf16 models use oneDNN's GEMM alone, not the skinny kernel")
 
 
 def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(runners):
@@ -233,9 +244,10 @@ def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(r
 PROMPTS = EXACTNESS_PROMPTS[:1] + EXACTNESS_PROMPTS[2:]
 
 
-def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir):
+def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir, cpu_ops):
     """A prompt's last few tokens (a prefix-cache hit leaves at most a block's worth) are computed
     exactly as without the skinny kernels, so a cached and an uncached prompt round alike."""
+    skip_without_bf16_layout(cpu_ops)
     skinny_runner, usual_runner = runners("none")
     prompt = list(range(200, 237))
     table = [50, 51, 52]
@@ -247,7 +259,7 @@ def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runner
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
-def test_logits_match_the_usual_kernels(runners, mode, default_model_dir):
+def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_ops):
     """Each prompt prefilled, then greedy steps of all 8 prompts at once and of one alone, in a
     runner with the skinny kernels and in one without (oneDNN for bf16, torch's int8 / int4
     matmuls), both fed the latter's greedy tokens. bf16 prefills take oneDNN either way;
@@ -255,6 +267,8 @@ def test_logits_match_the_usual_kernels(runners, mode, default_model_dir):
     bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of the 5
     most likely tokens within 0.6 nats (int8, int4: see MAX_TOP5_ERROR), the greedy pick the same in
     >= 90% of rows."""
+    if mode == "none":
+        skip_without_bf16_layout(cpu_ops)
     skinny_runner, usual_runner = runners(mode)
     from tokenizers import Tokenizer
 

@@ -27,6 +27,10 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <array>
 #include <cmath>
@@ -132,12 +136,18 @@ at::Tensor pack_skinny_weight(const at::Tensor& weight) {
   return padded.view({tiles, kTile, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
+struct NoThreadSetup {
+  void operator()() const {}
+};
+
 // Checks x and bias, and runs `tile_chunk(t, m0, chunk, acc)` — acc[m][16] = the dot products of
-// rows m0..m0+chunk of x with tile t's 16 weight rows — over every tile and chunk of rows, then
-// adds the bias and stores bf16. `tile_bytes`: a tile's weight bytes, to size a thread's share.
-template <typename TileChunk>
+// rows m0..m0+chunk (chunk <= ChunkRows) of x with tile t's 16 weight rows — over every tile and
+// chunk of rows, then adds the bias and stores bf16. `tile_bytes`: a tile's weight bytes, to size
+// a thread's share; `thread_setup` runs on each thread before its first chunk.
+template <int ChunkRows = kMaxChunkRows, typename TileChunk, typename ThreadSetup = NoThreadSetup>
 at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t tile_bytes,
-                     const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk) {
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
+                     const ThreadSetup& thread_setup = {}) {
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features ",
               out_features, " does not match the packed weight");
   at::Tensor bias_f32;
@@ -153,12 +163,13 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t
   // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    float acc[kMaxChunkRows * kTile];
+    thread_setup();
+    alignas(64) float acc[ChunkRows * kTile];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
       const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxChunkRows) {
-        const int64_t chunk = std::min<int64_t>(kMaxChunkRows, rows - m0);
+      for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
+        const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
         tile_chunk(t, m0, chunk, acc);
         for (int64_t m = 0; m < chunk; ++m) {
           at::BFloat16* dst = y + (m0 + m) * out_features + col0;
@@ -235,11 +246,12 @@ struct QuantizedRows {
   at::Tensor scaled_sums;  // [rows, K / 32] float32: sx * sum(a)
 };
 
-QuantizedRows quantize_rows(const at::Tensor& x) {
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup;
-  QuantizedRows q{at::empty({rows, k}, x.options().dtype(at::kChar)),
-                  at::empty({rows, groups}, x.options().dtype(at::kFloat)),
-                  at::empty({rows, groups}, x.options().dtype(at::kFloat))};
+// `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
+  QuantizedRows q{at::zeros({total, k}, x.options().dtype(at::kChar)),
+                  at::zeros({total, groups}, x.options().dtype(at::kFloat)),
+                  at::zeros({total, groups}, x.options().dtype(at::kFloat))};
   const auto* xp = x.data_ptr<at::BFloat16>();
   int8_t* codes = q.codes.data_ptr<int8_t>();
   float* scales = q.scales.data_ptr<float>();
@@ -282,6 +294,109 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
     }
   }
   return q;
+}
+
+// ---- AMX: both formats' integer dot products as tile multiplies ------------------------------
+//
+// Beyond a few rows the VNNI kernels are bound by VPDPBUSD's rate (64 multiply-adds an
+// instruction, issued once per row of x); where the CPU has AMX, one TDPBSUD multiplies a 16 x 32
+// tile of activation codes (16 rows of x, one group) by a 32 x 16 tile of weight codes (the
+// group's 8 quads of 64 bytes, as both layouts hold them, int4's after unpacking its nibbles):
+// 8,192 multiply-adds. Each group's 16 x 16 exact integer dots then take the same float32
+// operations, in the same order, as in the VNNI kernels, so a row's result is bit for bit the same
+// on either path, whatever the batch. The weights are unchanged: no second copy.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+constexpr int kAmxRows = 16;
+
+// Linux hands out AMX's 8 KiB of tile state only on request (once per process); without it the
+// first tile instruction faults, so a refusal keeps the VNNI kernels.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// Tiles 0-1: two groups' 16 x 16 int32 dots; 2-3: their 16 rows x 32 activation codes; 4-5: their
+// 8 quads x 16 weight rows x 4 codes. Loaded per thread and call: oneDNN's AMX kernels run on the
+// same threads with their own configurations.
+struct AmxConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct LoadAmxConfig {
+  void operator()() const {
+    AmxConfig config;
+    for (int t : {0, 1}) config.rows[t] = kAmxRows, config.colsb[t] = kTile * 4;
+    for (int t : {2, 3}) config.rows[t] = kAmxRows, config.colsb[t] = kGroup;
+    for (int t : {4, 5}) config.rows[t] = kGroup / 4, config.colsb[t] = kQuadBytes;
+    _tile_loadconfig(&config);
+  }
+};
+
+// For groups g and g + 1 (when `two`): dots[i][m * 16 + n] = sum over the group of
+// a[m, k] * b_i[k, n], with a 16 rows of codes `a_stride` apart and b_i the group's B tile.
+inline void amx_group_dots(const int8_t* a, int64_t a_stride, const uint8_t* b0, const uint8_t* b1, bool two,
+                           int32_t (*dots)[kAmxRows * kTile]) {
+  _tile_zero(0);
+  _tile_loadd(2, a, a_stride);
+  _tile_loadd(4, b0, kQuadBytes);
+  _tile_dpbsud(0, 2, 4);
+  if (two) {
+    _tile_zero(1);
+    _tile_loadd(3, a + kGroup, a_stride);
+    _tile_loadd(5, b1, kQuadBytes);
+    _tile_dpbsud(1, 3, 5);
+  }
+  _tile_stored(0, dots[0], kTile * 4);
+  if (two) _tile_stored(1, dots[1], kTile * 4);
+}
+
+inline __m512 dot_as_float(const int32_t* dots, int m) {
+  return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_load_si512(dots + m * kTile));
+}
+
+// acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int8_tile_dot's sums.
+void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+  const int64_t groups = k / kGroup;
+  alignas(64) int32_t dots[2][kAmxRows * kTile];
+  __m512 totals[kAmxRows];
+  for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    amx_group_dots(a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots);
+    for (int i = 0; i < 1 + two; ++i) {
+      for (int m = 0; m < kAmxRows; ++m) {
+        totals[m] = _mm512_fmadd_ps(dot_as_float(dots[i], m), _mm512_set1_ps(sx[m * groups + g + i]), totals[m]);
+      }
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes));
+  for (int m = 0; m < kAmxRows; ++m) {
+    _mm512_storeu_ps(acc + m * kTile, _mm512_mul_ps(_mm512_sub_ps(totals[m], _mm512_set1_ps(offsets[m])), scale));
+  }
+}
+#endif
+
+// Up to one VNNI chunk of rows (whose weight loads all rows share) the VNNI kernels keep up
+// with AMX's (measured on a Sapphire Rapids-class Xeon: int8 at 8 rows 18.7 vs 17.3 ms a step,
+// int4 15.8 vs 17.1); beyond, a second chunk reads the weights again, and AMX is ahead (12 rows:
+// 22.6 vs 18.1, 20.1 vs 18.1; 32 rows: 37.3 vs 28.6, 36.6 vs 33.3; docs/executor.md).
+constexpr int64_t kAmxMinRows = kMaxChunkRows + 1;
+
+// The rows to quantize x to for the kernel that takes `rows` rows: a whole number of AMX tiles of
+// rows, or 0 (as many as x has) for the VNNI kernels.
+int64_t amx_padded_rows(int64_t rows) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (rows >= kAmxMinRows && amx_permitted()) return (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+#endif
+  (void)rows;
+  return 0;
 }
 
 // ---- int4 weights (--quantization int4) -----------------------------------------------------
@@ -371,6 +486,48 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// The group's B tile from its record: quads 0-3 are the blocks' low nibbles, quads 4-7 their high.
+inline void unpack_int4_group(const uint8_t* record, uint8_t* b) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int block = 0; block < 4; ++block) {
+    const __m512i both = _mm512_loadu_si512(record + block * kQuadBytes);
+    _mm512_store_si512(b + block * kQuadBytes, _mm512_and_si512(both, nibble));
+    _mm512_store_si512(b + (4 + block) * kQuadBytes, _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble));
+  }
+}
+
+// acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int4_tile_dot's sums.
+void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+  const int64_t groups = k / kGroup;
+  alignas(64) int32_t dots[2][kAmxRows * kTile];
+  alignas(64) uint8_t b[2][kGroup * kTile];
+  __m512 totals[kAmxRows];
+  for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
+    if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
+    amx_group_dots(a + g * kGroup, k, b[0], b[1], two, dots);
+    for (int i = 0; i < 1 + two; ++i) {
+      const uint8_t* record = w + (g + i) * kInt4RecordBytes;
+      const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
+      const Vec16 a_coef = zero - 8.f * scale;
+      __m512 scale_v, a_coef_v;
+      std::memcpy(&scale_v, &scale, sizeof(scale_v));
+      std::memcpy(&a_coef_v, &a_coef, sizeof(a_coef_v));
+      for (int m = 0; m < kAmxRows; ++m) {
+        const int64_t slot = m * groups + g + i;
+        const __m512 dot = _mm512_mul_ps(dot_as_float(dots[i], m), _mm512_set1_ps(sx[slot]));
+        totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
+        totals[m] = _mm512_fmadd_ps(_mm512_set1_ps(sxa[slot]), a_coef_v, totals[m]);
+      }
+    }
+  }
+  for (int m = 0; m < kAmxRows; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
+}
+#endif
+
 using Int4TileDot = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, const float*, float*);
 
 template <size_t... I>
@@ -414,11 +571,22 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
               "skinny_linear_int4: packed must come from pack_skinny_int4");
   const int64_t k = xc.size(1), groups = packed.size(1);
   TORCH_CHECK(groups * kGroup == k, "skinny_linear_int4: x has ", k, " features, the weight ", groups * kGroup);
-  const QuantizedRows q = quantize_rows(xc);
+  const int64_t padded_rows = amx_padded_rows(xc.size(0));
+  const QuantizedRows q = quantize_rows(xc, padded_rows);
   const auto* w = packed.data_ptr<uint8_t>();
   const int8_t* a = q.codes.data_ptr<int8_t>();
   const float* sx = q.scales.data_ptr<float>();
   const float* sxa = q.scaled_sums.data_ptr<float>();
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (padded_rows > 0) {
+    return run_tiles<kAmxRows>("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
+                               [&](int64_t t, int64_t m0, int64_t, float* acc) {
+                                 int4_amx_chunk(w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
+                                                sxa + m0 * groups, acc);
+                               },
+                               LoadAmxConfig{});
+  }
+#endif
   return run_tiles("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
                    [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
                      kInt4TileDots[chunk - 1](w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
@@ -526,11 +694,11 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "skinny_linear_int8: x has ", k,
               " features, the weight ", (packed.size(1) - kTile * 4) / kTile);
   TORCH_CHECK(k % kGroup == 0, "skinny_linear_int8: in_features must be a multiple of ", kGroup);
-  const int64_t groups = k / kGroup;
-  const QuantizedRows q = quantize_rows(xc);
+  const int64_t groups = k / kGroup, padded_rows = amx_padded_rows(rows);
+  const QuantizedRows q = quantize_rows(xc, padded_rows);
   // Per row, 128 * the sum over groups of sx A, in group order (scaling by 128 is exact).
-  at::Tensor offsets = at::empty({rows}, xc.options().dtype(at::kFloat));
-  for (int64_t m = 0; m < rows; ++m) {
+  at::Tensor offsets = at::empty({q.codes.size(0)}, xc.options().dtype(at::kFloat));
+  for (int64_t m = 0; m < q.codes.size(0); ++m) {
     const float* row = q.scaled_sums.data_ptr<float>() + m * groups;
     float sum = 0.f;
     for (int64_t g = 0; g < groups; ++g) sum += row[g];
@@ -541,15 +709,35 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   const float* sx = q.scales.data_ptr<float>();
   const float* offset = offsets.data_ptr<float>();
   const int64_t tile_bytes = packed.size(1);
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (padded_rows > 0) {
+    return run_tiles<kAmxRows>("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
+                               [&](int64_t t, int64_t m0, int64_t, float* acc) {
+                                 int8_amx_chunk(w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
+                               },
+                               LoadAmxConfig{});
+  }
+#endif
   return run_tiles("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
                    [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
                      kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
                    });
 }
 
+// Whether this build runs AMX tiles here: the CPU has them (the build is for this CPU's features)
+// and the kernel lets this process use them. oneDNN's bf16 and int8 GEMMs use them then too.
+bool has_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("has_amx", &has_amx);
   m.def("pack_skinny_weight(Tensor weight) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("pack_skinny_int4(Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
