@@ -27,7 +27,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+// The AMX kernels below: built where the CPU has AMX tiles with int8 multiplies.
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVSERVE_AMX_INT8 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -249,9 +251,10 @@ struct QuantizedRows {
 // `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
-  QuantizedRows q{at::zeros({total, k}, x.options().dtype(at::kChar)),
-                  at::zeros({total, groups}, x.options().dtype(at::kFloat)),
-                  at::zeros({total, groups}, x.options().dtype(at::kFloat))};
+  QuantizedRows q{at::empty({total, k}, x.options().dtype(at::kChar)),
+                  at::empty({total, groups}, x.options().dtype(at::kFloat)),
+                  at::empty({total, groups}, x.options().dtype(at::kFloat))};
+  for (at::Tensor* t : {&q.codes, &q.scales, &q.scaled_sums}) t->narrow(0, rows, total - rows).zero_();
   const auto* xp = x.data_ptr<at::BFloat16>();
   int8_t* codes = q.codes.data_ptr<int8_t>();
   float* scales = q.scales.data_ptr<float>();
@@ -305,7 +308,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
 // 8,192 multiply-adds. Each group's 16 x 16 exact integer dots then take the same float32
 // operations, in the same order, as in the VNNI kernels, so a row's result is bit for bit the same
 // on either path, whatever the batch. The weights are unchanged: no second copy.
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVSERVE_AMX_INT8)
 constexpr int kAmxRows = 16;
 
 // Linux hands out AMX's 8 KiB of tile state only on request (once per process); without it the
@@ -392,7 +395,7 @@ constexpr int64_t kAmxMinRows = kMaxChunkRows + 1;
 // The rows to quantize x to for the kernel that takes `rows` rows: a whole number of AMX tiles of
 // rows, or 0 (as many as x has) for the VNNI kernels.
 int64_t amx_padded_rows(int64_t rows) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVSERVE_AMX_INT8)
   if (rows >= kAmxMinRows && amx_permitted()) return (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
 #endif
   (void)rows;
@@ -420,6 +423,23 @@ constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;  // + scale
 
 inline Vec16 load_bf16_16(const uint8_t* p) { return load16(reinterpret_cast<const c10::BFloat16*>(p)); }
 
+#if defined(__AVX512F__)
+// A group record's per-row coefficients: `scale` for the integer dot and `zero - 8 scale` for the
+// activation code sum.
+struct Int4GroupCoefficients {
+  __m512 scale, a_coef;
+};
+
+inline Int4GroupCoefficients int4_group_coefficients(const uint8_t* record) {
+  const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
+  const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
+  Int4GroupCoefficients coef;
+  std::memcpy(&coef.scale, &scale, sizeof(coef.scale));
+  std::memcpy(&coef.a_coef, &a_coef, sizeof(coef.a_coef));
+  return coef;
+}
+#endif
+
 // acc[m][0..16) = the tile's 16 weight rows . row m of x, for ROWS rows of quantized x.
 #if defined(__AVX512VNNI__)
 template <int ROWS>
@@ -441,11 +461,8 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
         dots[m] = _mm512_dpbusd_epi32(dots[m], high, _mm512_set1_epi32(load_32_bits(a + m * k + k0 + 16)));
       }
     }
-    const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
-    const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
-    __m512 scale_v, a_coef_v;
-    std::memcpy(&scale_v, &scale, sizeof(scale_v));
-    std::memcpy(&a_coef_v, &a_coef, sizeof(a_coef_v));
+    const Int4GroupCoefficients coef = int4_group_coefficients(record);
+    const __m512 scale_v = coef.scale, a_coef_v = coef.a_coef;
     for (int m = 0; m < ROWS; ++m) {
       const __m512 dot = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dots[m]), _mm512_set1_ps(sx[m * groups + g]));
       totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
@@ -486,7 +503,7 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVSERVE_AMX_INT8)
 // The group's B tile from its record: quads 0-3 are the blocks' low nibbles, quads 4-7 their high.
 inline void unpack_int4_group(const uint8_t* record, uint8_t* b) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -510,12 +527,8 @@ void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
     if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
     amx_group_dots(a + g * kGroup, k, b[0], b[1], two, dots);
     for (int i = 0; i < 1 + two; ++i) {
-      const uint8_t* record = w + (g + i) * kInt4RecordBytes;
-      const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
-      const Vec16 a_coef = zero - 8.f * scale;
-      __m512 scale_v, a_coef_v;
-      std::memcpy(&scale_v, &scale, sizeof(scale_v));
-      std::memcpy(&a_coef_v, &a_coef, sizeof(a_coef_v));
+      const Int4GroupCoefficients coef = int4_group_coefficients(w + (g + i) * kInt4RecordBytes);
+      const __m512 scale_v = coef.scale, a_coef_v = coef.a_coef;
       for (int m = 0; m < kAmxRows; ++m) {
         const int64_t slot = m * groups + g + i;
         const __m512 dot = _mm512_mul_ps(dot_as_float(dots[i], m), _mm512_set1_ps(sx[slot]));
@@ -577,7 +590,7 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   const int8_t* a = q.codes.data_ptr<int8_t>();
   const float* sx = q.scales.data_ptr<float>();
   const float* sxa = q.scaled_sums.data_ptr<float>();
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows>("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
                                [&](int64_t t, int64_t m0, int64_t, float* acc) {
@@ -709,7 +722,7 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   const float* sx = q.scales.data_ptr<float>();
   const float* offset = offsets.data_ptr<float>();
   const int64_t tile_bytes = packed.size(1);
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows>("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
                                [&](int64_t t, int64_t m0, int64_t, float* acc) {
@@ -727,7 +740,7 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 // Whether this build runs AMX tiles here: the CPU has them (the build is for this CPU's features)
 // and the kernel lets this process use them. oneDNN's bf16 and int8 GEMMs use them then too.
 bool has_amx() {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
   return amx_permitted();
 #else
   return false;
