@@ -13,7 +13,7 @@ from executor.loader import model_fingerprint
 from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
-from tests.conftest import REPO_ROOT, free_port, service_env
+from tests.conftest import PARIS_QUESTION, REPO_ROOT, free_port, service_env
 
 NUM_BLOCKS = 24
 MAX_MODEL_LEN = 128
@@ -150,10 +150,8 @@ def test_default_model_answers_paris_and_stays_healthy_during_a_step(start_servi
     stub = executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(service.address))
     assert stub.Describe(pb.DescribeRequest()).dtype == "bfloat16"  # auto on the CPU
     chat = AutoTokenizer.from_pretrained(default_model_dir)
-    # Not the plain question: its first token is a near-tie that bf16 rounding flips on some CPUs
-    # (tests/test_gateway_real_model.py); this one has a margin of 1.5 nats.
-    question = "What is the capital of France? Answer in one sentence."
-    prompt = chat.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = chat.apply_chat_template([{"role": "user", "content": PARIS_QUESTION}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
     tokens, table, position, generated = list(prompt), list(range(1, 9)), 0, []
     while len(generated) < 24:
         out = stub.Execute(pb.ExecuteRequest(sequences=[seq(tokens, position, table)]), timeout=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import start_stack
+from conftest import PARIS_QUESTION, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -21,15 +21,9 @@ def served(request, default_model_dir, tmp_path_factory):
     assert stack.stop()["gateway"] == 0
 
 
-PARIS_QUESTION = "What is the capital of France? Answer in one sentence."
-
-
 def test_chat_answers_and_stream_matches(served):
     client, quantization = served
     model = client.models.list().data[0].id
-    # Asked plainly ("What is the capital of France?") the model's first token is a near-tie (fp32
-    # logits 0.1 apart: "The" vs "L'Étoile, …"), which bf16 or quantized rounding may flip on one
-    # CPU and not another (docs/executor.md); asked for a sentence, the margin is 1.5 nats.
     messages = [{"role": "user", "content": PARIS_QUESTION}]
     whole = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
     answer = whole.choices[0].message.content
