@@ -120,6 +120,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         model.pack_weights_for_cpu()
         if skinny_ops is not None:
             model.use_skinny_matmuls(skinny_ops)
+        model.release_unpacked_weights()
     return model
 
 

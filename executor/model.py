@@ -164,9 +164,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 class Linear(nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed on the CPU: for oneDNN (F.linear re-packs the
     weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
-    and, for decode steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once both
-    exist the unpacked weight is released (``weight`` is None): nothing reads it, and it would be a
-    third copy. ``decode_step``: every sequence of the step computes one token. Prompt tokens always
+    and, for decode steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once packed
+    the unpacked weight is released (``weight`` is None, ``release_unpacked_weights``): nothing
+    reads it, and it would be one copy more. ``decode_step: every sequence of the step computes one token. Prompt tokens always
     take oneDNN, however few are left after a prefix-cache hit, so that a prompt's rounding (and a
     greedy answer at a near-tie) does not depend on how much of it was cached."""
 
@@ -297,16 +297,22 @@ class Transformer(nn.Module):
 
     def use_skinny_matmuls(self, cpu_ops) -> None:
         """Gives every oneDNN-packed projection and the LM head a ``SkinnyMatmul`` (``cpu_ops``:
-        ``torch.ops.kvserve_cpu``) for steps of few tokens, releasing the projections' unpacked weights;
-        none where oneDNN is as fast (``bf16_layout_pays_off``)."""
+        ``torch.ops.kvserve_cpu``) for steps of few tokens; none where oneDNN is as fast
+        (``bf16_layout_pays_off``)."""
         if not bf16_layout_pays_off(cpu_ops):
             return
         for module in self.modules():
             if isinstance(module, Linear) and module.packed_weight is not None and SkinnyMatmul.fits(module.weight):
                 module.skinny = SkinnyMatmul(cpu_ops, module.weight)
-                module.weight = None
         if self.packed_lm_head is not None and SkinnyMatmul.fits(self.lm_head_weight()):
             self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight())
+
+    def release_unpacked_weights(self) -> None:
+        """Drops each oneDNN-packed projection's plain weight once every layout is made from it. The
+        LM head's matrix is not a ``Linear`` and stays (tied, it is the embedding table)."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed_weight is not None:
+                module.weight = None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
