@@ -34,12 +34,14 @@
 #include <unistd.h>
 #endif
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "vec16.h"
 
@@ -243,22 +245,31 @@ inline Vec16 round_to_integer(Vec16 v) {
 // quantize_activations_int8 computes it: sx = max|x| / 127 and a = x / sx rounded to the nearest
 // integer (ties to even); with each group's sx * sum(a), which both formats' offsets need.
 struct QuantizedRows {
-  at::Tensor codes;        // [rows, K] int8
-  at::Tensor scales;       // [rows, K / 32] float32: sx (0 for an all-zero group, NaN for one with NaN or inf)
-  at::Tensor scaled_sums;  // [rows, K / 32] float32: sx * sum(a)
+  at::Tensor storage;   // one allocation for the three arrays below (one dispatched op a matmul, not three)
+  int64_t rows;         // including the padding rows
+  int8_t* codes;        // [rows, K]
+  float* scales;        // [rows, K / 32]: sx (0 for an all-zero group, NaN for one with NaN or inf)
+  float* scaled_sums;   // [rows, K / 32]: sx * sum(a)
 };
 
 // `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
-  QuantizedRows q{at::empty({total, k}, x.options().dtype(at::kChar)),
-                  at::empty({total, groups}, x.options().dtype(at::kFloat)),
-                  at::empty({total, groups}, x.options().dtype(at::kFloat))};
-  for (at::Tensor* t : {&q.codes, &q.scales, &q.scaled_sums}) t->narrow(0, rows, total - rows).zero_();
+  const int64_t float_bytes = 2 * total * groups * static_cast<int64_t>(sizeof(float));
+  const int64_t codes_offset = (float_bytes + 63) / 64 * 64;
+  QuantizedRows q{at::empty({codes_offset + total * k}, x.options().dtype(at::kByte)), total};
+  auto* base = q.storage.data_ptr<uint8_t>();
+  q.scales = reinterpret_cast<float*>(base);
+  q.scaled_sums = q.scales + total * groups;
+  q.codes = reinterpret_cast<int8_t*>(base + codes_offset);
+  const int64_t padding = total - rows;
+  std::fill_n(q.scales + rows * groups, padding * groups, 0.f);
+  std::fill_n(q.scaled_sums + rows * groups, padding * groups, 0.f);
+  std::memset(q.codes + rows * k, 0, padding * k);
   const auto* xp = x.data_ptr<at::BFloat16>();
-  int8_t* codes = q.codes.data_ptr<int8_t>();
-  float* scales = q.scales.data_ptr<float>();
-  float* scaled_sums = q.scaled_sums.data_ptr<float>();
+  int8_t* codes = q.codes;
+  float* scales = q.scales;
+  float* scaled_sums = q.scaled_sums;
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const auto* src = reinterpret_cast<const c10::BFloat16*>(xp + m * x.stride(0) + g * kGroup);
@@ -587,9 +598,9 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t padded_rows = amx_padded_rows(xc.size(0));
   const QuantizedRows q = quantize_rows(xc, padded_rows);
   const auto* w = packed.data_ptr<uint8_t>();
-  const int8_t* a = q.codes.data_ptr<int8_t>();
-  const float* sx = q.scales.data_ptr<float>();
-  const float* sxa = q.scaled_sums.data_ptr<float>();
+  const int8_t* a = q.codes;
+  const float* sx = q.scales;
+  const float* sxa = q.scaled_sums;
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows>("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
@@ -710,17 +721,17 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t groups = k / kGroup, padded_rows = amx_padded_rows(rows);
   const QuantizedRows q = quantize_rows(xc, padded_rows);
   // Per row, 128 * the sum over groups of sx A, in group order (scaling by 128 is exact).
-  at::Tensor offsets = at::empty({q.codes.size(0)}, xc.options().dtype(at::kFloat));
-  for (int64_t m = 0; m < q.codes.size(0); ++m) {
-    const float* row = q.scaled_sums.data_ptr<float>() + m * groups;
+  std::vector<float> offsets(q.rows);
+  for (int64_t m = 0; m < q.rows; ++m) {
+    const float* row = q.scaled_sums + m * groups;
     float sum = 0.f;
     for (int64_t g = 0; g < groups; ++g) sum += row[g];
-    offsets.data_ptr<float>()[m] = 128.f * sum;
+    offsets[m] = 128.f * sum;
   }
   const auto* w = packed.data_ptr<uint8_t>();
-  const int8_t* a = q.codes.data_ptr<int8_t>();
-  const float* sx = q.scales.data_ptr<float>();
-  const float* offset = offsets.data_ptr<float>();
+  const int8_t* a = q.codes;
+  const float* sx = q.scales;
+  const float* offset = offsets.data();
   const int64_t tile_bytes = packed.size(1);
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
