@@ -355,8 +355,11 @@ struct LoadAmxConfig {
 
 // For groups g and g + 1 (when `two`): dots[i][m * 16 + n] = sum over the group of
 // a[m, k] * b_i[k, n], with a 16 rows of codes `a_stride` apart and b_i the group's B tile.
+// GCC's tile intrinsics are asm without a memory clobber, hence the compiler barriers: b_i may
+// have just been written (int4's unpacked nibbles), and dots is read right after.
 inline void amx_group_dots(const int8_t* a, int64_t a_stride, const uint8_t* b0, const uint8_t* b1, bool two,
                            int32_t (*dots)[kAmxRows * kTile]) {
+  asm volatile("" ::: "memory");
   _tile_zero(0);
   _tile_loadd(2, a, a_stride);
   _tile_loadd(4, b0, kQuadBytes);
@@ -369,6 +372,7 @@ inline void amx_group_dots(const int8_t* a, int64_t a_stride, const uint8_t* b0,
   }
   _tile_stored(0, dots[0], kTile * 4);
   if (two) _tile_stored(1, dots[1], kTile * 4);
+  asm volatile("" ::: "memory");
 }
 
 inline __m512 dot_as_float(const int32_t* dots, int m) {
