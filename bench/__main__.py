@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="llama-server rows: bf16 (converted from --model-dir), q4_1 (the shipped GGUF)")
     target.add_argument("--openvino-weights", default="fp16,int8",
                         help="OpenVINO rows: weight formats of the optimum-intel export (fp16, int8, fp32, int4)")
+    target.add_argument("--openvino-precision", choices=["bf16", "f16", "f32"], default=None,
+                        help="OpenVINO's INFERENCE_PRECISION_HINT for every row (default: the CPU plugin's, bf16 "
+                             "where the CPU has it; OpenVINO 2026.4 dies with SIGFPE compiling an fp16 or fp32 IR "
+                             "in bf16 on some AMX Xeons, where f32 runs)")
     work = p.add_argument_group("workload (ShareGPT V3)")
     work.add_argument("--model-dir", type=Path, default=None, help="tokenizer and model (default: embedded)")
     work.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
@@ -231,7 +235,8 @@ def run_cpu_peers(args, requests, budget, meta, peers: list[str]) -> list[report
                                                                         "OpenVINO weights"),
                 concurrency=concurrency, threads=threads, kv_tokens=kv_tokens,
                 kv_note=f"{-(-kv_tokens // 32) * 32} tokens ({-(-kv_tokens // 32)} blocks x 32)",
-                max_num_batched_tokens=budget.max_num_batched_tokens, log_dir=log_dir)
+                max_num_batched_tokens=budget.max_num_batched_tokens, log_dir=log_dir,
+                precision=args.openvino_precision)
         rows += found
         skipped += reasons
         setup["openvino"] = facts

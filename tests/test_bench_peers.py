@@ -213,6 +213,11 @@ def test_openvino_runner_closed_loop_on_a_fake_pipeline(tmp_path, monkeypatch):
     payload = json.loads((tmp_path / "out.json").read_text())
     assert genai.scheduler.enable_prefix_caching and genai.scheduler.num_kv_blocks == 10
     assert genai.properties == {"INFERENCE_NUM_THREADS": 3}
+    job["inference_precision"] = "f32"  # --openvino-precision: given to the pipeline and reported as given
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    assert openvino_runner.main(["runner", str(tmp_path / "job.json"), str(tmp_path / "out2.json")]) == 0
+    assert genai.properties == {"INFERENCE_NUM_THREADS": 3, "INFERENCE_PRECISION_HINT": "f32"}
+    assert json.loads((tmp_path / "out2.json").read_text())["facts"]["INFERENCE_PRECISION_HINT"] == "f32"
     assert genai.peak_in_flight == 2  # the closed loop keeps `concurrency` requests in flight
     results = openvino_peer.to_results(payload)
     assert [r.output_tokens for r in results] == [3, 1, 4] and all(r.ok for r in results)

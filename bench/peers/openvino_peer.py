@@ -98,7 +98,7 @@ def to_results(payload: dict):
 
 
 def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurrency: int, threads: int,
-            kv_tokens: int, kv_note: str, max_num_batched_tokens: int, log_dir: Path):
+            kv_tokens: int, kv_note: str, max_num_batched_tokens: int, log_dir: Path, precision: str | None = None):
     from bench.report import summarize
 
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +109,7 @@ def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurr
     job = {"model_dir": str(ir_dir), "concurrency": concurrency, "threads": threads,
            "num_kv_blocks": -(-kv_tokens // block), "cache_size_gb": 1,
            "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max(concurrency, 1), "warmup": 2,
+           "inference_precision": precision,
            "requests": [{"prompt": r.prompt, "prompt_len": r.prompt_len, "output_len": r.output_len}
                         for r in requests]}
     job_path.write_text(json.dumps(job))
@@ -134,8 +135,10 @@ def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurr
 
 
 def run_peer(requests, *, model_dir: Path, variants: list[str], concurrency: int, threads: int, kv_tokens: int,
-             kv_note: str, max_num_batched_tokens: int, log_dir: Path, log=print) -> tuple[list, list[str], dict]:
-    """(rows, skip reasons, set-up facts) for each weight format in ``variants`` (``fp16``, ``int8``)."""
+             kv_note: str, max_num_batched_tokens: int, log_dir: Path, precision: str | None = None,
+             log=print) -> tuple[list, list[str], dict]:
+    """(rows, skip reasons, set-up facts) for each weight format in ``variants`` (``fp16``, ``int8``);
+    ``precision``: the CPU plugin's INFERENCE_PRECISION_HINT, None for its default (bf16 where the CPU has it)."""
     facts: dict = {}
     started = time.perf_counter()
     try:
@@ -156,7 +159,7 @@ def run_peer(requests, *, model_dir: Path, variants: list[str], concurrency: int
                 f"{concurrency} in flight, KV {kv_tokens} tokens (set-up {setup_s:.0f} s)")
             rows.append(run_one(python, ir_dir, weight_format, requests, concurrency=concurrency, threads=threads,
                                 kv_tokens=kv_tokens, kv_note=kv_note, max_num_batched_tokens=max_num_batched_tokens,
-                                log_dir=log_dir))
+                                log_dir=log_dir, precision=precision))
         except PeerUnavailable as exc:
             skipped.append(f"OpenVINO GenAI {weight_format} skipped: {exc}")
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:

@@ -49,6 +49,8 @@ def run(job: dict) -> dict:
     import openvino_genai as ov_genai
 
     properties = {"INFERENCE_NUM_THREADS": int(job["threads"])} if job.get("threads") else {}
+    if job.get("inference_precision"):
+        properties["INFERENCE_PRECISION_HINT"] = job["inference_precision"]
     loaded = time.perf_counter()
     pipe = ov_genai.ContinuousBatchingPipeline(job["model_dir"], scheduler_config(ov_genai, job), "CPU",
                                                properties)
@@ -67,6 +69,8 @@ def run(job: dict) -> dict:
                 pass
     except Exception:  # noqa: BLE001
         pass
+    if job.get("inference_precision"):  # what this pipeline was given, not the plugin's default
+        facts["INFERENCE_PRECISION_HINT"] = job["inference_precision"]
 
     def drive(requests: list[dict], concurrency: int) -> tuple[list[dict], float, dict]:
         results = [None] * len(requests)
