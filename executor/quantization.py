@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.model import cpu_weight_packing_available, pack_weight, packed_linear
-from executor.skinny import INT8_ACTIVATION_GROUP, SkinnyInt4Matmul, SkinnyInt8Matmul, bf16_layout_pays_off
+from executor.skinny import INT8_ACTIVATION_GROUP, SkinnyInt4Matmul, SkinnyInt8Matmul
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -127,23 +126,11 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 
 # ---- the layers ----------------------------------------------------------------------------------
-def prompt_gemm_wanted(weight: torch.Tensor, skinny_ops) -> bool:
-    """Whether a quantized projection of ``weight`` also keeps its dequantized weights in oneDNN's
-    packed bf16 layout for steps with prompt tokens: on a CPU with AMX, where oneDNN's bf16 GEMM runs
-    on the tiles and outruns the int8 kernels from a few dozen rows (a step's matmuls, one thread, at
-    256 rows: oneDNN bf16 78 ms, skinny int8 180, int4 230; at 32 rows 35, 30, 31)."""
-    return (skinny_ops is not None and not bf16_layout_pays_off(skinny_ops)
-            and cpu_weight_packing_available(weight.dtype, weight.device))
-
-
 class Int8Linear(nn.Module):
     """A linear layer with per-channel int8 weights; same inputs and outputs as the float one.
     With ``skinny_ops`` (and bf16 scales on the CPU, in_features a multiple of 32) every step
     takes executor/skinny.py's VNNI kernel on int8-rounded activations, and torch's copy is not
-    kept; its rows round alike at any batch size. On a CPU with AMX (``prompt_gemm_wanted``)
-    steps with prompt tokens (``decode_step`` false) take oneDNN's bf16 GEMM on the dequantized
-    weights instead, as ``Linear`` does for bf16 models: a prompt token rounds alike however much
-    of its prompt was cached, and a decode token as in any other decode step."""
+    kept; its rows round alike at any batch size, so ``decode_step`` changes nothing."""
 
     def __init__(self, linear: nn.Linear, skinny_ops=None):
         super().__init__()
@@ -152,8 +139,6 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
                        if skinny_ops is not None and SkinnyInt8Matmul.fits(codes, scales) else None)
-        self.prompt_weight = (pack_weight(dequantize_int8(codes, scales).to(linear.weight.dtype))
-                              if self.skinny is not None and prompt_gemm_wanted(linear.weight, skinny_ops) else None)
         keep = self.skinny is None
         self.register_buffer("codes", codes if keep else None)  # [out, in] int8
         self.register_buffer("scales", scales if keep else None)  # [out], compute dtype
@@ -161,8 +146,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         # x: [..., in] → [..., out]
         rows = x.reshape(-1, self.in_features)
-        if self.prompt_weight is not None and not decode_step:
-            return packed_linear(rows, self.prompt_weight, self.bias).view(*x.shape[:-1], self.out_features)
         if self.skinny is not None:
             return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
@@ -172,8 +155,7 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """A linear layer with group-wise int4 weights, packed once for the device's kernel. With
-    ``skinny_ops``, as ``Int8Linear``: executor/skinny.py's layout (2x torch's CPU kernel), and on
-    a CPU with AMX the dequantized weights for steps with prompt tokens."""
+    ``skinny_ops``, as ``Int8Linear``: executor/skinny.py's layout only (2x torch's CPU kernel)."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE, skinny_ops=None):
         super().__init__()
@@ -185,8 +167,6 @@ class Int4Linear(nn.Module):
         self.bias = linear.bias
         self.skinny = (SkinnyInt4Matmul(skinny_ops, codes, scales, zeros)
                        if skinny_ops is not None and SkinnyInt4Matmul.fits(scales, group_size) else None)
-        self.prompt_weight = (pack_weight(dequantize_int4(codes, scales, zeros, group_size).to(weight.dtype))
-                              if self.skinny is not None and prompt_gemm_wanted(weight, skinny_ops) else None)
         packed = scales_and_zeros = None
         if self.skinny is None:
             pack_op, mm_op = _INT4_OPS[device.type]
@@ -205,8 +185,6 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         # x: [..., in] → [..., out]
         rows = x.reshape(-1, self.in_features)
-        if self.prompt_weight is not None and not decode_step:
-            return packed_linear(rows, self.prompt_weight, self.bias).view(*x.shape[:-1], self.out_features)
         if self.skinny is not None:
             return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
         out = self._mm(rows, self.packed, self.group_size, self.scales_and_zeros)
@@ -268,5 +246,4 @@ def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
         setattr(parent, attr, replacement)
         skinny = getattr(replacement, "skinny", None)
         total += sum(b.nbytes for b in replacement.buffers()) + (skinny.packed.nbytes if skinny is not None else 0)
-        total += replacement.prompt_weight.nbytes if replacement.prompt_weight is not None else 0
     return total

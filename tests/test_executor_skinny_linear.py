@@ -297,34 +297,3 @@ def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_op
 # torch's int8 / int4 matmuls take them in bf16: int8 0.75-0.82 nats measured, int4 0.75, so their
 # bar is wider; a layout or offset mistake costs whole nats and the greedy agreement.
 MAX_TOP5_ERROR = {"none": 0.6, "int4": 1.2, "int8": 1.2}
-
-
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_prompt_steps_take_onednn_on_the_dequantized_weights_where_the_cpu_has_amx(mode, cpu_ops):
-    """On AMX, oneDNN's bf16 GEMM outruns the integer kernels at prompt-sized steps, so a quantized
-    projection keeps its dequantized weights packed for it; decode steps keep the integer kernels.
-    Elsewhere there is no such copy and every step takes the integer kernels."""
-    generator = torch.Generator().manual_seed(3)
-    linear = torch.nn.Linear(576, 160, dtype=torch.bfloat16)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(160, 576, generator=generator) * 0.05)
-        linear.bias.copy_(torch.randn(160, generator=generator))
-    layer = (Int8Linear if mode == "int8" else Int4Linear)(linear, skinny_ops=cpu_ops)
-    x = torch.randn(40, 576, generator=generator).to(torch.bfloat16)
-    decode = layer(x, decode_step=True)
-    assert torch.equal(decode, layer.skinny(x, layer.bias))
-    if bf16_layout_pays_off(cpu_ops):
-        assert layer.prompt_weight is None and torch.equal(layer(x), decode)
-        return
-    assert layer.prompt_weight is not None
-    if mode == "int8":
-        codes, scales = quantize_int8(linear.weight, torch.bfloat16)
-        weight = dequantize_int8(codes, scales)
-    else:
-        weight = dequantize_int4(*quantize_int4(linear.weight, torch.bfloat16))
-    expected = x.float() @ weight.T + linear.bias.float()  # the dequantized weights in float32
-    prompt = layer(x)
-    error = ((prompt.float() - expected).norm() / expected.norm()).item()
-    activation_rounding = ((decode.float() - expected).norm() / expected.norm()).item()
-    print(f"\n{mode}: prompt GEMM error {error:.2e}, integer kernel's {activation_rounding:.2e}")
-    assert prompt.shape == (40, 160) and error < 4e-3 and error < 0.8 * activation_rounding
