@@ -7,9 +7,7 @@ int8 copy (``quantize_lm_head``) used at every step. On the CPU with the compile
 kernels both modes also round each token's activations per group of
 ``INT8_ACTIVATION_GROUP`` inputs (``quantize_activations_int8``) so that their
 products are integer dot products; elsewhere (torch's kernels) they are
-weight-only: the kernels dequantize weights inside the matmul. On a CPU with AMX,
-steps with prompt tokens take oneDNN's bf16 GEMM on the dequantized weights
-(``prompt_gemm_wanted``).
+weight-only: the kernels dequantize weights inside the matmul.
 
 - ``int8``: per output channel, symmetric: ``w ≈ q * scale``, ``q`` in [-127, 127].
   ``torch.ops.aten._weight_int8pack_mm`` (CPU; other devices where this torch has it).
