@@ -166,9 +166,10 @@ class Linear(nn.Linear):
     weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
     and, for decode steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once packed
     the unpacked weight is released (``weight`` is None, ``release_unpacked_weights``): nothing
-    reads it, and it would be one copy more. ``decode_step: every sequence of the step computes one token. Prompt tokens always
-    take oneDNN, however few are left after a prefix-cache hit, so that a prompt's rounding (and a
-    greedy answer at a near-tie) does not depend on how much of it was cached."""
+    reads it, and it would be one copy more. ``decode_step``: every sequence of the step computes
+    one token. Prompt tokens always take oneDNN, however few are left after a prefix-cache hit, so
+    that a prompt's rounding (and a greedy answer at a near-tie) does not depend on how much of it
+    was cached."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | None = None
