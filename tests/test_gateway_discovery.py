@@ -44,8 +44,11 @@ def test_executors_join_and_leave_while_serving(start_service, tiny_model_dir, m
         try:
             assert list(engine.backends) == [executors[0].address]
             options = SamplingOptions(max_tokens=300, ignore_eos=True)
+            # The first executor's requests must outlast its leaving: long enough that a fast CPU cannot
+            # finish them while the second executor connects (300 tokens could, on an idle AMX Xeon).
+            long_options = SamplingOptions(max_tokens=1500, ignore_eos=True)
             prompts = [[1000 + i] * 20 for i in range(6)]
-            first = [await engine.submit(p, options) for p in prompts]
+            first = [await engine.submit(p, long_options) for p in prompts]
             resolved.append(executors[1].address)  # a second executor joins
             for _ in range(100):
                 if executors[1].address in engine.backends and engine.backends[executors[1].address].is_up:
@@ -55,17 +58,21 @@ def test_executors_join_and_leave_while_serving(start_service, tiny_model_dir, m
             second = [await engine.submit(p, options) for p in prompts]
             assert engine.backends[executors[1].address].scheduler.requests or \
                 engine.backends[executors[1].address].inbox, "nothing was routed to the new executor"
+            leaving = engine.backends[executors[0].address]
+            assert leaving.scheduler.requests or leaving.inbox, "the first executor's requests ended too soon"
             resolved.remove(executors[0].address)  # the first one leaves while its requests run
             results = await asyncio.gather(*(collect(s) for s in first + second))
             assert list(engine.backends) == [executors[1].address]
             migrated = engine.metrics.registry.get_sample_value(
                 "kvserve:requests_migrated_total", {"model_name": "tiny", "executor": executors[0].address})
             assert migrated, "no request was running on the executor that left"
-            fresh = [await collect(await engine.submit(p, SamplingOptions(max_tokens=300, ignore_eos=True,
-                                                                             cache_salt="fresh"))) for p in prompts]
+            fresh_options = SamplingOptions(max_tokens=long_options.max_tokens, ignore_eos=True, cache_salt="fresh")
+            fresh = await asyncio.gather(*[collect(await engine.submit(p, fresh_options)) for p in prompts])
         finally:
             await engine.shutdown()
         for i, (tokens, error) in enumerate(results):
-            assert error is None and tokens == fresh[i % len(prompts)][0], f"request {i}"
+            asked = (long_options if i < len(prompts) else options).max_tokens
+            assert error is None and len(tokens) == asked, f"request {i}"
+            assert tokens == fresh[i % len(prompts)][0][:asked], f"request {i}"
 
     asyncio.run(scenario())
