@@ -106,6 +106,9 @@ def test_run_logged_turns_failures_into_reasons(tmp_path):
     assert "boom" in log.read_text()
     with pytest.raises(common.PeerUnavailable, match="not found"):
         common.run_logged(["/nonexistent/cmake"], log)
+    # a signal says which: OpenVINO's CPU plugin dies with SIGFPE on some CPUs
+    with pytest.raises(common.PeerUnavailable, match=r"exited with -8 \(SIGFPE\)"):
+        common.run_logged([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGFPE)"], log)
 
 
 def test_prometheus_parser_reads_llamacpp_metrics():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -118,8 +119,18 @@ def run_logged(cmd: list[str], log_path: Path, *, cwd: Path | None = None, env: 
                                   f"(log: {log_path})") from None
     if code != 0:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
-        raise PeerUnavailable(f"{' '.join(map(str, cmd[:4]))} ... exited with {code} (log: {log_path}): "
+        raise PeerUnavailable(f"{' '.join(map(str, cmd[:4]))} ... exited with {exit_status(code)} (log: {log_path}): "
                               + " | ".join(tail)[-600:])
+
+
+def exit_status(code: int) -> str:
+    """A process's return code as read: ``3``, or ``-8 (SIGFPE)`` for one a signal ended."""
+    if code >= 0:
+        return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
 
 
 def ensure_venv(path: Path, packages: list[str], log_path: Path, *, first: list[str] = (),
