@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway.aio import wait_within
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.stopping import suppressed_token_ids
 from kvserve.auth import bearer_call_interceptors, channel_credentials
@@ -194,7 +195,7 @@ class ExecutorClient(_Client):
                 self._steps = self._stub.ExecuteStream()
             call = self._steps
             try:
-                return await asyncio.wait_for(self._write_and_read(call, request), timeout)
+                return await wait_within(self._write_and_read(call, request), timeout)
             except asyncio.TimeoutError as exc:
                 self._drop(call)
                 raise DependencyError(self.service, self.address, grpc.aio.AioRpcError(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 
+from gateway.aio import wait_within
 from gateway.backend import UNAVAILABLE_RETRY_S, Backend, BackendHooks
 from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, KVManagerClient, watch_for_breaks
 from gateway.detokenizer import ModelTokenizer
@@ -158,7 +159,7 @@ class Engine:
         for request_id in list(self._live):
             self.abort(request_id)
         try:
-            await asyncio.wait_for(asyncio.gather(*(b.wait_idle() for b in self.backends.values())), timeout)
+            await wait_within(asyncio.gather(*(b.wait_idle() for b in self.backends.values())), timeout)
         except asyncio.TimeoutError:
             log.warning("shutdown_not_idle", live=len(self._live))
         for task in self._tasks:
@@ -325,7 +326,7 @@ class Engine:
         while True:
             timeout = UNAVAILABLE_RETRY_S if self.parking.requests else None
             try:
-                await asyncio.wait_for(self._dispatch_wakeup.wait(), timeout)
+                await wait_within(self._dispatch_wakeup.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
             self._dispatch_wakeup.clear()
