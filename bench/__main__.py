@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--openvino-precision", choices=["bf16", "f16", "f32"], default=None,
                         help="OpenVINO's INFERENCE_PRECISION_HINT for every row (default: the CPU plugin's, bf16 "
                              "where the CPU has it; OpenVINO 2026.4 dies with SIGFPE compiling an fp16 or fp32 IR "
-                             "in bf16 on some AMX Xeons, where f32 runs)")
+                             "in bf16 on some AMX Xeons: such a row then runs in f32 and says so)")
     work = p.add_argument_group("workload (ShareGPT V3)")
     work.add_argument("--model-dir", type=Path, default=None, help="tokenizer and model (default: embedded)")
     work.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])

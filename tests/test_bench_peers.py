@@ -232,6 +232,41 @@ def test_openvino_runner_closed_loop_on_a_fake_pipeline(tmp_path, monkeypatch):
     assert row.completed == 3 and row.output_tokens == 8
 
 
+_CRASHING_RUNNER = """
+import json, os, signal, sys
+job = json.load(open(sys.argv[1]))
+if job["model_dir"].endswith("int8"):
+    os.kill(os.getpid(), signal.SIGSEGV)
+if job["inference_precision"] != "f32":
+    os.kill(os.getpid(), signal.SIGFPE)
+results = [{"prompt_len": r["prompt_len"], "expected_output_len": r["output_len"], "sent_at": 0.0, "ttft": 0.1,
+            "e2e": 0.2, "itl": [0.1], "output_tokens": r["output_len"], "ok": True, "error": None}
+           for r in job["requests"]]
+json.dump({"results": results, "wall_s": 1.0, "cache": {}, "facts": {"INFERENCE_PRECISION_HINT": "f32"}},
+          open(sys.argv[2], "w"))
+"""
+
+
+def test_openvino_row_that_dies_with_sigfpe_runs_again_in_f32(tmp_path, monkeypatch):
+    """OpenVINO 2026.4 dies with SIGFPE compiling an fp16 IR in bf16 on some AMX Xeons: `make bench`
+    gives that row in f32, saying so, instead of no numbers; any other crash stays a failure."""
+    runner = tmp_path / "runner.py"
+    runner.write_text(_CRASHING_RUNNER)
+    monkeypatch.setattr(openvino_peer, "RUNNER", runner)
+    monkeypatch.setattr(openvino_peer, "setup_venv", lambda log: (sys.executable, None))
+    monkeypatch.setattr(openvino_peer, "export", lambda python, model_dir, fmt, log: (tmp_path / fmt, None))
+    requests = [types.SimpleNamespace(prompt="p", prompt_len=5, output_len=2)]
+    kwargs = dict(model_dir=tmp_path, concurrency=1, threads=1, kv_tokens=64, kv_note="64 tokens",
+                  max_num_batched_tokens=256, log_dir=tmp_path / "logs", log=lambda *a: None)
+    rows, skipped, _ = openvino_peer.run_peer(requests, variants=["fp16", "int8"], **kwargs)
+    assert len(rows) == 1 and "compute f32" in rows[0].weights
+    assert any("died with SIGFPE" in note for note in rows[0].notes)
+    assert len(skipped) == 1 and "int8 skipped" in skipped[0] and "SIGSEGV" in skipped[0]
+    # asked for a precision, the bench runs that one only
+    rows, skipped, _ = openvino_peer.run_peer(requests, variants=["fp16"], precision="bf16", **kwargs)
+    assert rows == [] and "SIGFPE" in skipped[0]
+
+
 def test_versus_lines_compare_kvserve_with_each_peer():
     def row(name, system, tput, p99):
         return report.Row(name=name, system=system, completed=4, output_throughput=tput, ttft_ms={"p99": p99})

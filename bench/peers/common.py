@@ -18,6 +18,14 @@ class PeerUnavailable(Exception):
     """A peer cannot be set up or run here; the message is the reason printed with the skip."""
 
 
+class PeerCrashed(PeerUnavailable):
+    """A peer's process was ended by a signal (``signal_name``: "SIGFPE", ...)."""
+
+    def __init__(self, message: str, signal_name: str):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
 def peers_dir() -> Path:
     """``~/.cache/kvserve/peers`` (or under ``$KVSERVE_CACHE_DIR``): builds, venvs, exported models."""
     return cache_dir() / "peers"
@@ -119,18 +127,23 @@ def run_logged(cmd: list[str], log_path: Path, *, cwd: Path | None = None, env: 
                                   f"(log: {log_path})") from None
     if code != 0:
         tail = log_path.read_text(errors="replace").strip().splitlines()[-6:]
-        raise PeerUnavailable(f"{' '.join(map(str, cmd[:4]))} ... exited with {exit_status(code)} (log: {log_path}): "
-                              + " | ".join(tail)[-600:])
+        message = (f"{' '.join(map(str, cmd[:4]))} ... exited with {exit_status(code)} (log: {log_path}): "
+                   + " | ".join(tail)[-600:])
+        if code < 0:
+            raise PeerCrashed(message, signal_name(-code))
+        raise PeerUnavailable(message)
 
 
 def exit_status(code: int) -> str:
     """A process's return code as read: ``3``, or ``-8 (SIGFPE)`` for one a signal ended."""
-    if code >= 0:
-        return str(code)
+    return str(code) if code >= 0 else f"{code} ({signal_name(-code)})"
+
+
+def signal_name(number: int) -> str:
     try:
-        return f"{code} ({signal.Signals(-code).name})"
+        return signal.Signals(number).name
     except ValueError:
-        return str(code)
+        return f"signal {number}"
 
 
 def ensure_venv(path: Path, packages: list[str], log_path: Path, *, first: list[str] = (),

@@ -13,6 +13,7 @@ other systems pay.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,8 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.peers.common import (PeerUnavailable, ensure_venv, label, nice_prefix, peers_dir, run_logged,
-                                setup_allowed)
+from bench.peers.common import (PeerCrashed, PeerUnavailable, ensure_venv, label, nice_prefix, peers_dir,
+                                run_logged, setup_allowed)
 
 VENV_FIRST = ["torch==2.13.0"]
 VENV_PACKAGES = ["openvino-genai", "optimum-intel[openvino]", "nncf"]
@@ -138,7 +139,8 @@ def run_peer(requests, *, model_dir: Path, variants: list[str], concurrency: int
              kv_note: str, max_num_batched_tokens: int, log_dir: Path, precision: str | None = None,
              log=print) -> tuple[list, list[str], dict]:
     """(rows, skip reasons, set-up facts) for each weight format in ``variants`` (``fp16``, ``int8``);
-    ``precision``: the CPU plugin's INFERENCE_PRECISION_HINT, None for its default (bf16 where the CPU has it)."""
+    ``precision``: the CPU plugin's INFERENCE_PRECISION_HINT, None for its default (bf16 where the CPU has it;
+    a format whose run dies there with SIGFPE runs again in f32, and its row says so)."""
     facts: dict = {}
     started = time.perf_counter()
     try:
@@ -157,9 +159,21 @@ def run_peer(requests, *, model_dir: Path, variants: list[str], concurrency: int
             facts[f"setup_{weight_format}_s"] = setup_s
             log(f"== peer: OpenVINO GenAI ContinuousBatchingPipeline, {weight_format} weights, {threads} threads, "
                 f"{concurrency} in flight, KV {kv_tokens} tokens (set-up {setup_s:.0f} s)")
-            rows.append(run_one(python, ir_dir, weight_format, requests, concurrency=concurrency, threads=threads,
-                                kv_tokens=kv_tokens, kv_note=kv_note, max_num_batched_tokens=max_num_batched_tokens,
-                                log_dir=log_dir, precision=precision))
+            run = functools.partial(run_one, python, ir_dir, weight_format, requests, concurrency=concurrency,
+                                    threads=threads, kv_tokens=kv_tokens, kv_note=kv_note,
+                                    max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir)
+            try:
+                rows.append(run(precision=precision))
+            except PeerCrashed as exc:
+                # OpenVINO 2026.4 dies with SIGFPE compiling an fp16 or fp32 IR in bf16 on some AMX
+                # Xeons, before the first request; in f32 it runs, which beats a row with no numbers.
+                if precision is not None or exc.signal_name != "SIGFPE":
+                    raise
+                log(f"   OpenVINO GenAI {weight_format} died with {exc.signal_name} in the CPU plugin's default "
+                    f"precision: running it in f32")
+                row = run(precision="f32")
+                row.notes.append(f"run in f32: in the CPU plugin's default precision it died with {exc.signal_name}")
+                rows.append(row)
         except PeerUnavailable as exc:
             skipped.append(f"OpenVINO GenAI {weight_format} skipped: {exc}")
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
