@@ -51,6 +51,15 @@ using namespace kvserve_cpu;
 
 constexpr int64_t kTile = 16;    // output rows per tile: one register of float32 accumulators
 constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
+// The weights are one sequential stream, but the hardware prefetcher stops at every 4 KiB page and
+// ramps up again: the kernels ask for the line this many 64-byte lines ahead as they go (one core
+// streamed a decode step's bf16 weights at ~10 GB/s without, ~14 with; docs/executor.md).
+constexpr int64_t kPrefetchLines = 64;
+
+inline void prefetch_ahead(const void* line) {
+  __builtin_prefetch(static_cast<const char*>(line) + kPrefetchLines * 64, 0, 3);
+}
+
 // Independent accumulator chains per row of x, so that one row alone is not bound by the latency
 // of its multiply-adds. The same for any number of rows: a row's sums, and so its rounding, do
 // not depend on what else is in the step (a token gets the same result alone or in a batch).
@@ -73,6 +82,7 @@ void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pa
   int64_t kp = 0;
   for (; kp + kChains <= pairs; kp += kChains) {
     for (int c = 0; c < kChains; ++c) {
+      prefetch_ahead(w + (kp + c) * 2 * kTile);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (kp + c) * 2 * kTile);
       for (int m = 0; m < ROWS; ++m) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(load_32_bits(x + m * x_stride + 2 * (kp + c)));
@@ -387,6 +397,7 @@ void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
   for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
     const bool two = g + 1 < groups;
+    for (int64_t line = 0; line < 16; ++line) prefetch_ahead(w + g * 8 * kQuadBytes + line * 64);
     amx_group_dots(a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots);
     for (int i = 0; i < 1 + two; ++i) {
       for (int m = 0; m < kAmxRows; ++m) {
@@ -467,7 +478,9 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
     const uint8_t* record = w + g * kInt4RecordBytes;
     __m512i dots[ROWS];
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
+    prefetch_ahead(record + 4 * kQuadBytes);  // the record's scales and zeros
     for (int block = 0; block < 4; ++block) {
+      prefetch_ahead(record + block * kQuadBytes);
       const __m512i both = _mm512_loadu_si512(record + block * kQuadBytes);
       const __m512i low = _mm512_and_si512(both, nibble), high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
       const int64_t k0 = g * kGroup + 4 * block;
@@ -538,6 +551,7 @@ void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
   for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
     const bool two = g + 1 < groups;
+    for (int64_t line = 0; line < 10; ++line) prefetch_ahead(w + g * kInt4RecordBytes + line * 64);
     unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
     if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
     amx_group_dots(a + g * kGroup, k, b[0], b[1], two, dots);
@@ -651,6 +665,7 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
     for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
       const int64_t k0 = g * kGroup + 4 * quad;
+      prefetch_ahead(w + (k0 / 4) * kQuadBytes);
       const __m512i wv = _mm512_loadu_si512(w + (k0 / 4) * kQuadBytes);
       for (int m = 0; m < ROWS; ++m) {
         dots[m] = _mm512_dpbusd_epi32(dots[m], wv, _mm512_set1_epi32(load_32_bits(a + m * k + k0)));
