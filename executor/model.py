@@ -21,7 +21,7 @@ from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
 from executor.layer_ops import TorchLayerOps
-from executor.skinny import SkinnyMatmul, bf16_layout_pays_off, rows_fit
+from executor.skinny import SkinnyMatmul, bf16_skinny_max_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -175,7 +175,7 @@ class Linear(nn.Linear):
     skinny: SkinnyMatmul | None = None
 
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
-        if self.skinny is not None and decode_step and rows_fit(x):
+        if self.skinny is not None and decode_step and self.skinny.takes(x):
             return self.skinny(x, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
@@ -298,15 +298,14 @@ class Transformer(nn.Module):
 
     def use_skinny_matmuls(self, cpu_ops) -> None:
         """Gives every oneDNN-packed projection and the LM head a ``SkinnyMatmul`` (``cpu_ops``:
-        ``torch.ops.kvserve_cpu``) for steps of few tokens; none where oneDNN is as fast
-        (``bf16_layout_pays_off``)."""
-        if not bf16_layout_pays_off(cpu_ops):
-            return
+        ``torch.ops.kvserve_cpu``) for decode steps of as few tokens as it is faster for
+        (``bf16_skinny_max_rows``)."""
+        max_rows = bf16_skinny_max_rows(cpu_ops)
         for module in self.modules():
             if isinstance(module, Linear) and module.packed_weight is not None and SkinnyMatmul.fits(module.weight):
-                module.skinny = SkinnyMatmul(cpu_ops, module.weight)
+                module.skinny = SkinnyMatmul(cpu_ops, module.weight, max_rows)
         if self.packed_lm_head is not None and SkinnyMatmul.fits(self.lm_head_weight()):
-            self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight())
+            self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight(), max_rows)
 
     def release_unpacked_weights(self) -> None:
         """Drops each oneDNN-packed projection's plain weight once every layout is made from it. The
@@ -333,7 +332,7 @@ class Transformer(nn.Module):
         # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32; decode_step as Linear's
         if self.quantized_lm_head is not None:
             return self.quantized_lm_head(hidden, None).float()
-        if self.skinny_lm_head is not None and decode_step and rows_fit(hidden):
+        if self.skinny_lm_head is not None and decode_step and self.skinny_lm_head.takes(hidden):
             return self.skinny_lm_head(hidden, None).float()
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None).float()

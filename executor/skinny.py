@@ -3,8 +3,8 @@
 With up to a handful of tokens a step, a projection is bound by reading its weights, not by
 arithmetic. oneDNN's packed bf16 matmul and torch's int4 kernel read them well below the rate one
 core can stream memory; these layouts make each projection one sequential read (docs/executor.md
-has the measurements). Beyond ``SKINNY_MAX_ROWS`` tokens the step is compute-bound and the usual
-kernel (oneDNN's GEMM) runs instead, so both layouts are kept. The quantized layouts serve every
+has the measurements). Beyond a few tokens (``bf16_skinny_max_rows``) the step is compute-bound and
+the usual kernel (oneDNN's GEMM) runs instead, so both layouts are kept. The quantized layouts serve every
 step: torch's CPU int8 and int4 matmuls, which they replace, are slower at any batch measured.
 """
 from __future__ import annotations
@@ -14,31 +14,32 @@ import torch
 # Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
 # measured on AVX512-BF16 (Zen 4), docs/executor.md.
 SKINNY_MAX_ROWS = 8
+# The same where the CPU has AMX, whose tiles run oneDNN's bf16 GEMM: a step's matmuls on an
+# Emerald Rapids-class Xeon, one thread, skinny vs oneDNN: 18.6 vs 24.6 ms at 1 row, 21.2 vs 24.7 at
+# 2, 27.6 vs 24.6 at 8 (docs/executor.md).
+AMX_SKINNY_MAX_ROWS = 2
 # skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
 # many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
 
 
-def rows_fit(x: torch.Tensor) -> bool:
-    return x.shape[0] <= SKINNY_MAX_ROWS
-
-
-def bf16_layout_pays_off(cpu_ops) -> bool:
-    """Whether ``SkinnyMatmul`` beats oneDNN here. Not on a CPU with AMX: there oneDNN's bf16 GEMM
-    runs on the tiles, as fast as the skinny kernel at one row and ahead from two (a step's matmuls
-    on a Sapphire Rapids-class Xeon, one thread: 23.3 vs 23.6 ms at 1 row, 23.3 vs 29.9 at 2, 24.1 vs
-    44.4 at 8; docs/executor.md), so the second copy of the weights would cost memory for nothing."""
-    return not cpu_ops.has_amx()
+def bf16_skinny_max_rows(cpu_ops) -> int:
+    """Rows of a decode step up to which ``SkinnyMatmul`` beats oneDNN's bf16 GEMM on this CPU."""
+    return AMX_SKINNY_MAX_ROWS if cpu_ops.has_amx() else SKINNY_MAX_ROWS
 
 
 class SkinnyMatmul:
     """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
     columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""
 
-    def __init__(self, cpu_ops, weight: torch.Tensor):
+    def __init__(self, cpu_ops, weight: torch.Tensor, max_rows: int = SKINNY_MAX_ROWS):
         self._ops = cpu_ops
         self.out_features = weight.shape[0]
+        self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster (bf16_skinny_max_rows)
         self.packed = cpu_ops.pack_skinny_weight(weight.detach())
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_rows
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:

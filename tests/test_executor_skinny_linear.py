@@ -11,7 +11,8 @@ from executor.model import Linear
 from executor.quantization import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_activations_int8,
                                    quantize_int4, quantize_int8)
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
-from executor.skinny import SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul, bf16_layout_pays_off
+from executor.skinny import (SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul,
+                             bf16_skinny_max_rows)
 from tests.test_executor_exactness import PROMPTS as EXACTNESS_PROMPTS
 
 
@@ -211,17 +212,11 @@ def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert projections and all(m.packed_weight is not None and m.weight is None for m in projections)
-    if not bf16_layout_pays_off(cpu_ops):  # AMX: oneDNN alone
-        assert all(m.skinny is None for m in projections) and model.skinny_lm_head is None
-        return
-    assert all(isinstance(m.skinny, SkinnyMatmul) for m in projections)
-    assert isinstance(model.skinny_lm_head, SkinnyMatmul)
+    max_rows = bf16_skinny_max_rows(cpu_ops)  # on AMX fewer: oneDNN's GEMM runs on the tiles
+    assert max_rows == (2 if cpu_ops.has_amx() else SKINNY_MAX_ROWS)
+    assert all(isinstance(m.skinny, SkinnyMatmul) and m.skinny.max_rows == max_rows for m in projections)
+    assert isinstance(model.skinny_lm_head, SkinnyMatmul) and model.skinny_lm_head.max_rows == max_rows
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
-
-
-def skip_without_bf16_layout(cpu_ops):
-    if not bf16_layout_pays_off(cpu_ops):
-        pytest.skip("this CPU has AMX: bf16 models use oneDNN's GEMM alone, not the skinny kernel")
 
 
 def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(runners):
@@ -247,15 +242,14 @@ PROMPTS = EXACTNESS_PROMPTS[:1] + EXACTNESS_PROMPTS[2:]
 def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir, cpu_ops):
     """A prompt's last few tokens (a prefix-cache hit leaves at most a block's worth) are computed
     exactly as without the skinny kernels, so a cached and an uncached prompt round alike."""
-    skip_without_bf16_layout(cpu_ops)
     skinny_runner, usual_runner = runners("none")
-    prompt = list(range(200, 237))
+    prompt = list(range(200, 234))  # 2 tokens left after the hit: few enough for the skinny kernel anywhere
     table = [50, 51, 52]
     results = []
     for runner in (skinny_runner, usual_runner):
         runner.forward_logits([SequenceInput(0, prompt[:32], 0, table)])
         results.append(runner.forward_logits([SequenceInput(0, prompt[32:], 32, table)]))
-    assert len(prompt) - 32 <= SKINNY_MAX_ROWS and torch.equal(results[0], results[1])
+    assert len(prompt) - 32 <= bf16_skinny_max_rows(cpu_ops) and torch.equal(results[0], results[1])
 
 
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
@@ -267,8 +261,6 @@ def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_op
     bf16 meets against float32 (tests/test_executor_exactness.py): the log-probabilities of the 5
     most likely tokens within 0.6 nats (int8, int4: see MAX_TOP5_ERROR), the greedy pick the same in
     >= 90% of rows."""
-    if mode == "none":
-        skip_without_bf16_layout(cpu_ops)
     skinny_runner, usual_runner = runners(mode)
     from tokenizers import Tokenizer
 
