@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from executor.attention import KV_CACHE_DTYPES
 from executor.devices import tune_host_allocator
 from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
@@ -42,6 +43,11 @@ def build_parser() -> EnvArgumentParser:
                              "int8 per output channel, int4 in groups of 32 with scale and min; on the CPU with "
                              "the compiled kernels, activations rounded to int8 too and an int8 LM head "
                              "(docs/quantization.md); Describe reports it in dtype, e.g. bfloat16+int8")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="K/V cache element type: auto (the model's dtype) or int8 (a byte a value and a "
+                             "float32 scale per token and KV head: half the bytes, so twice the tokens in the "
+                             "same memory and half the reads of a decode step; the CPU attention backend only, "
+                             "docs/executor.md); Describe reports it in dtype, e.g. bfloat16+kv-int8")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cuda", "musa"],

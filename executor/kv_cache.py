@@ -28,10 +28,14 @@ class KVSizing:
         return self.num_blocks * self.bytes_per_block
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V, every layer, one block. ``kv_cache_dtype`` "int8": a byte a value and a float32
+    scale per token and KV head (executor/attention/cpu_backend.py)."""
+    if kv_cache_dtype == "int8":
+        per_token_head = config.head_dim + 4
+    else:
+        per_token_head = config.head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * per_token_head
 
 
 def size_kv_cache(
@@ -44,11 +48,12 @@ def size_kv_cache(
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
     device_memory: tuple[int, int, int] | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVSizing:
     """Blocks from the first of: ``num_blocks``, ``kv_cache_memory`` bytes, and on a device
     ``total * gpu_memory_utilization - memory in use - activation peak`` (``device_memory`` =
     (free, total, activation_peak) bytes measured after loading the weights); on the CPU 1 GiB."""
-    per_block = kv_bytes_per_block(config, block_size, dtype)
+    per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     if num_blocks is not None:
         blocks, source = num_blocks, "num_blocks"
     elif kv_cache_memory is not None:

@@ -32,6 +32,7 @@ class RunnerOptions:
     model_dir: Path
     dtype: str = "auto"
     quantization: str = "none"  # none, int8 or int4: the projections' weights (executor/quantization.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or int8 (executor/attention/cpu_backend.py)
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
@@ -101,7 +102,8 @@ class ModelRunner:
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        self.backend = create_backend(options.attention_backend, self.device)
+        self.backend = create_backend(options.attention_backend, self.device, options.kv_cache_dtype)
+        self.kv_cache_dtype = options.kv_cache_dtype
         start = time.monotonic()
         self.quantization = options.quantization
         self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization,
@@ -120,7 +122,7 @@ class ModelRunner:
         # ``vllm`` carries vLLM's start-up sentences verbatim, for the log scrapers written for them.
         log.info("kv_cache_allocated", num_blocks=self.num_blocks, block_size=self.block_size,
                  bytes=sizing.total_bytes, sized_by=sizing.source, attention_backend=self.backend.name,
-                 vllm=f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
+                 kv_cache_dtype=self.kv_cache_dtype, vllm=f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
         log.info("max_concurrency", max_model_len=self.max_model_len, concurrency=round(concurrency, 2),
                  vllm=f"Maximum concurrency for {self.max_model_len} tokens per request: {concurrency:.2f}x")
         self.generator = torch.Generator().manual_seed(options.seed)
@@ -128,8 +130,10 @@ class ModelRunner:
             model_name=options.served_model_name or model_dir.resolve().name,
             model_fingerprint=model_fingerprint(model_dir),
             architecture=config.architecture,
-            # Free-form in the proto: "bfloat16", or "bfloat16+int8" with quantized projections.
-            dtype=dtype_name(self.dtype) + ("" if self.quantization == "none" else f"+{self.quantization}"),
+            # Free-form in the proto: "bfloat16", "bfloat16+int8" with quantized projections,
+            # "+kv-int8" with the int8 KV cache.
+            dtype=dtype_name(self.dtype) + ("" if self.quantization == "none" else f"+{self.quantization}")
+            + ("" if self.kv_cache_dtype == "auto" else f"+kv-{self.kv_cache_dtype}"),
             device=str(self.device),
             attention_backend=self.backend.name,
             block_size=self.block_size,
@@ -151,7 +155,8 @@ class ModelRunner:
             device_memory = self._profile_device_memory(options.profile_tokens)
         return size_kv_cache(self.config, self.block_size, self.dtype, self.device,
                              num_blocks=options.num_blocks, kv_cache_memory=options.kv_cache_memory,
-                             gpu_memory_utilization=options.gpu_memory_utilization, device_memory=device_memory)
+                             gpu_memory_utilization=options.gpu_memory_utilization, device_memory=device_memory,
+                             kv_cache_dtype=options.kv_cache_dtype)
 
     def _profile_device_memory(self, profile_tokens: int) -> tuple[int, int, int]:
         """(free, total, activation peak) bytes: one forward of the longest step we expect,

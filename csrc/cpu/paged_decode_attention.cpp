@@ -15,7 +15,13 @@
 // The query heads sharing a KV head (GQA) are served by the same pass over K/V, up to
 // four at a time with their accumulators in registers.
 //
-// Registered as torch.ops.kvserve_cpu.paged_decode_attention (TORCH_LIBRARY, no pybind).
+// With the int8 KV cache (--kv-cache-dtype int8, write_kv.cpp) each (block, kv head) tile is a
+// record: the tile's int8 codes, then the block's 16 per-token float32 scales. A token's whole
+// head shares a scale, so it comes out of the sums: a block's 16 scores are multiplied by the K
+// scales once, and each probability by its token's V scale before the value pass.
+//
+// Registered as torch.ops.kvserve_cpu.paged_decode_attention and paged_decode_attention_int8
+// (TORCH_LIBRARY, no pybind).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -138,6 +144,29 @@ struct Tiles {
   int64_t head_stride;
 };
 
+// C, the cache's element type: int8_t for the int8 cache, whose tiles are followed by their scales.
+template <typename C>
+constexpr bool kQuantized = std::is_same_v<C, int8_t>;
+
+// Elements of C after a tile of `tile` elements up to the end of its record.
+template <typename C>
+constexpr int64_t kScaleElements = kQuantized<C> ? kLanes * static_cast<int64_t>(sizeof(float)) : 0;
+
+template <typename C>
+inline Vec16 tile_scales(const C* tile, int64_t tile_elements) {
+  float scales[kLanes];
+  std::memcpy(scales, tile + tile_elements, sizeof(scales));
+  return load16(scales);
+}
+
+// rows [r0, r0 + n) of `scores`, lanes [b * 16, b * 16 + 16), times `factor` lane by lane.
+inline void scale_block(float* scores, int64_t row, int64_t r0, int64_t n, int64_t b, Vec16 factor) {
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    float* s = scores + r * row + b * kLanes;
+    store16(s, load16(s) * factor);
+  }
+}
+
 // One sequence's kv heads [h0, h1) (each with `group` query rows) against its seq_len keys:
 // two passes over its blocks (K for the scores, then V) with the softmax between them over
 // whole rows, which stay in L1/L2 and vectorize. The heads of a block are visited together
@@ -145,14 +174,15 @@ struct Tiles {
 // stretch of memory, which scattered blocks read at several times the speed of separate
 // 2 KiB tiles. Every query row's arithmetic, and its order, is the same however heads are
 // grouped into runs (and so however the batch is split between threads).
-template <typename T>
+template <typename T, typename C>
 void attend_run(const T* query,        // [kv heads of the run, group, head_size]
-                const T* key_cache, const Tiles& keys, const T* value_cache, const Tiles& values,
+                const C* key_cache, const Tiles& keys, const C* value_cache, const Tiles& values,
                 const int32_t* table,  // this sequence's block table
                 int64_t seq_len, int64_t h0, int64_t h1, const Shape& shape,
                 T* out,                // [kv heads of the run, group, head_size]
                 std::vector<float>& scratch) {
   const int64_t group = shape.group, head_size = shape.head_size, tile = kLanes * head_size;
+  const int64_t record = tile + kScaleElements<C>;
   const int64_t rows = (h1 - h0) * group;
   const int64_t num_seq_blocks = (seq_len + kLanes - 1) / kLanes;
   const int64_t row = num_seq_blocks * kLanes;  // a scores row, padded to whole blocks
@@ -161,42 +191,45 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
   float* acc = q + rows * head_size;       // [rows, head_size]
   float* scores = acc + rows * head_size;  // [rows, row]
   for (int64_t i = 0; i < rows * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
-  auto prefetch_heads = [&](const T* cache, const Tiles& where, int64_t b) {
+  auto prefetch_heads = [&](const C* cache, const Tiles& where, int64_t b) {
     if (b >= num_seq_blocks) return;
-    const T* first = cache + static_cast<int64_t>(table[b]) * where.block_stride + h0 * where.head_stride;
-    if (where.head_stride == tile) {
-      prefetch_tile(first, (h1 - h0) * tile);
+    const C* first = cache + static_cast<int64_t>(table[b]) * where.block_stride + h0 * where.head_stride;
+    if (where.head_stride == record) {
+      prefetch_tile(first, (h1 - h0) * record);
     } else {
-      for (int64_t h = 0; h < h1 - h0; ++h) prefetch_tile(first + h * where.head_stride, tile);
+      for (int64_t h = 0; h < h1 - h0; ++h) prefetch_tile(first + h * where.head_stride, record);
     }
   };
 
   for (int64_t b = 0; b < num_seq_blocks; ++b) {
     prefetch_heads(key_cache, keys, b + kPrefetchDistance);
-    const T* block = key_cache + static_cast<int64_t>(table[b]) * keys.block_stride;
+    const C* block = key_cache + static_cast<int64_t>(table[b]) * keys.block_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const T* key_tile = block + h * keys.head_stride;
+      const C* key_tile = block + h * keys.head_stride;
       for (int64_t g = 0; g < group; g += kMaxRows) {
         const int64_t r0 = (h - h0) * group + g;
         with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
-          block_scores<T, decltype(r)::value>(q + r0 * head_size, key_tile, head_size, scores + r0 * row + b * kLanes,
+          block_scores<C, decltype(r)::value>(q + r0 * head_size, key_tile, head_size, scores + r0 * row + b * kLanes,
                                               row);
         });
       }
+      if constexpr (kQuantized<C>) scale_block(scores, row, (h - h0) * group, group, b, tile_scales(key_tile, tile));
     }
   }
   softmax_rows(scores, rows, row, seq_len);
   std::fill(acc, acc + rows * head_size, 0.f);
   for (int64_t b = 0; b < num_seq_blocks; ++b) {
     prefetch_heads(value_cache, values, b + kPrefetchDistance);
-    const T* block = value_cache + static_cast<int64_t>(table[b]) * values.block_stride;
+    const C* block = value_cache + static_cast<int64_t>(table[b]) * values.block_stride;
     const int64_t n = std::min(kLanes, seq_len - b * kLanes);
     for (int64_t h = h0; h < h1; ++h) {
-      const T* value_tile = block + h * values.head_stride;
+      const C* value_tile = block + h * values.head_stride;
+      // Each probability takes its token's V scale (the scores are not read again).
+      if constexpr (kQuantized<C>) scale_block(scores, row, (h - h0) * group, group, b, tile_scales(value_tile, tile));
       for (int64_t g = 0; g < group; g += kMaxRows) {
         const int64_t r0 = (h - h0) * group + g;
         with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
-          block_values<T, decltype(r)::value>(scores + r0 * row + b * kLanes, value_tile, n, head_size, row,
+          block_values<C, decltype(r)::value>(scores + r0 * row + b * kLanes, value_tile, n, head_size, row,
                                               acc + r0 * head_size);
         });
       }
@@ -205,7 +238,7 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
   for (int64_t i = 0; i < rows * head_size; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-template <typename T>
+template <typename T, typename C = T>
 void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& tables, const at::Tensor& lens, const Shape& shape, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
@@ -213,8 +246,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tens
   const Tiles keys{key_cache.stride(0), key_cache.stride(1)};
   const Tiles values{value_cache.stride(0), value_cache.stride(1)};
   const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = key_cache.data_ptr<T>();
-  const T* v_ptr = value_cache.data_ptr<T>();
+  const C* k_ptr = key_cache.data_ptr<C>();
+  const C* v_ptr = value_cache.data_ptr<C>();
   const int32_t* tables_ptr = tables.data_ptr<int32_t>();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
   T* o_ptr = out.data_ptr<T>();
@@ -226,11 +259,30 @@ void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tens
       const int64_t s = item / kv_heads, h0 = item % kv_heads;
       const int64_t h1 = std::min(kv_heads, h0 + (end - item));
       const int64_t offset = (s * num_heads + h0 * shape.group) * head_size;
-      attend_run<T>(q_ptr + offset, k_ptr, keys, v_ptr, values, tables_ptr + s * max_blocks, lens_ptr[s], h0, h1,
+      attend_run<T, C>(q_ptr + offset, k_ptr, keys, v_ptr, values, tables_ptr + s * max_blocks, lens_ptr[s], h0, h1,
                     shape, o_ptr + offset, scratch);
       item += h1 - h0;
     }
   });
+}
+
+// Every block a sequence attends to exists; block_tables [num_seqs, max_blocks], seq_lens [num_seqs].
+void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_seqs, int64_t num_blocks) {
+  TORCH_CHECK(tables.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "paged_decode_attention: block_tables and seq_lens are int32");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && lens.numel() == num_seqs,
+              "paged_decode_attention: one block table row and one seq_len per sequence");
+  const int64_t max_blocks = tables.size(1);
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kLanes,
+                "paged_decode_attention: seq_lens[", s, "] is empty or exceeds its block table");
+    for (int64_t b = 0; b < (lens_ptr[s] + kLanes - 1) / kLanes; ++b) {
+      const int32_t block = tables_ptr[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
+    }
+  }
 }
 
 // query: [num_seqs, num_heads, head_size], one decode token per sequence
@@ -246,8 +298,6 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "paged_decode_attention: query [seqs, heads, d], K [blocks, kv_heads, d, 16], V [blocks, kv_heads, 16, d]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_decode_attention: query and caches must share a dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "paged_decode_attention: block_tables and seq_lens are int32");
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t num_blocks = value_cache.size(0), kv_heads = value_cache.size(1);
   TORCH_CHECK(value_cache.size(2) == kLanes && value_cache.size(3) == head_size && head_size % kLanes == 0,
@@ -259,22 +309,10 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                   value_cache.stride(2) == head_size,
               "paged_decode_attention: each cache tile must be contiguous");
   TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention: num_heads not a multiple of num_kv_heads");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && seq_lens.numel() == num_seqs,
-              "paged_decode_attention: one block table row and one seq_len per sequence");
   const auto q = query.contiguous();
   const auto tables = block_tables.contiguous();
   const auto lens = seq_lens.contiguous();
-  const int64_t max_blocks = tables.size(1);
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kLanes,
-                "paged_decode_attention: seq_lens[", s, "] is empty or exceeds its block table");
-    for (int64_t b = 0; b < (lens_ptr[s] + kLanes - 1) / kLanes; ++b) {
-      const int32_t block = tables_ptr[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id ", block, " out of range");
-    }
-  }
+  check_block_tables(tables, lens, num_seqs, num_blocks);
   auto out = at::empty_like(q);
   const Shape shape{num_heads / kv_heads, head_size, static_cast<float>(scale)};
 
@@ -287,11 +325,54 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   return out;
 }
 
+// The same over the int8 cache: key_cache, value_cache [num_blocks, num_kv_heads, record] int8, a
+// record being the K tile [head_size, 16] (V: [16, head_size]) of codes and then 16 float32 scales;
+// query float32, bfloat16 or float16; returns query's shape and dtype.
+at::Tensor paged_decode_attention_int8(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                       const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
+              "paged_decode_attention_int8: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3,
+              "paged_decode_attention_int8: query [seqs, heads, d], K and V [blocks, kv_heads, record]");
+  TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar,
+              "paged_decode_attention_int8: the caches are int8 records");
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t num_blocks = key_cache.size(0), kv_heads = key_cache.size(1);
+  const int64_t record = kLanes * head_size + kScaleElements<int8_t>;
+  TORCH_CHECK(head_size % kLanes == 0, "paged_decode_attention_int8: head_size must be a multiple of 16");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && key_cache.size(2) == record,
+              "paged_decode_attention_int8: K and V records of 16 x head_size codes and 16 float32 scales");
+  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1 && key_cache.stride(1) % 4 == 0 &&
+                  key_cache.stride(0) % 4 == 0 && value_cache.stride(1) % 4 == 0 && value_cache.stride(0) % 4 == 0,
+              "paged_decode_attention_int8: each record must be contiguous");
+  TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention_int8: num_heads not a multiple of num_kv_heads");
+  const auto q = query.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  check_block_tables(tables, lens, num_seqs, num_blocks);
+  auto out = at::empty_like(q);
+  const Shape shape{num_heads / kv_heads, head_size, static_cast<float>(scale)};
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_all<float, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    case at::kBFloat16: attend_all<c10::BFloat16, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    case at::kHalf: attend_all<c10::Half, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
+    default: TORCH_CHECK(false, "paged_decode_attention_int8: query dtype ", q.scalar_type(),
+                         " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention_int8(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+}

@@ -54,6 +54,24 @@ inline Vec16 load16(const c10::Half* p) {
   return load16(tmp);
 }
 
+// The int8 KV cache's codes (write_kv.cpp), widened exactly.
+inline Vec16 load16(const int8_t* p) {
+#ifdef __AVX512F__
+  // One VPMOVSXBD and one VCVTDQ2PS (GCC scalarizes the generic conversion below; the masked
+  // forms: GCC 12 warns that the unmasked ones read an uninitialized register).
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512 wide = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepi8_epi32(0xFFFF, raw));
+  Vec16 v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+#else
+  typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
+  Int8x16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return __builtin_convertvector(__builtin_convertvector(raw, Int16), Vec16);
+#endif
+}
+
 inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // v rounded to bfloat16 (to nearest even, NaN kept NaN, as c10::BFloat16 converts), in float lanes.

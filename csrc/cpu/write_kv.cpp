@@ -8,14 +8,22 @@
 // and index tensors per layer, ~60 us per layer for a batch of 32 decode tokens; a loop
 // over tokens and heads is a few microseconds.
 //
-// Registered as torch.ops.kvserve_cpu.write_kv.
+// The int8 cache (--kv-cache-dtype int8) keeps each (block, head) tile as a record: the tile's
+// codes in the layout above, then the block's 16 per-token float32 scales. A token's head is
+// rounded symmetrically with one scale, x ~ code * scale, scale = max|x| / 127, as OpenVINO's
+// CPU plugin rounds its u8 cache per token and head (there with a zero point).
+//
+// Registered as torch.ops.kvserve_cpu.write_kv and write_kv_int8.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace {
 
@@ -41,6 +49,59 @@ void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
       for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
       std::memcpy(vc + block * v_block + h * v_head + offset * head_size, v + (t * kv_heads + h) * head_size,
                   head_size * sizeof(T));
+    }
+  });
+}
+
+
+// x[0..n) as codes (code_stride apart) in [-127, 127]; returns the scale: 0 for an all-zero row,
+// NaN for one holding a NaN or an infinity (so that it reaches the output as it would from a float
+// cache instead of vanishing).
+template <typename T>
+float quantize_head(const T* x, int64_t n, int8_t* codes, int64_t code_stride) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    finite = finite && std::isfinite(v);
+    amax = std::max(amax, std::fabs(v));
+  }
+  if (!finite || amax == 0.f) {
+    for (int64_t i = 0; i < n; ++i) codes[i * code_stride] = 0;
+    return finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float scale = amax / 127.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float code = std::nearbyint(static_cast<float>(x[i]) / scale);  // ties to even
+    codes[i * code_stride] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, code)));
+  }
+  return scale;
+}
+
+template <typename T>
+void write_all_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                    const int64_t* slots, int64_t block_size) {
+  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head_size = key.size(2);
+  const int64_t tile = block_size * head_size;
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  int8_t* kc = key_cache.data_ptr<int8_t>();
+  int8_t* vc = value_cache.data_ptr<int8_t>();
+  const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
+  const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
+  at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, h = item % kv_heads;
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      int8_t* k_record = kc + block * k_block + h * k_head;
+      int8_t* v_record = vc + block * v_block + h * v_head;
+      const float k_scale = quantize_head(k + (t * kv_heads + h) * head_size, head_size, k_record + offset, block_size);
+      const float v_scale = quantize_head(v + (t * kv_heads + h) * head_size, head_size,
+                                          v_record + offset * head_size, 1);
+      std::memcpy(k_record + tile + offset * sizeof(float), &k_scale, sizeof(float));
+      std::memcpy(v_record + tile + offset * sizeof(float), &v_scale, sizeof(float));
     }
   });
 }
@@ -75,10 +136,45 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
   }
 }
 
+// key, value: [num_tokens, num_kv_heads, head_size] float32, bfloat16 or float16; the caches
+// [num_blocks, num_kv_heads, record] int8 with record = 16 * head_size codes + 16 float32 scales.
+void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                   const at::Tensor& slot_mapping) {
+  constexpr int64_t kBlockSize = 16;
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv_int8: key and value [tokens, kv_heads, d]");
+  TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar,
+              "write_kv_int8: K and V caches [blocks, kv_heads, record] int8");
+  const int64_t num_blocks = key_cache.size(0), kv_heads = key_cache.size(1), head_size = key.size(2);
+  TORCH_CHECK(key.size(1) == kv_heads && key_cache.size(2) == kBlockSize * (head_size + 4),
+              "write_kv_int8: key shape does not match the cache's records");
+  TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "write_kv_int8: each record must be contiguous");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "write_kv_int8: one dtype for K and V");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
+              "write_kv_int8: one int64 slot per token");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    TORCH_CHECK(slot_ptr[t] < num_blocks * kBlockSize, "write_kv_int8: slot ", slot_ptr[t], " beyond the cache");
+  }
+  const auto k = key.contiguous(), v = value.contiguous();
+  switch (key.scalar_type()) {
+    case at::kFloat: write_all_int8<float>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
+    case at::kBFloat16: write_all_int8<c10::BFloat16>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
+    case at::kHalf: write_all_int8<c10::Half>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
+    default: TORCH_CHECK(false, "write_kv_int8: dtype ", key.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv_int8(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("write_kv", &write_kv); }
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("write_kv", &write_kv);
+  m.impl("write_kv_int8", &write_kv_int8);
+}

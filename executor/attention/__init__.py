@@ -30,9 +30,17 @@ def _instantiate(name: str, device: torch.device) -> AttentionBackend:
     return getattr(importlib.import_module(module_name), class_name)(device)
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
+# --kv-cache-dtype: "auto" keeps K/V in the model's dtype; "int8" is the cpu backend's int8 cache.
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def create_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:
     """Instantiates backend ``name`` for ``device``. "auto" picks the device's compiled kernels and,
     on the CPU only, falls back to plain torch (with a warning) where they cannot be built."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "int8":
+        return _int8_kv_backend(name, device)
     if name != "auto":
         if name not in BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
@@ -54,6 +62,17 @@ def create_backend(name: str, device: torch.device) -> AttentionBackend:
         return _instantiate("torch", device)
 
 
+def _int8_kv_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The int8 cache lives in the cpu backend's kernels alone; without them the flag is refused
+    rather than quietly ignored."""
+    if device.type != "cpu" or name not in ("auto", "cpu"):
+        raise ValueError(f"--kv-cache-dtype int8 needs the cpu attention backend on the CPU "
+                         f"(got --attention-backend {name} on {device})")
+    from executor.attention.cpu_backend import CpuInt8KVAttentionBackend
+
+    return CpuInt8KVAttentionBackend(device)
+
+
 def _build_error_summary(exc: Exception) -> str:
     """The line of a compiler's output that says what went wrong, not ninja's closing remark."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
@@ -61,4 +80,5 @@ def _build_error_summary(exc: Exception) -> str:
     return (telling[0] if telling else lines[0])[:300]
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "create_backend", "default_backend_name", "BACKENDS"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "create_backend", "default_backend_name", "BACKENDS",
+           "KV_CACHE_DTYPES"]

@@ -20,6 +20,11 @@ gather is small next to the attention, and oneDNN's GEMMs beat anything hand-wri
 here. The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
 shapes every group takes the torch path.
 
+``--kv-cache-dtype int8`` (``CpuInt8KVAttentionBackend``) keeps K and V as int8 codes with one
+float32 scale per token and KV head, half the bytes a decode step reads (at concurrency 32 the
+attention reads about as many bytes as the int8 weights): each (block, head) tile is then a
+record of the tile's codes followed by the block's 16 scales (``csrc/cpu/write_kv.cpp``).
+
 The kernel is compiled on first use (``csrc/build.py``; ``make install`` does it ahead; cached on disk
 and keyed by the CPU's features); ``create_backend("auto")`` falls back to the torch
 backend with a warning where no compiler is available.
@@ -87,3 +92,65 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = self._ops.paged_decode_attention(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables,
                                                g.seq_lens, scale)
         return out.to(query.dtype)
+
+
+class CpuInt8KVAttentionBackend(CpuAttentionBackend):
+    """The cpu backend over an int8 KV cache: per layer, K and V ``[num_blocks, num_kv_heads,
+    record]`` int8, a record being the tile above (K ``[head_size, 16]``, V ``[16, head_size]``) of
+    codes and then 16 float32 scales, one per token: x ~ code * scale, scale = max|x| / 127 over the
+    token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks gather
+    their blocks dequantized to the model's dtype and take the torch path as before."""
+
+    kv_cache_dtype = "int8"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._compute_dtype = torch.bfloat16
+
+    def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
+        if block_size != KERNEL_BLOCK_SIZE or head_size % KERNEL_BLOCK_SIZE:
+            raise ValueError(f"--kv-cache-dtype int8 needs block_size {KERNEL_BLOCK_SIZE} and a head size that is a "
+                             f"multiple of {KERNEL_BLOCK_SIZE} (got {block_size} and {head_size})")
+        self._compute_dtype = dtype
+        shape = (num_blocks, num_kv_heads, int8_record_bytes(block_size, head_size))
+        return torch.zeros(shape, dtype=torch.int8, device=device), torch.zeros(shape, dtype=torch.int8, device=device)
+
+    def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        key_cache, value_cache = kv_cache
+        self._ops.write_kv_int8(key, value, key_cache, value_cache, slot_mapping)
+
+    @staticmethod
+    def _group_records(cache: torch.Tensor, g: _Group) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The group's blocks' codes [num_seqs * blocks, kv_heads, tile] int8, their scales
+        [num_seqs * blocks, kv_heads, 16] float32, and the head size."""
+        records = cache.index_select(0, g.block_ids)  # [num_seqs * blocks, kv_heads, record]
+        tile = records.shape[-1] - KERNEL_BLOCK_SIZE * 4
+        head_size = tile // KERNEL_BLOCK_SIZE
+        return records[..., :tile], records[..., tile:].contiguous().view(torch.float32), head_size
+
+    def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        codes, scales, head_size = self._group_records(key_cache, g)
+        kv_heads = codes.shape[1]
+        # codes [n, kv_heads, head_size, 16] * scales [n, kv_heads, 1, 16] → [num_seqs, kv_heads, ctx_len, head_size]
+        tiles = (codes.view(-1, kv_heads, head_size, KERNEL_BLOCK_SIZE).float() * scales.unsqueeze(2))
+        tiles = tiles.to(self._compute_dtype).view(g.num_seqs, -1, kv_heads, head_size, KERNEL_BLOCK_SIZE)
+        return tiles.permute(0, 2, 1, 4, 3).reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
+
+    def _gather_values(self, value_cache: torch.Tensor, g: _Group) -> torch.Tensor:
+        codes, scales, head_size = self._group_records(value_cache, g)
+        kv_heads = codes.shape[1]
+        # codes [n, kv_heads, 16, head_size] * scales [n, kv_heads, 16, 1] → [num_seqs, kv_heads, ctx_len, head_size]
+        tiles = (codes.view(-1, kv_heads, KERNEL_BLOCK_SIZE, head_size).float() * scales.unsqueeze(3))
+        tiles = tiles.to(self._compute_dtype).view(g.num_seqs, -1, kv_heads, KERNEL_BLOCK_SIZE, head_size)
+        return tiles.transpose(1, 2).reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
+
+    def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        if g.query_len != 1:
+            return TorchAttentionBackend._attend_group(self, query, kv_cache, g, scale)
+        key_cache, value_cache = kv_cache
+        return self._ops.paged_decode_attention_int8(query, key_cache, value_cache, g.block_tables, g.seq_lens, scale)
+
+
+def int8_record_bytes(block_size: int, head_size: int) -> int:
+    """One (block, KV head) record of the int8 cache: the codes, then a float32 scale per token."""
+    return block_size * head_size + block_size * 4

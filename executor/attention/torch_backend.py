@@ -171,7 +171,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_heads, head_size = keys.shape[1], keys.shape[3]
         num_heads = query.shape[1]
         group_size = num_heads // kv_heads
-        q = query.to(key_cache.dtype)
+        q = query.to(keys.dtype)  # the cache's dtype, or the model's where the cache is quantized
         if g.padded_index is not None:
             padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
             padded[g.padded_index] = q

@@ -1,0 +1,210 @@
+"""The int8 KV cache (``--kv-cache-dtype int8``: csrc/cpu/write_kv.cpp, paged_decode_attention.cpp,
+executor/attention/cpu_backend.py): each token's head rounded within half a step of its own scale,
+decode attention equal to float32 attention over the dequantized cache (the oracle reads the
+records itself), and the model giving the bf16 cache's greedy tokens."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from executor.attention import create_backend
+from executor.kv_cache import kv_bytes_per_block
+from executor.model import ModelConfig
+from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from tests.test_executor_exactness import PROMPTS
+
+BLOCK, HEAD, KV_HEADS, HEADS = 16, 64, 3, 9
+TILE = BLOCK * HEAD
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    from executor.attention.csrc_loader import csrc_build_script
+
+    try:
+        return csrc_build_script().load_cpu()
+    except (ImportError, OSError, RuntimeError) as exc:
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+
+
+def empty_caches(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (num_blocks, KV_HEADS, TILE + BLOCK * 4)
+    return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+
+
+def read_slot(records: torch.Tensor, slot: int, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [kv_heads, head] as float, scales [kv_heads]) of one token, read from the records as
+    the format says: K codes [head, 16] (transposed), V codes [16, head], then 16 float32 scales."""
+    block, offset = divmod(slot, BLOCK)
+    record = records[block]
+    codes = record[:, :TILE].view(KV_HEADS, HEAD, BLOCK)[:, :, offset] if transposed else \
+        record[:, :TILE].view(KV_HEADS, BLOCK, HEAD)[:, offset, :]
+    scales = record[:, TILE:].contiguous().view(torch.float32)[:, offset]
+    return codes.float(), scales
+
+
+def dequantized(records: torch.Tensor, slots: list[int], transposed: bool) -> torch.Tensor:
+    """[len(slots), kv_heads, head] float32."""
+    rows = [read_slot(records, s, transposed) for s in slots]
+    return torch.stack([codes * scales[:, None] for codes, scales in rows])
+
+
+def test_each_token_head_is_rounded_within_half_a_step_of_its_own_scale(cpu_ops):
+    g = torch.Generator().manual_seed(0)
+    key = (torch.randn(20, KV_HEADS, HEAD, generator=g) * torch.rand(20, KV_HEADS, 1, generator=g) * 4)
+    value = torch.randn(20, KV_HEADS, HEAD, generator=g)
+    key[3, 1] = 0.0  # an all-zero head: scale 0
+    value[5, 2, 7] = float("nan")  # a NaN: its head's scale is NaN, so it reaches the output
+    slots = torch.tensor([17, 3, 40, 41, 5, 63, 0, 16, -1] + list(range(48, 59)), dtype=torch.long)
+    key_cache, value_cache = empty_caches(4)
+    cpu_ops.write_kv_int8(key.to(torch.bfloat16), value.to(torch.bfloat16), key_cache, value_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        for records, original, transposed in ((key_cache, key, True), (value_cache, value, False)):
+            codes, scales = read_slot(records, slot, transposed)
+            x = original[t].to(torch.bfloat16).float()
+            amax = x.abs().amax(-1)
+            for h in range(KV_HEADS):
+                if x[h].isnan().any():
+                    assert math.isnan(scales[h].item())
+                    continue
+                assert scales[h].item() == pytest.approx(amax[h].item() / 127, rel=1e-6)
+                assert codes[h].abs().max() <= 127
+                assert ((codes[h] * scales[h] - x[h]).abs() <= scales[h] / 2 * (1 + 1e-5) + 1e-12).all()
+    zero_codes, zero_scales = read_slot(key_cache, 41, True)  # key[3, 1] was zero
+    assert zero_scales[1] == 0 and (zero_codes[1] == 0).all()
+    untouched = torch.zeros_like(key_cache)
+    cpu_ops.write_kv_int8(key[:1].to(torch.bfloat16), value[:1].to(torch.bfloat16), untouched, untouched.clone(),
+                          torch.tensor([-1]))
+    assert (untouched == 0).all()  # slot -1: nothing written
+
+
+def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    # query [heads, head]; keys, values [ctx, kv_heads, head] float32 → [heads, head]
+    group = HEADS // KV_HEADS
+    k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, ctx, head]
+    v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+    p = torch.softmax((query.float().unsqueeze(1) @ k.transpose(1, 2)).squeeze(1) * scale, dim=-1)
+    return (p.unsqueeze(1) @ v).squeeze(1)
+
+
+def test_decode_attention_is_float32_attention_over_the_dequantized_cache(cpu_ops):
+    g = torch.Generator().manual_seed(1)
+    lens = [1, 17, 40, 16, 33]
+    num_blocks = 1 + sum(-(-n // BLOCK) for n in lens) + 3
+    order = torch.randperm(num_blocks - 1, generator=g) + 1  # scattered blocks, as after reuse
+    key_cache, value_cache = empty_caches(num_blocks)
+    tables, used = [], 0
+    for n in lens:
+        blocks = order[used:used + -(-n // BLOCK)].tolist()
+        used += len(blocks)
+        tables.append(blocks)
+        slots = torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)])
+        key = torch.randn(n, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
+        value = torch.randn(n, KV_HEADS, HEAD, generator=g).to(torch.bfloat16)
+        cpu_ops.write_kv_int8(key, value, key_cache, value_cache, slots)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query = torch.randn(len(lens), HEADS, HEAD, generator=g).to(torch.bfloat16)
+    scale = HEAD ** -0.5
+    out = cpu_ops.paged_decode_attention_int8(query, key_cache, value_cache, block_tables,
+                                              torch.tensor(lens, dtype=torch.int32), scale)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    for s, (n, blocks) in enumerate(zip(lens, tables)):
+        slots = [blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(n)]
+        expected = reference_attention(query[s], dequantized(key_cache, slots, True),
+                                       dequantized(value_cache, slots, False), scale)
+        torch.testing.assert_close(out[s].float(), expected, atol=2e-2, rtol=1e-2)
+    float_query = query.float()
+    out32 = cpu_ops.paged_decode_attention_int8(float_query, key_cache, value_cache, block_tables,
+                                                torch.tensor(lens, dtype=torch.int32), scale)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, out.float(), atol=2e-2, rtol=1e-2)
+
+
+def test_bad_arguments_are_refused_clearly(cpu_ops):
+    key_cache, value_cache = empty_caches(4)
+    query = torch.randn(1, HEADS, HEAD)
+    tables, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int8 records"):
+        cpu_ops.paged_decode_attention_int8(query, key_cache.float(), value_cache.float(), tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="16 x head_size codes and 16 float32 scales"):
+        cpu_ops.paged_decode_attention_int8(query, key_cache[..., :-4], value_cache[..., :-4], tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        cpu_ops.paged_decode_attention_int8(query, key_cache, value_cache, torch.tensor([[9]], dtype=torch.int32),
+                                            lens, 0.1)
+    kv = torch.randn(1, KV_HEADS, HEAD)
+    with pytest.raises(RuntimeError, match="slot 64 beyond the cache"):
+        cpu_ops.write_kv_int8(kv, kv, key_cache, value_cache, torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="does not match the cache's records"):
+        cpu_ops.write_kv_int8(kv[..., :32], kv[..., :32], key_cache, value_cache, torch.tensor([0]))
+
+
+def test_the_flag_is_refused_where_the_cache_cannot_live(default_model_dir):
+    with pytest.raises(ValueError, match="needs the cpu attention backend on the CPU"):
+        create_backend("torch", CPU, "int8")
+    with pytest.raises(ValueError, match="choose from auto, int8"):
+        create_backend("auto", CPU, "fp8")
+    with pytest.raises(ValueError, match="block_size 16"):
+        ModelRunner(RunnerOptions(default_model_dir, num_blocks=8, block_size=8, kv_cache_dtype="int8"))
+
+
+@pytest.fixture(scope="module")
+def runners(default_model_dir, cpu_ops):
+    """A bf16-cache runner and an int8-cache one, otherwise alike."""
+    return {kv: ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", attention_backend="cpu",
+                                          num_blocks=64, kv_cache_dtype=kv))
+            for kv in ("auto", "int8")}
+
+
+def test_describe_and_sizing_report_the_int8_cache(runners, default_model_dir):
+    bf16, int8 = runners["auto"].info, runners["int8"].info
+    assert bf16.dtype == "bfloat16" and int8.dtype == "bfloat16+kv-int8"
+    config = ModelConfig.from_dir(default_model_dir)
+    assert int8.kv_bytes_per_block == kv_bytes_per_block(config, 16, torch.bfloat16, "int8")
+    # a byte a value plus a float32 scale per token and head: (64 + 4) / 128 of bf16's
+    assert int8.kv_bytes_per_block * 2 * config.head_dim == bf16.kv_bytes_per_block * (config.head_dim + 4)
+
+
+def test_the_model_gives_the_bf16_caches_tokens(runners, default_model_dir):
+    """Each prompt prefilled in two chunks (the second attends over the first's cached blocks, which
+    the int8 runner reads back dequantized), then greedy steps of all prompts at once and of one
+    alone, both runners fed the bf16 cache's greedy tokens: the log-probabilities of its 5 most
+    likely tokens within 0.6 nats (the bar bf16 meets against float32), the greedy pick the same in
+    >= 90% of rows."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
+    tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+    worst, agree, total = 0.0, 0, 0
+    cut = [len(p) // 2 for p in prompts]
+    for batch in (list(range(len(prompts))), [3]):
+        for runner in runners.values():
+            runner.forward_logits([SequenceInput(i, prompts[i][:cut[i]], 0, tables[i]) for i in batch])
+        seqs = [SequenceInput(i, prompts[i][cut[i]:], cut[i], tables[i]) for i in batch]
+        for step in range(9):
+            quantized, usual = runners["int8"].forward_logits(seqs), runners["auto"].forward_logits(seqs)
+            top5 = usual.topk(5, dim=-1).indices
+            err = (quantized.log_softmax(-1).gather(1, top5) - usual.log_softmax(-1).gather(1, top5)).abs().max()
+            worst = max(worst, err.item())
+            agree += int((quantized.argmax(-1) == usual.argmax(-1)).sum())
+            total += len(seqs)
+            seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i])
+                    for i, t in zip(batch, usual.argmax(-1).tolist())]
+    print(f"\nint8 KV vs bf16 KV: worst top-5 logprob error {worst:.3f} nats, argmax agreement {agree}/{total}")
+    assert worst < 0.6 and agree / total >= 0.9
+
+
+def test_copy_on_write_copies_codes_and_scales(runners):
+    runner = runners["int8"]
+    prompt = list(range(300, 340))
+    runner.forward_logits([SequenceInput(0, prompt, 0, [20, 21, 22])])
+    runner.execute([SequenceInput(1, [7], 0, [30])], copy_src=[20, 21, 22], copy_dst=[40, 41, 42])
+    original = runner.forward_logits([SequenceInput(0, [5], len(prompt), [20, 21, 22])])
+    copied = runner.forward_logits([SequenceInput(2, [5], len(prompt), [40, 41, 42])])
+    assert torch.equal(original, copied)
