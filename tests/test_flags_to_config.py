@@ -54,7 +54,8 @@ def _dests(parser) -> set[str]:
 ENGINE_FLAG_FIELDS = {"kvmanager_address", "executor_address", "pool_id", "kv_allocation", "enable_prefix_caching",
                       "session_ttl_ms", "max_queue_len"}
 RUNNER_FLAG_FIELDS = {"model_dir", "dtype", "device", "attention_backend", "block_size", "num_blocks",
-                      "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "served_model_name", "seed"}
+                      "kv_cache_memory", "gpu_memory_utilization", "max_model_len", "served_model_name", "seed",
+                      "quantization", "kv_cache_dtype"}
 
 
 def test_the_gateway_flags_set_engine_and_scheduler_config():
