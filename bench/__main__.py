@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="the executor's K/V cache: auto (--dtype) or int8 (a float32 scale per token and "
+                             "head; OpenVINO's CPU plugin keeps u8 by default), every kvserve row")
     engine.add_argument("--executor-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="executor torch threads (0 = torch's default). One core is left to the gateway, "
                              "kvmanager and this client: an OpenMP team sharing its cores with them stalls at "
@@ -149,6 +152,7 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          dtype=args.dtype)
+    budget.kv_cache_dtype = args.kv_cache_dtype
     threads = ["--num-threads", str(args.executor_threads)] if args.executor_threads else []
     budget.extra_executor_args = threads + shlex.split(args.executor_args)
     budget.extra_gateway_args = shlex.split(args.gateway_args)
@@ -165,7 +169,7 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
         row.system, row.threads, row.transport = "kvserve", args.executor_threads or None, "HTTP"
         row.weights = weights_description(args.dtype, config.quantization)
         row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
-                         f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {args.dtype} K/V")
+                         f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {budget.kv_description()}")
     peers = set(parse_peers(args.peers))
     if "transformers" in peers:
         from bench.hf_peer import run_transformers_peer

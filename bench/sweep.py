@@ -86,12 +86,19 @@ class Budget:
     max_num_seqs: int
     max_num_batched_tokens: int
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # the executor's --kv-cache-dtype: auto (= dtype) or int8
     extra_executor_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
 
     def executor_args(self) -> list[str]:
+        kv = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
         return ["--num-blocks", str(self.num_blocks), "--block-size", str(self.block_size),
-                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype, *self.extra_executor_args]
+                "--max-model-len", str(self.max_model_len), "--dtype", self.dtype, *kv, *self.extra_executor_args]
+
+    def kv_description(self) -> str:
+        if self.kv_cache_dtype == "int8":
+            return "int8 K/V (a float32 scale per token and head)"
+        return f"{self.dtype} K/V"
 
     def gateway_args(self) -> list[str]:
         return ["--max-num-seqs", str(self.max_num_seqs),
@@ -128,7 +135,7 @@ def service_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
 
 
-def check_applied(config: SweepConfig, info: dict) -> list[str]:
+def check_applied(config: SweepConfig, info: dict, kv_cache_dtype: str = "auto") -> list[str]:
     """Where the running gateway's ModelInfo disagrees with the configuration asked for."""
     if "error" in info:
         return [f"could not verify the configuration: {info['error']}"]
@@ -136,9 +143,16 @@ def check_applied(config: SweepConfig, info: dict) -> list[str]:
               "enable_prefix_caching": config.prefix_caching}
     problems = [f"asked {key}={value!r}, gateway reports {info.get(key)!r}"
                 for key, value in wanted.items() if key in info and info[key] != value]
-    # The executor reports its quantization in dtype: "bfloat16+int4", plain "bfloat16" for none.
-    if "dtype" in info and (info["dtype"].partition("+")[2] or "none") != config.quantization:
-        problems.append(f"asked quantization={config.quantization!r}, executor reports dtype {info['dtype']!r}")
+    # The executor reports its quantization and KV cache in dtype: "bfloat16+int4", "bfloat16+kv-int8",
+    # plain "bfloat16" for neither.
+    if "dtype" in info:
+        extras = info["dtype"].split("+")[1:]
+        weights = next((e for e in extras if not e.startswith("kv-")), "none")
+        kv = next((e.removeprefix("kv-") for e in extras if e.startswith("kv-")), "auto")
+        if weights != config.quantization:
+            problems.append(f"asked quantization={config.quantization!r}, executor reports dtype {info['dtype']!r}")
+        if kv != kv_cache_dtype:
+            problems.append(f"asked kv_cache_dtype={kv_cache_dtype!r}, executor reports dtype {info['dtype']!r}")
     return problems
 
 
@@ -164,7 +178,7 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
                       kv_allocation=config.kv_allocation)
     finally:
         stack.stop()
-    row.notes.extend(check_applied(config, info))
+    row.notes.extend(check_applied(config, info, budget.kv_cache_dtype))
     return row, {"config": vars(config), "model_info": info, "startup_s": startup_s}
 
 

@@ -162,6 +162,9 @@ def test_budget_fits_baseline_seqs_full_reservations():
     budget = plan_budget(requests, block_size=16, baseline_seqs=12)
     assert budget.max_model_len == 512 and budget.num_blocks == 12 * 32 + 1
     assert "--num-blocks" in budget.executor_args() and "--max-num-seqs" in budget.gateway_args()
+    assert "--kv-cache-dtype" not in budget.executor_args() and budget.kv_description() == "bfloat16 K/V"
+    budget.kv_cache_dtype = "int8"  # bench --kv-cache-dtype int8: every kvserve row's executor, and its label
+    assert budget.executor_args()[-2:] == ["--kv-cache-dtype", "int8"] and budget.kv_description().startswith("int8")
     assert SEED_TABLE[0].gateway_args() == ["--batching", "static", "--kv-allocation", "reserve",
                                             "--no-enable-prefix-caching"]
     info = {"batching": "continuous", "kv_allocation": "reserve", "enable_prefix_caching": False}
@@ -223,6 +226,13 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     assert check_applied(int4, {"dtype": "bfloat16+int4"}) == [] and check_applied(prefix, {"dtype": "bfloat16"}) == []
     assert check_applied(int4, {"dtype": "bfloat16"}) == \
         ["asked quantization='int4', executor reports dtype 'bfloat16'"]
+    # ... and whether the int8 KV cache was (--kv-cache-dtype, every row)
+    assert check_applied(int4, {"dtype": "bfloat16+int4+kv-int8"}, "int8") == []
+    assert check_applied(prefix, {"dtype": "bfloat16+kv-int8"}, "int8") == []
+    assert check_applied(prefix, {"dtype": "bfloat16"}, "int8") == \
+        ["asked kv_cache_dtype='int8', executor reports dtype 'bfloat16'"]
+    assert check_applied(prefix, {"dtype": "bfloat16+kv-int8"}) == \
+        ["asked kv_cache_dtype='auto', executor reports dtype 'bfloat16+kv-int8'"]
 
 
 def test_sampler_tolerates_an_unreachable_server():
