@@ -122,7 +122,8 @@ class ModelRunner:
         # ``vllm`` carries vLLM's start-up sentences verbatim, for the log scrapers written for them.
         log.info("kv_cache_allocated", num_blocks=self.num_blocks, block_size=self.block_size,
                  bytes=sizing.total_bytes, sized_by=sizing.source, attention_backend=self.backend.name,
-                 kv_cache_dtype=self.kv_cache_dtype, vllm=f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
+                 kv_cache_dtype=self.kv_cache_dtype,
+                 vllm=f"PagedAttention enabled, block_size={self.block_size}, num_gpu_blocks={self.num_blocks}")
         log.info("max_concurrency", max_model_len=self.max_model_len, concurrency=round(concurrency, 2),
                  vllm=f"Maximum concurrency for {self.max_model_len} tokens per request: {concurrency:.2f}x")
         self.generator = torch.Generator().manual_seed(options.seed)

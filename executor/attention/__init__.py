@@ -68,9 +68,13 @@ def _int8_kv_backend(name: str, device: torch.device) -> AttentionBackend:
     if device.type != "cpu" or name not in ("auto", "cpu"):
         raise ValueError(f"--kv-cache-dtype int8 needs the cpu attention backend on the CPU "
                          f"(got --attention-backend {name} on {device})")
-    from executor.attention.cpu_backend import CpuInt8KVAttentionBackend
+    try:
+        from executor.attention.cpu_backend import CpuInt8KVAttentionBackend
 
-    return CpuInt8KVAttentionBackend(device)
+        return CpuInt8KVAttentionBackend(device)
+    except (ImportError, OSError, RuntimeError) as exc:
+        raise ValueError(f"--kv-cache-dtype int8 needs the CPU kernels, which cannot be built here: "
+                         f"{_build_error_summary(exc)}") from exc
 
 
 def _build_error_summary(exc: Exception) -> str:

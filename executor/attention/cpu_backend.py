@@ -21,7 +21,7 @@ here. The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; wit
 shapes every group takes the torch path.
 
 ``--kv-cache-dtype int8`` (``CpuInt8KVAttentionBackend``) keeps K and V as int8 codes with one
-float32 scale per token and KV head, half the bytes a decode step reads (at concurrency 32 the
+float32 scale per token and KV head, about half the bytes a decode step reads (at concurrency 32 the
 attention reads about as many bytes as the int8 weights): each (block, head) tile is then a
 record of the tile's codes followed by the block's 16 scales (``csrc/cpu/write_kv.cpp``).
 
@@ -100,8 +100,6 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
     codes and then 16 float32 scales, one per token: x ~ code * scale, scale = max|x| / 127 over the
     token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks gather
     their blocks dequantized to the model's dtype and take the torch path as before."""
-
-    kv_cache_dtype = "int8"
 
     def __init__(self, device: torch.device):
         super().__init__(device)
