@@ -78,6 +78,17 @@ def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = ()
 
 
 @pytest.fixture(scope="session")
+def cpu_ops():
+    """``torch.ops.kvserve_cpu``, built for this CPU (cached); the test skips where it cannot be built."""
+    from executor.attention.csrc_loader import csrc_build_script
+
+    try:
+        return csrc_build_script().load_cpu()
+    except (ImportError, OSError, RuntimeError) as exc:
+        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted on first use."""
     from executor.prepare_model import default_model_dir as model_dir, prepare

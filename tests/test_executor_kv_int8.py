@@ -20,16 +20,6 @@ TILE = BLOCK * HEAD
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def cpu_ops():
-    from executor.attention.csrc_loader import csrc_build_script
-
-    try:
-        return csrc_build_script().load_cpu()
-    except (ImportError, OSError, RuntimeError) as exc:
-        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
-
-
 def empty_caches(num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, KV_HEADS, TILE + BLOCK * 4)
     return torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)

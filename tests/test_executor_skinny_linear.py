@@ -16,16 +16,6 @@ from executor.skinny import (SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul
 from tests.test_executor_exactness import PROMPTS as EXACTNESS_PROMPTS
 
 
-@pytest.fixture(scope="module")
-def cpu_ops():
-    from executor.attention.csrc_loader import csrc_build_script
-
-    try:
-        return csrc_build_script().load_cpu()
-    except (ImportError, OSError, RuntimeError) as exc:
-        pytest.skip(f"the CPU kernels cannot be built here: {exc}")
-
-
 def randn(*shape, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed + sum(shape))
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)

@@ -285,6 +285,33 @@ void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_
   }
 }
 
+// Both ops' common part once the caches' shapes are checked: the block tables, then attend_all with
+// the query's type T and the cache's element type (T itself, or int8_t for the int8 cache).
+template <bool Int8Cache>
+at::Tensor attend_checked(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
+                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          double scale) {
+  const int64_t num_heads = query.size(1), kv_heads = key_cache.size(1);
+  TORCH_CHECK(num_heads % kv_heads == 0, op, ": num_heads not a multiple of num_kv_heads");
+  const auto q = query.contiguous();
+  const auto tables = block_tables.contiguous();
+  const auto lens = seq_lens.contiguous();
+  check_block_tables(tables, lens, q.size(0), key_cache.size(0));
+  auto out = at::empty_like(q);
+  const Shape shape{num_heads / kv_heads, q.size(2), static_cast<float>(scale)};
+  auto run = [&](auto query_type) {
+    using T = decltype(query_type);
+    attend_all<T, std::conditional_t<Int8Cache, int8_t, T>>(q, key_cache, value_cache, tables, lens, shape, out);
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": query dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
 // query: [num_seqs, num_heads, head_size], one decode token per sequence
 // key_cache: [num_blocks, num_kv_heads, head_size, 16]; value_cache: [num_blocks, num_kv_heads, 16, head_size];
 //   each (block, head) tile contiguous, blocks and heads at any stride
@@ -298,7 +325,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
               "paged_decode_attention: query [seqs, heads, d], K [blocks, kv_heads, d, 16], V [blocks, kv_heads, 16, d]");
   TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
               "paged_decode_attention: query and caches must share a dtype");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t head_size = query.size(2);
   const int64_t num_blocks = value_cache.size(0), kv_heads = value_cache.size(1);
   TORCH_CHECK(value_cache.size(2) == kLanes && value_cache.size(3) == head_size && head_size % kLanes == 0,
               "paged_decode_attention: block_size must be 16 and head_size a multiple of 16");
@@ -308,21 +335,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == kLanes && value_cache.stride(3) == 1 &&
                   value_cache.stride(2) == head_size,
               "paged_decode_attention: each cache tile must be contiguous");
-  TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention: num_heads not a multiple of num_kv_heads");
-  const auto q = query.contiguous();
-  const auto tables = block_tables.contiguous();
-  const auto lens = seq_lens.contiguous();
-  check_block_tables(tables, lens, num_seqs, num_blocks);
-  auto out = at::empty_like(q);
-  const Shape shape{num_heads / kv_heads, head_size, static_cast<float>(scale)};
-
-  switch (q.scalar_type()) {
-    case at::kFloat: attend_all<float>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    case at::kBFloat16: attend_all<c10::BFloat16>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    case at::kHalf: attend_all<c10::Half>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
-  }
-  return out;
+  return attend_checked<false>("paged_decode_attention", query, key_cache, value_cache, block_tables, seq_lens,
+                               scale);
 }
 
 // The same over the int8 cache: key_cache, value_cache [num_blocks, num_kv_heads, record] int8, a
@@ -337,8 +351,7 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& query, const at::Tensor
               "paged_decode_attention_int8: query [seqs, heads, d], K and V [blocks, kv_heads, record]");
   TORCH_CHECK(key_cache.scalar_type() == at::kChar && value_cache.scalar_type() == at::kChar,
               "paged_decode_attention_int8: the caches are int8 records");
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
-  const int64_t num_blocks = key_cache.size(0), kv_heads = key_cache.size(1);
+  const int64_t head_size = query.size(2);
   const int64_t record = kLanes * head_size + kScaleElements<int8_t>;
   TORCH_CHECK(head_size % kLanes == 0, "paged_decode_attention_int8: head_size must be a multiple of 16");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes() && key_cache.size(2) == record,
@@ -346,21 +359,8 @@ at::Tensor paged_decode_attention_int8(const at::Tensor& query, const at::Tensor
   TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1 && key_cache.stride(1) % 4 == 0 &&
                   key_cache.stride(0) % 4 == 0 && value_cache.stride(1) % 4 == 0 && value_cache.stride(0) % 4 == 0,
               "paged_decode_attention_int8: each record must be contiguous");
-  TORCH_CHECK(num_heads % kv_heads == 0, "paged_decode_attention_int8: num_heads not a multiple of num_kv_heads");
-  const auto q = query.contiguous();
-  const auto tables = block_tables.contiguous();
-  const auto lens = seq_lens.contiguous();
-  check_block_tables(tables, lens, num_seqs, num_blocks);
-  auto out = at::empty_like(q);
-  const Shape shape{num_heads / kv_heads, head_size, static_cast<float>(scale)};
-  switch (q.scalar_type()) {
-    case at::kFloat: attend_all<float, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    case at::kBFloat16: attend_all<c10::BFloat16, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    case at::kHalf: attend_all<c10::Half, int8_t>(q, key_cache, value_cache, tables, lens, shape, out); break;
-    default: TORCH_CHECK(false, "paged_decode_attention_int8: query dtype ", q.scalar_type(),
-                         " is not float32, bfloat16 or float16");
-  }
-  return out;
+  return attend_checked<true>("paged_decode_attention_int8", query, key_cache, value_cache, block_tables, seq_lens,
+                              scale);
 }
 
 }  // namespace

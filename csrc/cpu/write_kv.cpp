@@ -27,6 +27,20 @@
 
 namespace {
 
+// Calls write(t, h, block, offset) for each token t and KV head h whose slot is not -1.
+template <typename Write>
+void for_each_written_head(int64_t num_tokens, int64_t kv_heads, int64_t block_size, const int64_t* slots,
+                           const Write& write) {
+  at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, h = item % kv_heads;
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // a token whose K/V is not to be stored
+      write(t, h, slot / block_size, slot % block_size);
+    }
+  });
+}
+
 template <typename T>
 void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                const int64_t* slots) {
@@ -38,18 +52,13 @@ void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
   T* vc = value_cache.data_ptr<T>();
   const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
   const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
-  at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, h = item % kv_heads;
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;  // a token whose K/V is not to be stored
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      const T* k_row = k + (t * kv_heads + h) * head_size;
-      T* k_tile = kc + block * k_block + h * k_head;
-      for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
-      std::memcpy(vc + block * v_block + h * v_head + offset * head_size, v + (t * kv_heads + h) * head_size,
-                  head_size * sizeof(T));
-    }
+  for_each_written_head(num_tokens, kv_heads, block_size, slots, [&](int64_t t, int64_t h, int64_t block,
+                                                                      int64_t offset) {
+    const T* k_row = k + (t * kv_heads + h) * head_size;
+    T* k_tile = kc + block * k_block + h * k_head;
+    for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
+    std::memcpy(vc + block * v_block + h * v_head + offset * head_size, v + (t * kv_heads + h) * head_size,
+                head_size * sizeof(T));
   });
 }
 
@@ -89,20 +98,14 @@ void write_all_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   int8_t* vc = value_cache.data_ptr<int8_t>();
   const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
   const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
-  at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, h = item % kv_heads;
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      int8_t* k_record = kc + block * k_block + h * k_head;
-      int8_t* v_record = vc + block * v_block + h * v_head;
-      const float k_scale = quantize_head(k + (t * kv_heads + h) * head_size, head_size, k_record + offset, block_size);
-      const float v_scale = quantize_head(v + (t * kv_heads + h) * head_size, head_size,
-                                          v_record + offset * head_size, 1);
-      std::memcpy(k_record + tile + offset * sizeof(float), &k_scale, sizeof(float));
-      std::memcpy(v_record + tile + offset * sizeof(float), &v_scale, sizeof(float));
-    }
+  for_each_written_head(num_tokens, kv_heads, block_size, slots, [&](int64_t t, int64_t h, int64_t block,
+                                                                      int64_t offset) {
+    int8_t* k_record = kc + block * k_block + h * k_head;
+    int8_t* v_record = vc + block * v_block + h * v_head;
+    const float k_scale = quantize_head(k + (t * kv_heads + h) * head_size, head_size, k_record + offset, block_size);
+    const float v_scale = quantize_head(v + (t * kv_heads + h) * head_size, head_size, v_record + offset * head_size, 1);
+    std::memcpy(k_record + tile + offset * sizeof(float), &k_scale, sizeof(float));
+    std::memcpy(v_record + tile + offset * sizeof(float), &v_scale, sizeof(float));
   });
 }
 
