@@ -12,10 +12,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # Each weight format end to end: gateway, kvmanager and an executor with --quantization, the
 # second request of a prompt served from the prefix cache (int8 also rounds activations and
 # both quantized modes carry an int8 LM head: a cached prompt must still answer as a cold one).
-@pytest.fixture(scope="module", params=["none", "int8", "int4"])
+# "kv-int8": bf16 weights over --kv-cache-dtype int8, whose cached prompt is read back dequantized.
+EXECUTOR_ARGS = {"none": [], "int8": ["--quantization", "int8"], "int4": ["--quantization", "int4"],
+                 "kv-int8": ["--kv-cache-dtype", "int8"]}
+
+
+@pytest.fixture(scope="module", params=list(EXECUTOR_ARGS))
 def served(request, default_model_dir, tmp_path_factory):
     stack = start_stack(default_model_dir, tmp_path_factory.mktemp(f"gateway-real-{request.param}"),
-                        executor_args=["--quantization", request.param])
+                        executor_args=EXECUTOR_ARGS[request.param])
     client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     yield client, request.param
     assert stack.stop()["gateway"] == 0
