@@ -24,7 +24,7 @@ from kvserve.paths import default_model_dir
 from bench import report
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
-from bench.sweep import QUANTIZATION_MODES
+from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
     engine.add_argument("--dtype", default="bfloat16")
-    engine.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+    engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="the executor's K/V cache: auto (--dtype) or int8 (a float32 scale per token and "
                              "head; OpenVINO's CPU plugin keeps u8 by default), every kvserve row")
     engine.add_argument("--executor-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),

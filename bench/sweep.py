@@ -26,6 +26,8 @@ from bench.workload import BenchRequest
 
 # The executor's --quantization values (executor/quantization.py; not imported here, which would load torch).
 QUANTIZATION_MODES = ("none", "int8", "int4")
+# ... and its --kv-cache-dtype values (executor/attention/__init__.py), for the same reason.
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 @dataclass(frozen=True)

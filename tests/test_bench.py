@@ -10,7 +10,7 @@ from bench import report
 from bench.client import RequestResult, usage_of
 from bench.hf_peer import batch_kv_slots, left_padded
 from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus, sample_from
-from bench.sweep import QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
+from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
 from bench.workload import (BenchRequest, first_exchange, iter_records, load_pairs, load_tokenizer,
                             make_system_prompt, parse_sharegpt, sample_requests, sharegpt_path)
 
@@ -176,7 +176,10 @@ def test_kvserve_quantization_option_parses_and_rejects_an_unknown_mode(capsys):
     from bench.__main__ import build_parser, main
     from executor.quantization import QUANTIZATION_MODES as EXECUTOR_MODES
 
+    from executor.attention import KV_CACHE_DTYPES as EXECUTOR_KV_CACHE_DTYPES
+
     assert QUANTIZATION_MODES == EXECUTOR_MODES  # bench's copy, kept to spare the CLI importing torch
+    assert KV_CACHE_DTYPES == EXECUTOR_KV_CACHE_DTYPES
     parser = build_parser()
     assert parser.parse_args([]).kvserve_quantization == []
     assert parser.parse_args(["--kvserve-quantization", "none,int8,int4"]).kvserve_quantization == ["int8", "int4"]

@@ -60,17 +60,6 @@ inline void normalize_row(const float* x, const T* weight, float eps, int64_t wi
   }
 }
 
-// Calls f with a value of the C++ type of `type` (float32, bfloat16 or float16).
-template <typename F>
-void dispatch_float_types(at::ScalarType type, const char* op, F&& f) {
-  switch (type) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": dtype ", type, " is not float32, bfloat16 or float16");
-  }
-}
-
 void check_norm_args(const char* op, const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x is [tokens, hidden] with contiguous rows");

@@ -299,16 +299,10 @@ at::Tensor attend_checked(const char* op, const at::Tensor& query, const at::Ten
   check_block_tables(tables, lens, q.size(0), key_cache.size(0));
   auto out = at::empty_like(q);
   const Shape shape{num_heads / kv_heads, q.size(2), static_cast<float>(scale)};
-  auto run = [&](auto query_type) {
+  dispatch_float_types(q.scalar_type(), op, [&](auto query_type) {
     using T = decltype(query_type);
     attend_all<T, std::conditional_t<Int8Cache, int8_t, T>>(q, key_cache, value_cache, tables, lens, shape, out);
-  };
-  switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, op, ": query dtype ", q.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  });
   return out;
 }
 

@@ -3,7 +3,9 @@
 // two AVX2 or four SSE registers.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #ifdef __AVX512F__
@@ -23,6 +25,18 @@ typedef uint32_t UInt16 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef uint16_t Half16Bits __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 
 inline Vec16 splat(float x) { return Vec16{} + x; }
+
+// Calls f with a value of the C++ type of `type` (float32, bfloat16 or float16); `op` names the
+// kernel in the error for any other type.
+template <typename F>
+void dispatch_float_types(c10::ScalarType type, const char* op, F&& f) {
+  switch (type) {
+    case c10::kFloat: f(float{}); break;
+    case c10::kBFloat16: f(c10::BFloat16{}); break;
+    case c10::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": dtype ", type, " is not float32, bfloat16 or float16");
+  }
+}
 
 inline Vec16 load16(const float* p) {
   Vec16 v;

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +28,8 @@
 #include <limits>
 
 namespace {
+
+using kvserve_cpu::dispatch_float_types;
 
 // Calls write(t, h, block, offset) for each token t and KV head h whose slot is not -1.
 template <typename Write>
@@ -109,6 +113,18 @@ void write_all_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
+// slot_mapping, contiguous, once every token's slot is checked to be -1 or one of the cache's num_slots.
+at::Tensor checked_slots(const char* op, const at::Tensor& slot_mapping, int64_t num_tokens, int64_t num_slots) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == num_tokens, op,
+              ": one int64 slot per token");
+  auto slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slot_ptr[t] < num_slots, op, ": slot ", slot_ptr[t], " beyond the cache");
+  }
+  return slots;
+}
+
 // key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens] int64, -1 = skip
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
@@ -123,20 +139,11 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
                   value_cache.stride(2) == head_size, "write_kv: each cache tile must be contiguous");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type() &&
                   key_cache.scalar_type() == value_cache.scalar_type(), "write_kv: one dtype for K/V and caches");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
-              "write_kv: one int64 slot per token");
-  const auto slots = slot_mapping.contiguous();
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t) {
-    TORCH_CHECK(slot_ptr[t] < num_blocks * block_size, "write_kv: slot ", slot_ptr[t], " beyond the cache");
-  }
+  const auto slots = checked_slots("write_kv", slot_mapping, key.size(0), num_blocks * block_size);
   const auto k = key.contiguous(), v = value.contiguous();
-  switch (key.scalar_type()) {
-    case at::kFloat: write_all<float>(k, v, key_cache, value_cache, slot_ptr); break;
-    case at::kBFloat16: write_all<c10::BFloat16>(k, v, key_cache, value_cache, slot_ptr); break;
-    case at::kHalf: write_all<c10::Half>(k, v, key_cache, value_cache, slot_ptr); break;
-    default: TORCH_CHECK(false, "write_kv: dtype ", key.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  dispatch_float_types(key.scalar_type(), "write_kv", [&](auto type) {
+    write_all<decltype(type)>(k, v, key_cache, value_cache, slots.data_ptr<int64_t>());
+  });
 }
 
 // key, value: [num_tokens, num_kv_heads, head_size] float32, bfloat16 or float16; the caches
@@ -153,20 +160,11 @@ void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
               "write_kv_int8: key shape does not match the cache's records");
   TORCH_CHECK(key_cache.stride(2) == 1 && value_cache.stride(2) == 1, "write_kv_int8: each record must be contiguous");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "write_kv_int8: one dtype for K and V");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == key.size(0),
-              "write_kv_int8: one int64 slot per token");
-  const auto slots = slot_mapping.contiguous();
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t) {
-    TORCH_CHECK(slot_ptr[t] < num_blocks * kBlockSize, "write_kv_int8: slot ", slot_ptr[t], " beyond the cache");
-  }
+  const auto slots = checked_slots("write_kv_int8", slot_mapping, key.size(0), num_blocks * kBlockSize);
   const auto k = key.contiguous(), v = value.contiguous();
-  switch (key.scalar_type()) {
-    case at::kFloat: write_all_int8<float>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
-    case at::kBFloat16: write_all_int8<c10::BFloat16>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
-    case at::kHalf: write_all_int8<c10::Half>(k, v, key_cache, value_cache, slot_ptr, kBlockSize); break;
-    default: TORCH_CHECK(false, "write_kv_int8: dtype ", key.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  dispatch_float_types(key.scalar_type(), "write_kv_int8", [&](auto type) {
+    write_all_int8<decltype(type)>(k, v, key_cache, value_cache, slots.data_ptr<int64_t>(), kBlockSize);
+  });
 }
 
 }  // namespace
