@@ -56,9 +56,11 @@ constexpr int kMaxRows = 4;
 constexpr int64_t kChains = 4;
 
 template <typename T, int R>
-inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row) {
+inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row,
+                         const T* ahead) {
   Vec16 s[R][kChains] = {};
   for (int64_t d = 0; d < head_size; d += kChains) {
+    prefetch_lines<kChains * kLanes * sizeof(T)>(ahead + d * kLanes);
     for (int64_t j = 0; j < kChains; ++j) {
       const Vec16 k = load16(keys + (d + j) * kLanes);
       for (int r = 0; r < R; ++r) s[r][j] += q[r * head_size + d + j] * k;
@@ -72,11 +74,12 @@ inline void block_scores(const float* q, const T* keys, int64_t head_size, float
 // V tile [kLanes, head_size]. R x C independent accumulators stay in registers across the tokens.
 template <typename T, int R, int C>
 inline void block_values_columns(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row,
-                                 int64_t c0, float* acc) {
+                                 int64_t c0, float* acc, const T* ahead) {
   Vec16 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = load16(acc + r * head_size + c0 + c * kLanes);
   for (int64_t t = 0; t < n; ++t) {
+    prefetch_lines<C * kLanes * sizeof(T)>(ahead + t * head_size + c0);
     Vec16 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(values + t * head_size + c0 + c * kLanes);
     for (int r = 0; r < R; ++r) {
@@ -92,15 +95,16 @@ inline void block_values_columns(const float* p, const T* values, int64_t n, int
 constexpr int64_t kValueColumns = 4;
 
 template <typename T, int R>
-inline void block_values(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row, float* acc) {
+inline void block_values(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row, float* acc,
+                         const T* ahead) {
   int64_t c0 = 0;
   for (; c0 + kValueColumns * kLanes <= head_size; c0 += kValueColumns * kLanes) {
-    block_values_columns<T, R, kValueColumns>(p, values, n, head_size, row, c0, acc);
+    block_values_columns<T, R, kValueColumns>(p, values, n, head_size, row, c0, acc, ahead);
   }
   switch ((head_size - c0) / kLanes) {
-    case 1: block_values_columns<T, R, 1>(p, values, n, head_size, row, c0, acc); break;
-    case 2: block_values_columns<T, R, 2>(p, values, n, head_size, row, c0, acc); break;
-    case 3: block_values_columns<T, R, 3>(p, values, n, head_size, row, c0, acc); break;
+    case 1: block_values_columns<T, R, 1>(p, values, n, head_size, row, c0, acc, ahead); break;
+    case 2: block_values_columns<T, R, 2>(p, values, n, head_size, row, c0, acc, ahead); break;
+    case 3: block_values_columns<T, R, 3>(p, values, n, head_size, row, c0, acc, ahead); break;
     default: break;
   }
 }
@@ -191,26 +195,38 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
   float* acc = q + rows * head_size;       // [rows, head_size]
   float* scores = acc + rows * head_size;  // [rows, row]
   for (int64_t i = 0; i < rows * head_size; ++i) q[i] = static_cast<float>(query[i]) * shape.scale;
-  auto prefetch_heads = [&](const C* cache, const Tiles& where, int64_t b) {
-    if (b >= num_seq_blocks) return;
-    const C* first = cache + static_cast<int64_t>(table[b]) * where.block_stride + h0 * where.head_stride;
-    if (where.head_stride == record) {
-      prefetch_tile(first, (h1 - h0) * record);
-    } else {
-      for (int64_t h = 0; h < h1 - h0; ++h) prefetch_tile(first + h * where.head_stride, record);
-    }
+  // The tile to prefetch while reading head h of block b in the K pass (then the V pass): head h
+  // of the block kPrefetchDistance ahead; past the last K block, the first V blocks; past the last
+  // V block, the tile itself (already in cache: a prefetch that costs nothing).
+  auto key_tile_of = [&](int64_t b, int64_t h) {
+    return key_cache + static_cast<int64_t>(table[b]) * keys.block_stride + h * keys.head_stride;
   };
+  auto value_tile_of = [&](int64_t b, int64_t h) {
+    return value_cache + static_cast<int64_t>(table[b]) * values.block_stride + h * values.head_stride;
+  };
+  auto ahead_of_key = [&](int64_t b, int64_t h) {
+    const int64_t next = b + kPrefetchDistance;
+    return next < num_seq_blocks ? key_tile_of(next, h) : value_tile_of(std::min(next - num_seq_blocks, b), h);
+  };
+  auto ahead_of_value = [&](int64_t b, int64_t h) {
+    const int64_t next = b + kPrefetchDistance;
+    return next < num_seq_blocks ? value_tile_of(next, h) : value_tile_of(b, h);
+  };
+  // The first blocks have nothing before them to prefetch them in step.
+  for (int64_t b = 0; b < std::min(kPrefetchDistance, num_seq_blocks); ++b) {
+    for (int64_t h = h0; h < h1; ++h) prefetch_tile(key_tile_of(b, h), record);
+  }
 
   for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    prefetch_heads(key_cache, keys, b + kPrefetchDistance);
-    const C* block = key_cache + static_cast<int64_t>(table[b]) * keys.block_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const C* key_tile = block + h * keys.head_stride;
+      const C* key_tile = key_tile_of(b, h);
+      const C* ahead = ahead_of_key(b, h);
+      if constexpr (kQuantized<C>) prefetch_lines<64>(ahead + tile);
       for (int64_t g = 0; g < group; g += kMaxRows) {
         const int64_t r0 = (h - h0) * group + g;
         with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
           block_scores<C, decltype(r)::value>(q + r0 * head_size, key_tile, head_size, scores + r0 * row + b * kLanes,
-                                              row);
+                                              row, ahead);
         });
       }
       if constexpr (kQuantized<C>) scale_block(scores, row, (h - h0) * group, group, b, tile_scales(key_tile, tile));
@@ -219,18 +235,18 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
   softmax_rows(scores, rows, row, seq_len);
   std::fill(acc, acc + rows * head_size, 0.f);
   for (int64_t b = 0; b < num_seq_blocks; ++b) {
-    prefetch_heads(value_cache, values, b + kPrefetchDistance);
-    const C* block = value_cache + static_cast<int64_t>(table[b]) * values.block_stride;
     const int64_t n = std::min(kLanes, seq_len - b * kLanes);
     for (int64_t h = h0; h < h1; ++h) {
-      const C* value_tile = block + h * values.head_stride;
+      const C* value_tile = value_tile_of(b, h);
+      const C* ahead = ahead_of_value(b, h);
+      if constexpr (kQuantized<C>) prefetch_lines<64>(ahead + tile);
       // Each probability takes its token's V scale (the scores are not read again).
       if constexpr (kQuantized<C>) scale_block(scores, row, (h - h0) * group, group, b, tile_scales(value_tile, tile));
       for (int64_t g = 0; g < group; g += kMaxRows) {
         const int64_t r0 = (h - h0) * group + g;
         with_rows(std::min<int64_t>(kMaxRows, group - g), [&](auto r) {
           block_values<C, decltype(r)::value>(scores + r0 * row + b * kLanes, value_tile, n, head_size, row,
-                                              acc + r0 * head_size);
+                                              acc + r0 * head_size, ahead);
         });
       }
     }

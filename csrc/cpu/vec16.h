@@ -123,6 +123,14 @@ inline Vec16 round16(Vec16 v, const c10::Half*) {
 // tile boundary; ask for a tile ahead of time, one cache line at a time.
 constexpr int64_t kPrefetchDistance = 2;  // tiles ahead
 
+// The Bytes from p on, one line at a time, into L2.
+template <int64_t Bytes, typename T>
+inline void prefetch_lines(const T* p) {
+  for (int64_t offset = 0; offset < Bytes; offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + offset, 0, 1);
+  }
+}
+
 template <typename T>
 inline void prefetch_tile(const T* tile, int64_t elements) {
   const char* bytes = reinterpret_cast<const char*>(tile);
