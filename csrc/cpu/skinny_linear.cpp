@@ -233,8 +233,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 constexpr int64_t kGroup = 32;
 constexpr int64_t kQuadBytes = 4 * kTile;  // 4 inputs of 16 rows: one register of codes
 
-typedef int8_t Int8x16 __attribute__((vector_size(kLanes)));
-
 // v rounded to the nearest integer, ties to even (|v| < 2^22).
 inline Vec16 round_to_integer(Vec16 v) {
 #if defined(__AVX512F__)
@@ -286,10 +284,13 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
       const Vec16 v[2] = {load16(src), load16(src + kLanes)};
       Vec16 magnitude = v[0] < 0 ? -v[0] : v[0];
       magnitude = magnitude > (v[1] < 0 ? -v[1] : v[1]) ? magnitude : (v[1] < 0 ? -v[1] : v[1]);
-      const float amax = reduce_max(magnitude);
       const int64_t slot = m * groups + g;
       int8_t* out = codes + m * k + g * kGroup;
-      const bool finite = !std::isnan(reduce_sum(v[0] + v[1]));
+      // With every input finite the sum below cannot be NaN, and any order of the max is exact:
+      // a vector test and a tree max then, the group's original sum only for a group with NaN or inf.
+      const bool all_finite = all_lanes(((v[0] - v[0]) == 0.f) & ((v[1] - v[1]) == 0.f));
+      const float amax = all_finite ? reduce_max_any_order(magnitude) : reduce_max(magnitude);
+      const bool finite = all_finite || !std::isnan(reduce_sum(v[0] + v[1]));
       if (!(amax > 0.f) || !finite) {
         // All zero: the group adds nothing. NaN (or inf): a NaN scale, so that it reaches the
         // output as it would through a float matmul instead of vanishing.
@@ -308,11 +309,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
         r = r < -127.f ? splat(-127.f) : r;
         const Int16 codes16 = __builtin_convertvector(r, Int16);
         total += codes16;
-        const Int8x16 bytes = __builtin_convertvector(codes16, Int8x16);
-        std::memcpy(out + half * kLanes, &bytes, sizeof(bytes));
+        store_narrowed(out + half * kLanes, codes16);
       }
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kLanes; ++i) sum += total[i];
+      const int32_t sum = reduce_sum(total);
       scales[slot] = scale;
       scaled_sums[slot] = scale * static_cast<float>(sum);
     }

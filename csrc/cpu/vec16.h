@@ -145,6 +145,40 @@ inline float reduce_max(Vec16 v) {
   return m;
 }
 
+// The max of v's lanes, NaN-free v: any order gives the same bits.
+inline float reduce_max_any_order(Vec16 v) {
+  const auto max = [](Vec16 a, Vec16 b) { return a > b ? a : b; };
+  v = max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+// Whether every lane of a comparison's result is true.
+inline bool all_lanes(Int16 mask) {
+  int32_t all = -1;
+  for (int64_t i = 0; i < kLanes; ++i) all &= mask[i];
+  return all != 0;
+}
+
+inline int32_t reduce_sum(Int16 v) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// The 16 lanes, each in [-128, 127], as 16 bytes at p.
+inline void store_narrowed(int8_t* p, Int16 v) {
+#ifdef __AVX512F__
+  __m512i raw;
+  std::memcpy(&raw, &v, sizeof(raw));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_maskz_cvtepi32_epi8(0xFFFF, raw));
+#else
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<int8_t>(v[i]);
+#endif
+}
+
 inline float reduce_sum(Vec16 v) {
   float s = 0.f;
   for (int64_t i = 0; i < kLanes; ++i) s += v[i];
