@@ -355,7 +355,7 @@ struct AmxConfig {
 struct LoadAmxConfig {
   void operator()() const {
     AmxConfig config;
-    for (int t : {0, 1}) config.rows[t] = kAmxRows, config.colsb[t] = kTile * 4;
+    for (int t : {0, 1, 6, 7}) config.rows[t] = kAmxRows, config.colsb[t] = kTile * 4;
     for (int t : {2, 3}) config.rows[t] = kAmxRows, config.colsb[t] = kGroup;
     for (int t : {4, 5}) config.rows[t] = kGroup / 4, config.colsb[t] = kQuadBytes;
     _tile_loadconfig(&config);
@@ -366,22 +366,55 @@ struct LoadAmxConfig {
 // a[m, k] * b_i[k, n], with a 16 rows of codes `a_stride` apart and b_i the group's B tile.
 // GCC's tile intrinsics are asm without a memory clobber, hence the compiler barriers: b_i may
 // have just been written (int4's unpacked nibbles), and dots is read right after.
-inline void amx_group_dots(const int8_t* a, int64_t a_stride, const uint8_t* b0, const uint8_t* b1, bool two,
-                           int32_t (*dots)[kAmxRows * kTile]) {
-  asm volatile("" ::: "memory");
-  _tile_zero(0);
-  _tile_loadd(2, a, a_stride);
-  _tile_loadd(4, b0, kQuadBytes);
-  _tile_dpbsud(0, 2, 4);
-  if (two) {
-    _tile_zero(1);
-    _tile_loadd(3, a + kGroup, a_stride);
-    _tile_loadd(5, b1, kQuadBytes);
-    _tile_dpbsud(1, 3, 5);
+// Two sets of dot tiles, (0, 1) and (6, 7), taken in turn by consecutive pairs of groups: a pair's
+// multiplies then need not wait for the previous pair's dots to be stored out of the same tiles.
+// (GCC's tile intrinsics take the tile's number as a literal, hence the macro.)
+#define KVSERVE_AMX_GROUP_DOTS(NAME, C0, C1)                                                                   \
+  inline void NAME(const int8_t* a, int64_t a_stride, const uint8_t* b0, const uint8_t* b1, bool two,         \
+                   int32_t(*dots)[kAmxRows * kTile]) {                                                       \
+    asm volatile("" ::: "memory");                                                                           \
+    _tile_zero(C0);                                                                                          \
+    _tile_loadd(2, a, a_stride);                                                                             \
+    _tile_loadd(4, b0, kQuadBytes);                                                                          \
+    _tile_dpbsud(C0, 2, 4);                                                                                  \
+    if (two) {                                                                                               \
+      _tile_zero(C1);                                                                                        \
+      _tile_loadd(3, a + kGroup, a_stride);                                                                  \
+      _tile_loadd(5, b1, kQuadBytes);                                                                        \
+      _tile_dpbsud(C1, 3, 5);                                                                                \
+    }                                                                                                        \
+    _tile_stored(C0, dots[0], kTile * 4);                                                                    \
+    if (two) _tile_stored(C1, dots[1], kTile * 4);                                                           \
+    asm volatile("" ::: "memory");                                                                           \
   }
-  _tile_stored(0, dots[0], kTile * 4);
-  if (two) _tile_stored(1, dots[1], kTile * 4);
-  asm volatile("" ::: "memory");
+KVSERVE_AMX_GROUP_DOTS(amx_group_dots_first, 0, 1)
+KVSERVE_AMX_GROUP_DOTS(amx_group_dots_second, 6, 7)
+#undef KVSERVE_AMX_GROUP_DOTS
+
+inline void amx_group_dots(int set, const int8_t* a, int64_t a_stride, const uint8_t* b0, const uint8_t* b1, bool two,
+                           int32_t (*dots)[kAmxRows * kTile]) {
+  if (set == 0) {
+    amx_group_dots_first(a, a_stride, b0, b1, two, dots);
+  } else {
+    amx_group_dots_second(a, a_stride, b0, b1, two, dots);
+  }
+}
+
+// Runs multiply(g, two, buffer) for the group pairs (g, g + 1) in order, and epilogue(g, two, buffer)
+// on each pair's dots one pair later, so that the vector loads of the dots do not wait on the tile
+// stores just issued (a tile store's data is not forwarded to loads).
+template <typename Multiply, typename Epilogue>
+inline void for_each_group_pair(int64_t groups, Multiply&& multiply, Epilogue&& epilogue) {
+  int64_t pending = -1;
+  bool pending_two = false;
+  int buffer = 0;
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    multiply(g, two, buffer);
+    if (pending >= 0) epilogue(pending, pending_two, 1 - buffer);
+    pending = g, pending_two = two, buffer = 1 - buffer;
+  }
+  if (pending >= 0) epilogue(pending, pending_two, 1 - buffer);
 }
 
 inline __m512 dot_as_float(const int32_t* dots, int m) {
@@ -391,19 +424,19 @@ inline __m512 dot_as_float(const int32_t* dots, int m) {
 // acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int8_tile_dot's sums.
 void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
   const int64_t groups = k / kGroup;
-  alignas(64) int32_t dots[2][kAmxRows * kTile];
+  alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   __m512 totals[kAmxRows];
   for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 2) {
-    const bool two = g + 1 < groups;
+  for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
     for (int64_t line = 0; line < 16; ++line) prefetch_ahead(w + g * 8 * kQuadBytes + line * 64);
-    amx_group_dots(a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots);
+    amx_group_dots(buffer, a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots[buffer]);
+  }, [&](int64_t g, bool two, int buffer) {
     for (int i = 0; i < 1 + two; ++i) {
       for (int m = 0; m < kAmxRows; ++m) {
-        totals[m] = _mm512_fmadd_ps(dot_as_float(dots[i], m), _mm512_set1_ps(sx[m * groups + g + i]), totals[m]);
+        totals[m] = _mm512_fmadd_ps(dot_as_float(dots[buffer][i], m), _mm512_set1_ps(sx[m * groups + g + i]), totals[m]);
       }
     }
-  }
+  });
   const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes));
   for (int m = 0; m < kAmxRows; ++m) {
     _mm512_storeu_ps(acc + m * kTile, _mm512_mul_ps(_mm512_sub_ps(totals[m], _mm512_set1_ps(offsets[m])), scale));
@@ -544,27 +577,27 @@ inline void unpack_int4_group(const uint8_t* record, uint8_t* b) {
 // acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int4_tile_dot's sums.
 void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
   const int64_t groups = k / kGroup;
-  alignas(64) int32_t dots[2][kAmxRows * kTile];
+  alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   alignas(64) uint8_t b[2][kGroup * kTile];
   __m512 totals[kAmxRows];
   for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g += 2) {
-    const bool two = g + 1 < groups;
+  for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
     for (int64_t line = 0; line < 10; ++line) prefetch_ahead(w + g * kInt4RecordBytes + line * 64);
     unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
     if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
-    amx_group_dots(a + g * kGroup, k, b[0], b[1], two, dots);
+    amx_group_dots(buffer, a + g * kGroup, k, b[0], b[1], two, dots[buffer]);
+  }, [&](int64_t g, bool two, int buffer) {
     for (int i = 0; i < 1 + two; ++i) {
       const Int4GroupCoefficients coef = int4_group_coefficients(w + (g + i) * kInt4RecordBytes);
       const __m512 scale_v = coef.scale, a_coef_v = coef.a_coef;
       for (int m = 0; m < kAmxRows; ++m) {
         const int64_t slot = m * groups + g + i;
-        const __m512 dot = _mm512_mul_ps(dot_as_float(dots[i], m), _mm512_set1_ps(sx[slot]));
+        const __m512 dot = _mm512_mul_ps(dot_as_float(dots[buffer][i], m), _mm512_set1_ps(sx[slot]));
         totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
         totals[m] = _mm512_fmadd_ps(_mm512_set1_ps(sxa[slot]), a_coef_v, totals[m]);
       }
     }
-  }
+  });
   for (int m = 0; m < kAmxRows; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
 }
 #endif
