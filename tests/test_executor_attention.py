@@ -194,6 +194,35 @@ def test_decode_kernel_rejects_a_block_id_outside_the_cache():
                            torch.tensor([5], dtype=torch.int32), 0.25)
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_causal_softmax_masks_each_row_at_its_own_position(cpu_ops, dtype, tolerance):
+    """The prefill softmax against a masked softmax in float64: a cached prefix, a shorter sequence
+    padded to the group's query length (its extra rows see all its keys), rows of several query
+    heads, a context that is not whole vectors; the masked part of every row is exactly 0."""
+    torch.manual_seed(5)
+    query_len, group, ctx_len = 7, 3, 45
+    first_query_pos, seq_lens = [38, 0], [45, 4]
+    scores = torch.randn(2, 2, group * query_len, ctx_len).mul(4).to(dtype)
+    keys = torch.tensor([[min(first + r % query_len + 1, n) for r in range(group * query_len)]
+                         for first, n in zip(first_query_pos, seq_lens)])  # [seqs, rows]
+    allowed = torch.arange(ctx_len).view(1, 1, 1, -1) < keys.view(2, 1, -1, 1)
+    expected = scores.double().masked_fill(~allowed, float("-inf")).softmax(-1)
+    out = cpu_ops.causal_softmax_(scores, torch.tensor(first_query_pos, dtype=torch.int32),
+                                  torch.tensor(seq_lens, dtype=torch.int32), query_len)
+    assert out.data_ptr() == scores.data_ptr()
+    torch.testing.assert_close(scores.double(), expected, atol=tolerance, rtol=tolerance)
+    assert bool((scores[~allowed.expand_as(scores)] == 0).all())
+
+
+def test_causal_softmax_refuses_positions_outside_the_scores(cpu_ops):
+    scores = torch.zeros(1, 1, 4, 16)
+    lens = torch.tensor([17], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="seq_len 17 .* for 16 score columns"):
+        cpu_ops.causal_softmax_(scores, torch.tensor([13], dtype=torch.int32), lens, 4)
+    with pytest.raises(RuntimeError, match="multiple of query_len"):
+        cpu_ops.causal_softmax_(scores, torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32), 3)
+
+
 def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch):
     def no_compiler():
         raise RuntimeError("Error building extension 'kvserve_cpu_kernels': c++: not found")

@@ -115,16 +115,7 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t row, int64_t seq_l
     float* s = scores + r * row;
     // Slots past seq_len hold whatever the block held before: out of the softmax.
     std::fill(s + seq_len, s + row, -std::numeric_limits<float>::infinity());
-    Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < row; i += kLanes) vmax = vmax > load16(s + i) ? vmax : load16(s + i);
-    const float m = reduce_max(vmax);
-    Vec16 vsum{};
-    for (int64_t i = 0; i < row; i += kLanes) {
-      const Vec16 e = exp_nonpositive(load16(s + i) - m);
-      store16(s + i, e);
-      vsum += e;
-    }
-    const Vec16 inv = splat(1.f / reduce_sum(vsum));
+    const Vec16 inv = splat(softmax_numerators(s, row));
     for (int64_t i = 0; i < row; i += kLanes) store16(s + i, load16(s + i) * inv);
   }
 }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace kvserve_cpu {
 
@@ -208,6 +209,21 @@ inline Vec16 exp_nonpositive(Vec16 x) {
   Vec16 two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
+}
+
+// The numerators of a softmax over x[0..n) (n a multiple of 16; lanes out of it -inf), in place:
+// exp(x - max x), with a vectorized exp. Returns 1 / their sum.
+inline float softmax_numerators(float* x, int64_t n) {
+  Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += kLanes) vmax = vmax > load16(x + i) ? vmax : load16(x + i);
+  const float m = reduce_max(vmax);
+  Vec16 vsum{};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Vec16 e = exp_nonpositive(load16(x + i) - m);
+    store16(x + i, e);
+    vsum += e;
+  }
+  return 1.f / reduce_sum(vsum);
 }
 
 }  // namespace kvserve_cpu

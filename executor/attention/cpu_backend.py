@@ -14,10 +14,12 @@ every head (SmolLM2: 3 x 2 KiB) are one stretch of memory, read at ~1.5x the spe
 tiles each in a page of its own, while consecutive blocks still make one sequential stream
 (``python -m bench.attention_bench`` measures both layouts).
 
-Prefill chunks (more than one new token per sequence) stay on the torch backend's path
-(two oneDNN GEMMs and a softmax in bf16, SDPA otherwise): they are compute-bound, so the
-gather is small next to the attention, and oneDNN's GEMMs beat anything hand-written
-here. The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
+Prefill chunks (more than one new token per sequence) gather their blocks as the torch backend
+does and attend with two oneDNN GEMMs: they are compute-bound, so the gather is small next to
+the attention, and oneDNN's GEMMs beat anything hand-written here. Between the GEMMs,
+``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``) masks and normalizes each score row in one
+pass, where torch needed an additive mask, an add and a softmax (SDPA beyond
+``MATMUL_ATTENTION_MAX_SCORES``). The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
 shapes every group takes the torch path.
 
 ``--kv-cache-dtype int8`` (``CpuInt8KVAttentionBackend``) keeps K and V as int8 codes with one
@@ -35,7 +37,7 @@ import torch
 
 from executor.attention.base import KVCache
 from executor.attention.csrc_loader import csrc_build_script
-from executor.attention.torch_backend import TorchAttentionBackend, _Group
+from executor.attention.torch_backend import MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group
 from executor.layer_ops import CpuLayerOps
 
 KERNEL_BLOCK_SIZE = 16
@@ -92,6 +94,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = self._ops.paged_decode_attention(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables,
                                                g.seq_lens, scale)
         return out.to(query.dtype)
+
+    def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
+                          scale: float) -> torch.Tensor:
+        # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
+        if q.numel() // q.shape[-1] * keys.shape[2] > MATMUL_ATTENTION_MAX_SCORES:
+            return super()._masked_attention(q, keys, values, g, scale)
+        # Two oneDNN GEMMs around causal_softmax_, which applies the mask as it goes (no additive
+        # mask tensor, no separate add): csrc/cpu/causal_softmax.cpp.
+        scores = torch.matmul(q * scale, keys.transpose(-1, -2))
+        self._ops.causal_softmax_(scores, g.first_query_pos, g.seq_lens, g.query_len)
+        return torch.matmul(scores, values)
 
 
 class CpuInt8KVAttentionBackend(CpuAttentionBackend):

@@ -45,6 +45,7 @@ class _Group:
     padded_index: torch.Tensor | None  # [n_tokens] rows in [num_seqs * query_len]; None: no padding needed
     block_ids: torch.Tensor  # [num_seqs * blocks_per_seq] blocks to gather, sequence-major
     mask: torch.Tensor  # [num_seqs, 1, query_len, ctx_len] bool, True = attend
+    first_query_pos: torch.Tensor  # [num_seqs] int32: the position of each sequence's first query token
     num_seqs: int
     query_len: int
     ctx_len: int
@@ -96,7 +97,8 @@ def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
     key_pos = torch.arange(ctx_len, device=device).view(1, 1, -1)
     query_pos = first_query_pos + torch.arange(query_len, device=device).view(1, -1, 1)
     mask = (key_pos <= query_pos) & (key_pos < seq_len_t)  # [num_seqs, query_len, ctx_len]
-    return _Group(block_tables, seq_lens_t, token_index, padded_index, block_ids, mask.unsqueeze(1), len(seqs), query_len, ctx_len)
+    return _Group(block_tables, seq_lens_t, token_index, padded_index, block_ids, mask.unsqueeze(1),
+                  first_query_pos.view(-1).to(torch.int32), len(seqs), query_len, ctx_len)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -179,13 +181,18 @@ class TorchAttentionBackend(AttentionBackend):
         # [num_seqs * query_len, heads, d] → [num_seqs, kv_heads, group * query_len, d]
         q = q.view(g.num_seqs, g.query_len, kv_heads, group_size, head_size).permute(0, 2, 3, 1, 4)
         q = q.reshape(g.num_seqs, kv_heads, group_size * g.query_len, head_size)
-        out = _masked_attention(q, keys, values, g.sdpa_mask(group_size, q.dtype), scale)
+        out = self._masked_attention(q, keys, values, g, scale)
         # back to [num_seqs * query_len, heads, d]
         out = out.view(g.num_seqs, kv_heads, group_size, g.query_len, head_size).permute(0, 3, 1, 2, 4)
         out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
         if g.padded_index is not None:
             out = out[g.padded_index]
         return out.to(query.dtype)
+
+    def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
+                          scale: float) -> torch.Tensor:
+        # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
+        return _masked_attention(q, keys, values, g.sdpa_mask(q.shape[2] // g.query_len, q.dtype), scale)
 
 
 # Above this many scores per step the [rows, ctx_len] matrix is not materialized (bf16: 64 MiB).
