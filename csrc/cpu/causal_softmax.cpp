@@ -31,12 +31,13 @@ void softmax_row(T* row, int64_t keys, int64_t ctx_len, std::vector<float>& buff
   const int64_t padded = (keys + kLanes - 1) / kLanes * kLanes;
   buffer.resize(static_cast<size_t>(padded));
   float* x = buffer.data();
-  for (int64_t i = 0; i < keys; ++i) x[i] = static_cast<float>(row[i]);
+  const int64_t whole = keys / kLanes * kLanes;
+  for (int64_t i = 0; i < whole; i += kLanes) store16(x + i, load16(row + i));
+  for (int64_t i = whole; i < keys; ++i) x[i] = static_cast<float>(row[i]);
   std::fill(x + keys, x + padded, -std::numeric_limits<float>::infinity());
   const Vec16 inv = splat(softmax_numerators(x, padded));
-  int64_t i = 0;
-  for (; i + kLanes <= keys; i += kLanes) store16(row + i, load16(x + i) * inv);
-  for (; i < keys; ++i) row[i] = static_cast<T>(x[i] * inv[0]);
+  for (int64_t i = 0; i < whole; i += kLanes) store16(row + i, load16(x + i) * inv);
+  for (int64_t i = whole; i < keys; ++i) row[i] = static_cast<T>(x[i] * inv[0]);
   std::fill(row + keys, row + ctx_len, static_cast<T>(0.f));
 }
 
