@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from executor.attention import KV_CACHE_DTYPES
-from executor.devices import tune_host_allocator
+from executor.devices import back_large_allocations_with_huge_pages, tune_host_allocator
 from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
 from executor.quantization import QUANTIZATION_MODES
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 — e.g. a corrupt safetensors file: still one line
             torch_thread.close()
             raise StartupError(f"cannot load {args.model_dir}: {type(exc).__name__}: {exc}") from exc
+        if runner.device.type == "cpu":
+            collapsed = await torch_thread.run(back_large_allocations_with_huge_pages)
+            log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
         servicer = ExecutorServicer(runner, torch_thread)
         server = GrpcServer("executor", args.host, args.port,
                             [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)],
