@@ -102,14 +102,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     ``greedy``: a compiled pick for batches that are all plain greedy (see AttentionBackend.greedy_sample)."""
     logits = logits.float()
     rows, vocab = logits.shape
-    if greedy is not None and all(p.is_greedy and not p.top_logprobs and not p.suppressed_token_ids for p in params):
-        token_ids, logprobs = greedy(logits)
-        return SampleResult(token_ids.tolist(), logprobs.tolist(), None)
     suppressed = [(row, tid) for row, p in enumerate(params) for tid in p.suppressed_token_ids]
     if suppressed:
         logits = logits.clone()
         index = torch.tensor(suppressed, dtype=torch.long, device=logits.device)
         logits[index[:, 0], index[:, 1]] = float("-inf")
+    # Suppressed tokens (min_tokens keeps EOS out) are -inf by now: the compiled pick takes them too.
+    if greedy is not None and all(p.is_greedy and not p.top_logprobs for p in params):
+        token_ids, logprobs = greedy(logits)
+        return SampleResult(token_ids.tolist(), logprobs.tolist(), None)
     if all(p.is_greedy for p in params):
         scaled = logits
     else:

@@ -33,8 +33,9 @@ def test_greedy_is_argmax_with_its_logprob():
 
 def test_compiled_greedy_pick_equals_the_torch_path():
     """The CPU kernels' fused greedy pick: same tokens (first index on ties) and logprobs as argmax +
-    log_softmax, on a vocabulary that is not a multiple of the vector width; batches it cannot serve
-    (a sampled row, top logprobs, suppressed ids) take the torch path."""
+    log_softmax, on a vocabulary that is not a multiple of the vector width; suppressed ids (what
+    min_tokens sends with every step) are masked first and the kernel picks over the rest; batches it
+    cannot serve (a sampled row, top logprobs) take the torch path."""
     from executor.attention.cpu_backend import CpuAttentionBackend
 
     greedy = CpuAttentionBackend(torch.device("cpu")).greedy_sample
@@ -44,11 +45,17 @@ def test_compiled_greedy_pick_equals_the_torch_path():
     fused = sample(x, [SamplingParams()] * 8, list(range(8)), torch.Generator(), greedy)
     assert fused.token_ids == x.argmax(-1).tolist() and fused.token_ids[3] == 10 and fused.token_ids[5] == VOCAB - 1
     assert fused.logprobs == pytest.approx(x.log_softmax(-1).max(-1).values.tolist(), abs=1e-5)
-    for odd_one in (SamplingParams(temperature=0.7, seed=1), SamplingParams(top_logprobs=2),
-                    SamplingParams(suppressed_token_ids=(int(x[0].argmax()),))):
+    for odd_one in (SamplingParams(temperature=0.7, seed=1), SamplingParams(top_logprobs=2)):
         params = [odd_one] + [SamplingParams()] * 7
         with_kernel = sample(x, params, list(range(8)), torch.Generator().manual_seed(0), greedy)
         assert with_kernel == sample(x, params, list(range(8)), torch.Generator().manual_seed(0))
+    banned = int(x[0].argmax())
+    params = [SamplingParams(suppressed_token_ids=(banned,))] + [SamplingParams()] * 7
+    with_kernel = sample(x, params, list(range(8)), torch.Generator(), greedy)
+    torch_path = sample(x, params, list(range(8)), torch.Generator())
+    assert with_kernel.token_ids == torch_path.token_ids and with_kernel.token_ids[0] != banned
+    assert with_kernel.logprobs == pytest.approx(torch_path.logprobs, abs=1e-5)
+    assert x[0].argmax() == banned  # the caller's logits are not masked in place
 
 
 def test_top_k_one_equals_greedy():
