@@ -19,8 +19,8 @@ does and attend with two oneDNN GEMMs: they are compute-bound, so the gather is 
 the attention, and oneDNN's GEMMs beat anything hand-written here. Between the GEMMs,
 ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``) masks and normalizes each score row in one
 pass, where torch needed an additive mask, an add and a softmax (SDPA beyond
-``MATMUL_ATTENTION_MAX_SCORES``). The kernel wants ``block_size`` 16 and ``head_size`` a multiple of 16; with other
-shapes every group takes the torch path.
+``MATMUL_ATTENTION_MAX_SCORES``). The decode kernel wants ``block_size`` 16 and ``head_size`` a
+multiple of 16; with other shapes every group takes the torch path.
 
 ``--kv-cache-dtype int8`` (``CpuInt8KVAttentionBackend``) keeps K and V as int8 codes with one
 float32 scale per token and KV head, about half the bytes a decode step reads (at concurrency 32 the
