@@ -31,16 +31,26 @@ namespace {
 
 using kvserve_cpu::dispatch_float_types;
 
-// Calls write(t, h, block, offset) for each token t and KV head h whose slot is not -1.
-template <typename Write>
-void for_each_written_head(int64_t num_tokens, int64_t kv_heads, int64_t block_size, const int64_t* slots,
-                           const Write& write) {
+// Calls write(k_row, v_row, k_tile, v_tile, offset) for each token and KV head whose slot is not
+// -1: that head's new K and V ([head_size] each, T) and the (block, head) tiles of the two caches
+// (element type C) its slot falls in, the token being row `offset` of the block.
+template <typename T, typename C, typename Write>
+void for_each_written_head(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const int64_t* slots, int64_t block_size, const Write& write) {
+  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head_size = key.size(2);
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  C* kc = key_cache.data_ptr<C>();
+  C* vc = value_cache.data_ptr<C>();
+  const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
+  const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
   at::parallel_for(0, num_tokens * kv_heads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / kv_heads, h = item % kv_heads;
-      const int64_t slot = slots[t];
+      const int64_t slot = slots[item / kv_heads], h = item % kv_heads;
       if (slot < 0) continue;  // a token whose K/V is not to be stored
-      write(t, h, slot / block_size, slot % block_size);
+      const int64_t block = slot / block_size;
+      write(k + item * head_size, v + item * head_size, kc + block * k_block + h * k_head,
+            vc + block * v_block + h * v_head, slot % block_size);
     }
   });
 }
@@ -48,24 +58,13 @@ void for_each_written_head(int64_t num_tokens, int64_t kv_heads, int64_t block_s
 template <typename T>
 void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                const int64_t* slots) {
-  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head_size = key.size(2);
-  const int64_t block_size = value_cache.size(2);
-  const T* k = key.data_ptr<T>();
-  const T* v = value.data_ptr<T>();
-  T* kc = key_cache.data_ptr<T>();
-  T* vc = value_cache.data_ptr<T>();
-  const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
-  const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
-  for_each_written_head(num_tokens, kv_heads, block_size, slots, [&](int64_t t, int64_t h, int64_t block,
-                                                                      int64_t offset) {
-    const T* k_row = k + (t * kv_heads + h) * head_size;
-    T* k_tile = kc + block * k_block + h * k_head;
+  const int64_t head_size = key.size(2), block_size = value_cache.size(2);
+  for_each_written_head<T, T>(key, value, key_cache, value_cache, slots, block_size,
+                              [&](const T* k_row, const T* v_row, T* k_tile, T* v_tile, int64_t offset) {
     for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
-    std::memcpy(vc + block * v_block + h * v_head + offset * head_size, v + (t * kv_heads + h) * head_size,
-                head_size * sizeof(T));
+    std::memcpy(v_tile + offset * head_size, v_row, head_size * sizeof(T));
   });
 }
-
 
 // x[0..n) as codes (code_stride apart) in [-127, 127]; returns the scale: 0 for an all-zero row,
 // NaN for one holding a NaN or an infinity (so that it reaches the output as it would from a float
@@ -94,20 +93,12 @@ float quantize_head(const T* x, int64_t n, int8_t* codes, int64_t code_stride) {
 template <typename T>
 void write_all_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                     const int64_t* slots, int64_t block_size) {
-  const int64_t num_tokens = key.size(0), kv_heads = key.size(1), head_size = key.size(2);
-  const int64_t tile = block_size * head_size;
-  const T* k = key.data_ptr<T>();
-  const T* v = value.data_ptr<T>();
-  int8_t* kc = key_cache.data_ptr<int8_t>();
-  int8_t* vc = value_cache.data_ptr<int8_t>();
-  const int64_t k_block = key_cache.stride(0), k_head = key_cache.stride(1);
-  const int64_t v_block = value_cache.stride(0), v_head = value_cache.stride(1);
-  for_each_written_head(num_tokens, kv_heads, block_size, slots, [&](int64_t t, int64_t h, int64_t block,
-                                                                      int64_t offset) {
-    int8_t* k_record = kc + block * k_block + h * k_head;
-    int8_t* v_record = vc + block * v_block + h * v_head;
-    const float k_scale = quantize_head(k + (t * kv_heads + h) * head_size, head_size, k_record + offset, block_size);
-    const float v_scale = quantize_head(v + (t * kv_heads + h) * head_size, head_size, v_record + offset * head_size, 1);
+  const int64_t head_size = key.size(2), tile = block_size * head_size;
+  for_each_written_head<T, int8_t>(key, value, key_cache, value_cache, slots, block_size,
+                                   [&](const T* k_row, const T* v_row, int8_t* k_record, int8_t* v_record,
+                                       int64_t offset) {
+    const float k_scale = quantize_head(k_row, head_size, k_record + offset, block_size);
+    const float v_scale = quantize_head(v_row, head_size, v_record + offset * head_size, 1);
     std::memcpy(k_record + tile + offset * sizeof(float), &k_scale, sizeof(float));
     std::memcpy(v_record + tile + offset * sizeof(float), &v_scale, sizeof(float));
   });
