@@ -128,15 +128,19 @@ void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pa
 }
 #endif
 
-using TileDot = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*);
-
-template <size_t... I>
-constexpr std::array<TileDot, sizeof...(I)> make_tile_dots(std::index_sequence<I...>) {
-  return {&tile_dot<static_cast<int>(I) + 1>...};
+template <typename Instance, size_t... I>
+constexpr auto instances_for(Instance instance, std::index_sequence<I...>) {
+  return std::array{instance(std::integral_constant<int, static_cast<int>(I) + 1>{})...};
 }
 
-// kTileDots[r - 1] handles a chunk of r rows.
-constexpr auto kTileDots = make_tile_dots(std::make_index_sequence<kMaxChunkRows>{});
+// {kernel<1>, ..., kernel<N>}, with `instance(std::integral_constant<int, R>)` giving &kernel<R>:
+// table[r - 1] handles a chunk of r rows.
+template <int N, typename Instance>
+constexpr auto per_row_count(Instance instance) {
+  return instances_for(instance, std::make_index_sequence<N>{});
+}
+
+constexpr auto kTileDots = per_row_count<kMaxChunkRows>([](auto rows) { return &tile_dot<rows>; });
 
 at::Tensor pack_skinny_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_skinny_weight: weight must be [out_features, in_features]");
@@ -422,27 +426,33 @@ inline __m512 dot_as_float(const int32_t* dots, int m) {
   return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_load_si512(dots + m * kTile));
 }
 
-// acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int8_tile_dot's sums.
+// acc[m][0..16) for the first ROWS of 16 rows of quantized x (padded with zero rows):
+// int8_tile_dot's sums. The tiles multiply all 16 rows; only the ROWS that are rows of x are taken
+// out of them, because that epilogue, not the multiply, bounds the kernel (20 rows of x are a tile
+// of 16 and one of 4: 32 rows' epilogue for 20 rows' work otherwise).
+template <int ROWS>
 void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
   const int64_t groups = k / kGroup;
   alignas(64) int32_t dots[2][2][kAmxRows * kTile];
-  __m512 totals[kAmxRows];
-  for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
+  __m512 totals[ROWS];
+  for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
     for (int64_t line = 0; line < 16; ++line) prefetch_ahead(w + g * 8 * kQuadBytes + line * 64);
     amx_group_dots(buffer, a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots[buffer]);
   }, [&](int64_t g, bool two, int buffer) {
     for (int i = 0; i < 1 + two; ++i) {
-      for (int m = 0; m < kAmxRows; ++m) {
+      for (int m = 0; m < ROWS; ++m) {
         totals[m] = _mm512_fmadd_ps(dot_as_float(dots[buffer][i], m), _mm512_set1_ps(sx[m * groups + g + i]), totals[m]);
       }
     }
   });
   const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes));
-  for (int m = 0; m < kAmxRows; ++m) {
+  for (int m = 0; m < ROWS; ++m) {
     _mm512_storeu_ps(acc + m * kTile, _mm512_mul_ps(_mm512_sub_ps(totals[m], _mm512_set1_ps(offsets[m])), scale));
   }
 }
+
+constexpr auto kInt8AmxChunks = per_row_count<kAmxRows>([](auto rows) { return &int8_amx_chunk<rows>; });
 #endif
 
 // Up to one VNNI chunk of rows (whose weight loads all rows share) the VNNI kernels keep up
@@ -575,13 +585,14 @@ inline void unpack_int4_group(const uint8_t* record, uint8_t* b) {
   }
 }
 
-// acc[m][0..16) for 16 rows of quantized x (padded with zero rows): int4_tile_dot's sums.
+// acc[m][0..16) for the first ROWS of 16 rows of quantized x: int4_tile_dot's sums (as int8_amx_chunk).
+template <int ROWS>
 void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
   const int64_t groups = k / kGroup;
   alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   alignas(64) uint8_t b[2][kGroup * kTile];
-  __m512 totals[kAmxRows];
-  for (int m = 0; m < kAmxRows; ++m) totals[m] = _mm512_setzero_ps();
+  __m512 totals[ROWS];
+  for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
     for (int64_t line = 0; line < 10; ++line) prefetch_ahead(w + g * kInt4RecordBytes + line * 64);
     unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
@@ -591,7 +602,7 @@ void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
     for (int i = 0; i < 1 + two; ++i) {
       const Int4GroupCoefficients coef = int4_group_coefficients(w + (g + i) * kInt4RecordBytes);
       const __m512 scale_v = coef.scale, a_coef_v = coef.a_coef;
-      for (int m = 0; m < kAmxRows; ++m) {
+      for (int m = 0; m < ROWS; ++m) {
         const int64_t slot = m * groups + g + i;
         const __m512 dot = _mm512_mul_ps(dot_as_float(dots[buffer][i], m), _mm512_set1_ps(sx[slot]));
         totals[m] = _mm512_fmadd_ps(dot, scale_v, totals[m]);
@@ -599,18 +610,13 @@ void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
       }
     }
   });
-  for (int m = 0; m < kAmxRows; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
+  for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
 }
+
+constexpr auto kInt4AmxChunks = per_row_count<kAmxRows>([](auto rows) { return &int4_amx_chunk<rows>; });
 #endif
 
-using Int4TileDot = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, const float*, float*);
-
-template <size_t... I>
-constexpr std::array<Int4TileDot, sizeof...(I)> make_int4_tile_dots(std::index_sequence<I...>) {
-  return {&int4_tile_dot<static_cast<int>(I) + 1>...};
-}
-
-constexpr auto kInt4TileDots = make_int4_tile_dots(std::make_index_sequence<kMaxChunkRows>{});
+constexpr auto kInt4TileDots = per_row_count<kMaxChunkRows>([](auto rows) { return &int4_tile_dot<rows>; });
 
 at::Tensor pack_skinny_int4(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte, "pack_skinny_int4: codes must be [out, in] uint8");
@@ -655,8 +661,8 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows>("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
-                               [&](int64_t t, int64_t m0, int64_t, float* acc) {
-                                 int4_amx_chunk(w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
+                               [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
+                                 kInt4AmxChunks[chunk - 1](w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
                                                 sxa + m0 * groups, acc);
                                },
                                LoadAmxConfig{});
@@ -737,14 +743,7 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 }
 #endif
 
-using Int8TileDot = void (*)(const uint8_t*, const int8_t*, int64_t, const float*, const float*, float*);
-
-template <size_t... I>
-constexpr std::array<Int8TileDot, sizeof...(I)> make_int8_tile_dots(std::index_sequence<I...>) {
-  return {&int8_tile_dot<static_cast<int>(I) + 1>...};
-}
-
-constexpr auto kInt8TileDots = make_int8_tile_dots(std::make_index_sequence<kMaxChunkRows>{});
+constexpr auto kInt8TileDots = per_row_count<kMaxChunkRows>([](auto rows) { return &int8_tile_dot<rows>; });
 
 at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar, "pack_skinny_int8: codes must be [out, in] int8");
@@ -788,8 +787,8 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows>("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
-                               [&](int64_t t, int64_t m0, int64_t, float* acc) {
-                                 int8_amx_chunk(w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
+                               [&](int64_t t, int64_t m0, int64_t chunk, float* acc) {
+                                 kInt8AmxChunks[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
                                },
                                LoadAmxConfig{});
   }
