@@ -127,8 +127,9 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 class Int8Linear(nn.Module):
     """A linear layer with per-channel int8 weights; same inputs and outputs as the float one.
     With ``skinny_ops`` (and bf16 scales on the CPU, in_features a multiple of 32) every step
-    takes executor/skinny.py's VNNI kernel on int8-rounded activations, and torch's copy is not
-    kept; its rows round alike at any batch size, so ``decode_step`` changes nothing."""
+    takes executor/skinny.py's kernels, and torch's copy is not kept: decode steps the VNNI / AMX
+    int8 kernel on int8-rounded activations (its rows round alike at any batch size), steps with
+    prompt tokens (``decode_step`` False) its AMX bf16 one where the CPU has it."""
 
     def __init__(self, linear: nn.Linear, skinny_ops=None):
         super().__init__()
@@ -145,7 +146,7 @@ class Int8Linear(nn.Module):
         # x: [..., in] → [..., out]
         rows = x.reshape(-1, self.in_features)
         if self.skinny is not None:
-            return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
+            return self.skinny(rows, self.bias, prompt=not decode_step).view(*x.shape[:-1], self.out_features)
         out = torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

@@ -54,21 +54,29 @@ class SkinnyInt8Matmul:
     """Per-channel int8 weights (executor/quantization.py's codes and scales) in
     ``skinny_linear_int8``'s layout: per tile of 16 rows, each 4 inputs' 64 codes (+128, unsigned),
     then the scales. x is quantized per token and group of 32 inputs on the way in
-    (``quantize_activations_int8``), so that the products are VNNI integer dot products."""
+    (``quantize_activations_int8``), so that the products are VNNI integer dot products.
+
+    Steps with prompt tokens, where the CPU has AMX bf16 tiles, take ``prompt_linear_int8``
+    instead: the same codes expanded to bf16 per tile, times unrounded bf16 activations (2x faster
+    at 256-512 rows, docs/executor.md). Prompt tokens take it however few there are, so that a
+    prompt's rounding does not depend on how much of it was cached (as bf16's take oneDNN)."""
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
         # codes: [out, in] int8; scales: [out]
         self._ops = cpu_ops
         self.out_features = codes.shape[0]
         self.packed = cpu_ops.pack_skinny_int8(codes, scales)
+        self.has_prompt_kernel = cpu_ops.has_prompt_linear_int8()
 
     @staticmethod
     def fits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
         return (scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
                 and codes.shape[1] % INT8_ACTIVATION_GROUP == 0)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
+        if prompt and self.has_prompt_kernel:
+            return self._ops.prompt_linear_int8(x, self.packed, bias, self.out_features)
         return self._ops.skinny_linear_int8(x, self.packed, bias, self.out_features)
 
 

@@ -27,12 +27,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-// The AMX kernels below: built where the CPU has AMX tiles with int8 multiplies.
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define KVSERVE_AMX_INT8 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <array>
@@ -43,6 +37,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "vec16.h"
 
 namespace {
@@ -335,27 +330,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
 #if defined(KVSERVE_AMX_INT8)
 constexpr int kAmxRows = 16;
 
-// Linux hands out AMX's 8 KiB of tile state only on request (once per process); without it the
-// first tile instruction faults, so a refusal keeps the VNNI kernels.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
 // Tiles 0-1 (and 6-7, for every other pair): two groups' 16 x 16 int32 dots; 2-3: their 16 rows x
 // 32 activation codes; 4-5: their 8 quads x 16 weight rows x 4 codes. Loaded per thread and call:
 // oneDNN's AMX kernels run on the same threads with their own configurations.
-struct AmxConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 struct LoadAmxConfig {
   void operator()() const {
     AmxConfig config;
