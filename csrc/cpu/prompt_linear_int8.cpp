@@ -129,7 +129,7 @@ at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "prompt_linear_int8: x has ", k, " features, the weight ",
               (packed.size(1) - kTile * 4) / kTile);
   TORCH_CHECK(k % kDepth == 0, "prompt_linear_int8: in_features must be a multiple of ", kDepth);
-  const int64_t tiles = packed.size(0), tile_bytes = packed.size(1);
+  const int64_t tiles = packed.size(0);
   TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, "prompt_linear_int8: out_features ",
               out_features, " does not match the packed weight");
   at::Tensor bias_f32;
@@ -148,7 +148,7 @@ at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
     xs.narrow(0, 0, rows).copy_(x);
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
-  const int64_t x_stride = xs.stride(0), groups = k / kDepth;
+  const int64_t x_stride = xs.stride(0), groups = k / kDepth, tile_bytes = packed.size(1);
   const auto* w = packed.data_ptr<uint8_t>();
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<at::BFloat16>();
