@@ -185,7 +185,7 @@ class Int4Linear(nn.Module):
         # x: [..., in] → [..., out]
         rows = x.reshape(-1, self.in_features)
         if self.skinny is not None:
-            return self.skinny(rows, self.bias).view(*x.shape[:-1], self.out_features)
+            return self.skinny(rows, self.bias, prompt=not decode_step).view(*x.shape[:-1], self.out_features)
         out = self._mm(rows, self.packed, self.group_size, self.scales_and_zeros)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

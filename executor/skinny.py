@@ -57,16 +57,17 @@ class SkinnyInt8Matmul:
     (``quantize_activations_int8``), so that the products are VNNI integer dot products.
 
     Steps with prompt tokens, where the CPU has AMX bf16 tiles, take ``prompt_linear_int8``
-    instead: the same codes expanded to bf16 per tile, times unrounded bf16 activations (2x faster
-    at 256-512 rows, docs/executor.md). Prompt tokens take it however few there are, so that a
-    prompt's rounding does not depend on how much of it was cached (as bf16's take oneDNN)."""
+    instead (``csrc/cpu/prompt_linear.cpp``): the same codes expanded to bf16 per tile, times
+    unrounded bf16 activations (2x faster at 256-512 rows, docs/executor.md). Prompt tokens take it
+    however few there are, so that a prompt's rounding does not depend on how much of it was
+    cached (as bf16's take oneDNN)."""
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
         # codes: [out, in] int8; scales: [out]
         self._ops = cpu_ops
         self.out_features = codes.shape[0]
         self.packed = cpu_ops.pack_skinny_int8(codes, scales)
-        self.has_prompt_kernel = cpu_ops.has_prompt_linear_int8()
+        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
 
     @staticmethod
     def fits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -84,18 +85,23 @@ class SkinnyInt4Matmul:
     """Group-wise int4 weights (executor/quantization.py's codes, scales and zeros, groups of 32)
     in ``skinny_linear_int4``'s layout: per tile of 16 rows and group, the codes two a byte and the
     group's bf16 scales and zeros, one 320-byte record. x is quantized as for
-    ``SkinnyInt8Matmul``, so that the products are VNNI integer dot products with the codes."""
+    ``SkinnyInt8Matmul``, so that the products are VNNI integer dot products with the codes; steps
+    with prompt tokens take ``prompt_linear_int4`` where it runs, as int8's (each weight
+    ``(c - 8) * scale + zero`` rounded to bf16 per tile)."""
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16
         self._ops = cpu_ops
         self.out_features = codes.shape[0]
         self.packed = cpu_ops.pack_skinny_int4(codes, scales, zeros)
+        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
 
     @staticmethod
     def fits(scales: torch.Tensor, group_size: int) -> bool:
         return scales.dtype == torch.bfloat16 and scales.device.type == "cpu" and group_size == 32
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
+        if prompt and self.has_prompt_kernel:
+            return self._ops.prompt_linear_int4(x, self.packed, bias, self.out_features)
         return self._ops.skinny_linear_int4(x, self.packed, bias, self.out_features)

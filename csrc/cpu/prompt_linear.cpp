@@ -1,0 +1,294 @@
+// y = x @ W^T (+ bias) for the prompt tokens of a step, W the quantized weights in
+// skinny_linear.cpp's layouts (pack_skinny_int8, pack_skinny_int4), on AMX bf16 tiles.
+//
+// A decode step takes skinny_linear_int8 / _int4, which round the activations to int8 per group of
+// 32 inputs: each group's 16 x 16 integer tile must then be stored and scaled by its group's
+// activation scales, which costs more than the tile multiply itself (docs/executor.md). A prompt
+// has tens to hundreds of rows, and there this kernel expands the weights once per tile into bf16
+// and multiplies them with the unrounded bf16 activations in TDPBF16PS, accumulating over the
+// whole input in the tiles: one store per 16 x 16 outputs. No second copy of the weights is kept.
+//
+//   int8: the codes q in [-127, 127] are exact in bf16; the column's scale multiplies at the end.
+//   int4: each weight (c - 8) * scale + zero, one FMA in float32, rounded to bf16 (ties to even).
+//
+// Per pair of column tiles (32 outputs): expand both tiles (2 x K x 16 bf16, at most 96 KiB here:
+// it stays in L2), then for every 32 rows of x four accumulators — 2 row tiles x 2 column tiles —
+// over all of K.
+//
+// Registered as torch.ops.kvserve_cpu.{has_prompt_linear, prompt_linear_int8, prompt_linear_int4}.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "amx.h"
+#include "vec16.h"
+
+namespace {
+
+using namespace kvserve_cpu;
+
+constexpr int64_t kTile = 16;              // output columns per packed tile (skinny_linear.cpp)
+constexpr int64_t kQuadBytes = 4 * kTile;  // a tile's codes for 4 inputs: 16 columns x 4 bytes (q + 128)
+constexpr int64_t kDepth = 32;             // inputs per tile multiply: 16 pairs of bf16
+constexpr int64_t kRowBlock = 32;          // rows of x per block: two row tiles
+constexpr int64_t kExpandedTile = kDepth * kTile;  // bf16 values of one expanded B tile
+// int4's records, per tile and group of 32 inputs, 320 bytes: 4 blocks of 64 (block b: each
+// column's 4 bytes, byte j with input 4b + j in its low nibble and 16 + 4b + j in its high one),
+// then the 16 columns' bf16 scales and zeros.
+constexpr int64_t kInt4CodeBytes = 256;
+constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;
+
+#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+#define KVSERVE_PROMPT_LINEAR 1
+
+// Tiles 0-3: accumulators, row tile r and column tile c in tile 2r + c; 4-5: the two row tiles'
+// 16 rows x 32 inputs of x; 6-7: the two column tiles' 32 inputs x 16 columns, as 16 rows of
+// pairs. Loaded per thread and call: other AMX kernels run on the same threads.
+void load_tile_config() {
+  AmxConfig config;
+  for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// The zero-masked form: GCC 12 warns that the unmasked one reads an uninitialized register.
+inline __m512i shift_right(__m512i v, unsigned bits) { return _mm512_maskz_srli_epi32(0xFFFF, v, bits); }
+
+// One quad of codes (inputs k..k+3 of the tile's 16 columns, u = q + 128) as two rows of a B
+// tile: (k, k+1) and (k+2, k+3), each column's pair side by side, the lower input in the low half.
+// The float with bits 0x4B000000 | u is 2^23 + u; less 2^23 + 128 it is q, exactly, and the upper
+// half of its bits is q's bf16.
+inline void expand_quad(const uint8_t* quad, uint16_t* rows) {
+  const __m512i codes = _mm512_loadu_si512(quad);
+  const __m512i byte = _mm512_set1_epi32(0xFF), magic = _mm512_set1_epi32(0x4B000000);
+  const __m512i upper = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 offset = _mm512_set1_ps(8388736.f);
+  auto as_float_bits = [&](__m512i shifted) {  // ternary logic 0xEA: (a & b) | c
+    const __m512 biased = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shifted, byte, magic, 0xEA));
+    return _mm512_castps_si512(_mm512_sub_ps(biased, offset));
+  };
+  const __m512i f0 = as_float_bits(codes), f1 = as_float_bits(shift_right(codes, 8));
+  const __m512i f2 = as_float_bits(shift_right(codes, 16)), f3 = as_float_bits(shift_right(codes, 24));
+  // ternary logic 0xF8: a | (b & c)
+  _mm512_storeu_si512(rows, _mm512_ternarylogic_epi32(shift_right(f0, 16), f1, upper, 0xF8));
+  _mm512_storeu_si512(rows + 2 * kTile, _mm512_ternarylogic_epi32(shift_right(f2, 16), f3, upper, 0xF8));
+}
+
+// An int8 tile's codes → `groups` B tiles of kExpandedTile bf16 each.
+void expand_int8_tile(const uint8_t* tile, int64_t groups, uint16_t* expanded) {
+  for (int64_t quad = 0; quad < groups * (kDepth / 4); ++quad) {
+    expand_quad(tile + quad * kQuadBytes, expanded + quad * 4 * kTile);
+  }
+}
+
+// ---- int4: the group records of pack_skinny_int4 (layout above) ----------------------------
+
+inline __m512 bf16_as_float(const uint8_t* p) {
+  const __m512i words = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, words, 16));
+}
+
+// One group record → its B tile: (c - 8) * scale + zero in float32 (one FMA), rounded to bf16.
+// (0x4B000000 | c) - (2^23 + 8) is c - 8 exactly, as in expand_quad.
+void expand_int4_group(const uint8_t* record, uint16_t* rows) {
+  const __m512 scale = bf16_as_float(record + kInt4CodeBytes), zero = bf16_as_float(record + kInt4CodeBytes + 32);
+  const __m512i nibble = _mm512_set1_epi32(0xF), magic = _mm512_set1_epi32(0x4B000000);
+  const __m512 offset = _mm512_set1_ps(8388616.f);
+  // Word 2n of a row is column n's even input (lanes 0-15 of cvtne2ps's result), word 2n + 1 its
+  // odd one (lanes 16-31).
+  alignas(64) int16_t order[32];
+  for (int n = 0; n < 16; ++n) order[2 * n] = static_cast<int16_t>(n), order[2 * n + 1] = static_cast<int16_t>(16 + n);
+  const __m512i interleave = _mm512_load_si512(order);
+  for (int block = 0; block < 4; ++block) {
+    const __m512i codes = _mm512_loadu_si512(record + block * kQuadBytes);
+    auto weight = [&](unsigned shift) {  // ternary logic 0xEA: (a & b) | c
+      const __m512 biased = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(shift_right(codes, shift), nibble, magic, 0xEA));
+      return _mm512_fmadd_ps(_mm512_sub_ps(biased, offset), scale, zero);
+    };
+    for (unsigned half = 0; half < 2; ++half) {      // low nibbles: inputs 4b.., high: 16 + 4b..
+      for (unsigned pair = 0; pair < 2; ++pair) {    // bytes (0, 1) and (2, 3)
+        const unsigned shift = 16 * pair + 4 * half;
+        const __m512bh both = _mm512_cvtne2ps_pbh(weight(shift + 8), weight(shift));
+        const int64_t row = 8 * half + 2 * block + pair;
+        _mm512_storeu_si512(rows + row * 2 * kTile, _mm512_permutexvar_epi16(interleave, (__m512i)both));
+      }
+    }
+  }
+}
+
+void expand_int4_tile(const uint8_t* tile, int64_t groups, uint16_t* expanded) {
+  for (int64_t g = 0; g < groups; ++g) expand_int4_group(tile + g * kInt4RecordBytes, expanded + g * kExpandedTile);
+}
+
+// The products of 32 rows of x (`x_stride` bf16 apart, all present) with one or two expanded
+// column tiles over `groups` depths, stored as float32 [2 r + c][16 rows][16 columns].
+// GCC's tile intrinsics are asm without a memory clobber, hence the compiler barriers.
+void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0, const uint16_t* b1, bool two,
+                        int64_t groups, float (*sums)[kTile * kTile]) {
+  const int64_t x_bytes = x_stride * 2;
+  asm volatile("" ::: "memory");
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_loadd(4, x + g * kDepth, x_bytes);
+    _tile_loadd(5, x + 16 * x_stride + g * kDepth, x_bytes);
+    _tile_loadd(6, b0 + g * kExpandedTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two) {
+      _tile_loadd(7, b1 + g * kExpandedTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(2, sums[2], 64);
+  if (two) {
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+  asm volatile("" ::: "memory");
+}
+#endif
+
+bool has_prompt_linear() {
+#if defined(KVSERVE_PROMPT_LINEAR)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+#if defined(KVSERVE_PROMPT_LINEAR)
+// Checks the common arguments and runs `expand(t, out)` (tile t's weights as K / 32 B tiles) per
+// pair of column tiles and the row blocks against them; `column_scale(t)`: what tile t's 16 sums
+// are multiplied by, or nullptr.
+template <typename Expand, typename ColumnScale>
+at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, const c10::optional<at::Tensor>& bias,
+                         int64_t out_features, const Expand& expand, const ColumnScale& column_scale) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features ",
+              out_features, " does not match the packed weight");
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op, ": bias must be [out_features]");
+    bias_f32 = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  // Whole blocks of 32 rows, contiguous: the tile loads read 16 full rows at a time.
+  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  at::Tensor xs = x;
+  if (padded_rows != rows || x.stride(1) != 1) {
+    xs = at::zeros({padded_rows, k}, x.options());
+    xs.narrow(0, 0, rows).copy_(x);
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
+  const int64_t x_stride = xs.stride(0), groups = k / kDepth;
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  auto* y = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    load_tile_config();
+    std::vector<uint16_t> expanded(2 * groups * kExpandedTile);
+    uint16_t* b0 = expanded.data();
+    uint16_t* b1 = b0 + groups * kExpandedTile;
+    alignas(64) float sums[4][kTile * kTile];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t0 = 2 * pair;
+      const bool two = t0 + 1 < tiles;
+      expand(t0, b0);
+      if (two) expand(t0 + 1, b1);
+      for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+        multiply_row_block(xp + m0 * x_stride, x_stride, b0, b1, two, groups, sums);
+        for (int c = 0; c < 1 + two; ++c) {
+          const int64_t col0 = (t0 + c) * kTile, cols = std::min(kTile, out_features - col0);
+          const float* scale = column_scale(t0 + c);
+          for (int r = 0; r < 2; ++r) {
+            for (int64_t m = 0; m < kTile && m0 + r * kTile + m < rows; ++m) {
+              const float* sum = sums[2 * r + c] + m * kTile;
+              at::BFloat16* dst = y + (m0 + r * kTile + m) * out_features + col0;
+              if (cols == kTile) {
+                const Vec16 v = scale ? load16(sum) * load16(scale) : load16(sum);
+                store16(dst, b ? v + load16(b + col0) : v);
+              } else {
+                for (int64_t j = 0; j < cols; ++j) {
+                  dst[j] = static_cast<at::BFloat16>(sum[j] * (scale ? scale[j] : 1.f) + (b ? b[col0 + j] : 0.f));
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
+void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(has_prompt_linear(), op, ": needs AMX bf16 tiles, which this CPU or build lacks");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [rows, in_features] bfloat16");
+  TORCH_CHECK(x.size(1) % kDepth == 0, op, ": in_features must be a multiple of ", kDepth);
+}
+
+at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  check_x("prompt_linear_int8", x);
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "prompt_linear_int8: packed must come from pack_skinny_int8");
+  TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "prompt_linear_int8: x has ", k, " features, the weight ",
+              (packed.size(1) - kTile * 4) / kTile);
+#if defined(KVSERVE_PROMPT_LINEAR)
+  const auto* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = packed.size(1);
+  return prompt_linear(
+      "prompt_linear_int8", x, packed.size(0), bias, out_features,
+      [&](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, k / kDepth, expanded); },
+      [&](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
+#else
+  (void)bias, (void)out_features;
+  return {};  // check_x refused: no tiles in this build
+#endif
+}
+
+at::Tensor prompt_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  check_x("prompt_linear_int4", x);
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "prompt_linear_int4: packed must come from pack_skinny_int4");
+  TORCH_CHECK(packed.size(1) * kDepth == k, "prompt_linear_int4: x has ", k, " features, the weight ",
+              packed.size(1) * kDepth);
+#if defined(KVSERVE_PROMPT_LINEAR)
+  const auto* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = packed.size(1) * kInt4RecordBytes;
+  return prompt_linear(
+      "prompt_linear_int4", x, packed.size(0), bias, out_features,
+      [&](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, k / kDepth, expanded); },
+      [](int64_t) -> const float* { return nullptr; });
+#else
+  (void)bias, (void)out_features;
+  return {};  // check_x refused: no tiles in this build
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("has_prompt_linear", &has_prompt_linear);
+  m.def("prompt_linear_int8(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("prompt_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
+  m.impl("prompt_linear_int8", &prompt_linear_int8);
+  m.impl("prompt_linear_int4", &prompt_linear_int4);
+}
