@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "packed_output.h"
 #include "vec16.h"
 
 namespace {
@@ -100,9 +101,9 @@ void expand_int4_group(const uint8_t* record, uint16_t* rows) {
   const __m512 offset = _mm512_set1_ps(8388616.f);
   // Word 2n of a row is column n's even input (lanes 0-15 of cvtne2ps's result), word 2n + 1 its
   // odd one (lanes 16-31).
-  alignas(64) int16_t order[32];
-  for (int n = 0; n < 16; ++n) order[2 * n] = static_cast<int16_t>(n), order[2 * n + 1] = static_cast<int16_t>(16 + n);
-  const __m512i interleave = _mm512_load_si512(order);
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
   for (int block = 0; block < 4; ++block) {
     const __m512i codes = _mm512_loadu_si512(record + block * kQuadBytes);
     auto weight = [&](unsigned shift) {  // ternary logic 0xEA: (a & b) | c
@@ -173,13 +174,7 @@ template <typename Expand, typename ColumnScale>
 at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, const c10::optional<at::Tensor>& bias,
                          int64_t out_features, const Expand& expand, const ColumnScale& column_scale) {
   const int64_t rows = x.size(0), k = x.size(1);
-  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features ",
-              out_features, " does not match the packed weight");
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op, ": bias must be [out_features]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   // Whole blocks of 32 rows, contiguous: the tile loads read 16 full rows at a time.

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "packed_output.h"
 #include "vec16.h"
 
 namespace {
@@ -161,13 +162,7 @@ template <int ChunkRows = kMaxChunkRows, typename TileChunk, typename ThreadSetu
 at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t tile_bytes,
                      const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
                      const ThreadSetup& thread_setup = {}) {
-  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, op, ": out_features ",
-              out_features, " does not match the packed weight");
-  at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op, ": bias must be [out_features]");
-    bias_f32 = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;

@@ -1,0 +1,19 @@
+// What every kernel on a weight packed in tiles of output rows checks of its outputs and bias.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvserve_cpu {
+
+// Refuses an `out_features` the packed weight (`tiles` tiles of `tile_width` outputs) does not
+// hold, or a bias that is not [out_features]; returns the bias as float32 (undefined if none).
+inline at::Tensor checked_bias_f32(const char* op, int64_t tiles, int64_t tile_width, int64_t out_features,
+                                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(out_features > (tiles - 1) * tile_width && out_features <= tiles * tile_width, op, ": out_features ",
+              out_features, " does not match the packed weight");
+  if (!bias.has_value() || !bias->defined()) return {};
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == out_features, op, ": bias must be [out_features]");
+  return bias->to(at::kFloat).contiguous();
+}
+
+}  // namespace kvserve_cpu
