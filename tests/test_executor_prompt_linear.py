@@ -62,6 +62,17 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(prompt_ops, kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
+def test_rows_beyond_one_pass_over_the_weights(prompt_ops, kind):
+    """Long prompts are taken in passes of rows that fit in L2 (256 rows of 1536 inputs): each row
+    the same as in a short call, and as float32 arithmetic."""
+    weight, packed, op, _ = pack(prompt_ops, kind, 40, 1536)
+    x = randn(300, 1536)
+    out = op(x, packed, None, 40)
+    torch.testing.assert_close(out, reference(x, weight), **BF16_STEP)
+    assert torch.equal(out[250:], op(x[250:], packed, None, 40))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 def test_a_nan_activation_reaches_its_token_only(prompt_ops, kind):
     _, packed, op, _ = pack(prompt_ops, kind, 48, 64)
     x = randn(20, 64)
