@@ -329,11 +329,12 @@ class Transformer(nn.Module):
         return normed
 
     def compute_logits(self, hidden: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
-        # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] float32; decode_step as Linear's
+        # hidden: [num_sampled, hidden] → logits [num_sampled, vocab] in the head's dtype (widened by
+        # whoever needs float32: the compiled greedy pick reads bf16 as it is); decode_step as Linear's
         if self.quantized_lm_head is not None:
-            return self.quantized_lm_head(hidden, None).float()
+            return self.quantized_lm_head(hidden, None)
         if self.skinny_lm_head is not None and decode_step and self.skinny_lm_head.takes(hidden):
-            return self.skinny_lm_head(hidden, None).float()
+            return self.skinny_lm_head(hidden, None)
         if self.packed_lm_head is not None:
-            return packed_linear(hidden, self.packed_lm_head, None).float()
-        return F.linear(hidden, self.lm_head_weight()).float()
+            return packed_linear(hidden, self.packed_lm_head, None)
+        return F.linear(hidden, self.lm_head_weight())

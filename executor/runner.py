@@ -260,7 +260,7 @@ class ModelRunner:
         )
 
     def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
-        # hidden: [num_tokens, hidden] → logits [len(rows), vocab] float32 at each row's last token
+        # hidden: [num_tokens, hidden] → logits [len(rows), vocab] (the head's dtype) at each row's last token
         ends = list(itertools.accumulate(meta.query_lens_cpu))
         last_tokens = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.max_query_len == 1)
@@ -272,7 +272,7 @@ class ModelRunner:
         self.validate(sequences, [], [])
         token_ids, positions, meta = self._prepare(sequences)
         hidden = self.model(token_ids, positions, self.kv_caches, meta, self.backend)
-        return self._last_token_logits(hidden, meta, list(range(len(sequences)))).cpu()
+        return self._last_token_logits(hidden, meta, list(range(len(sequences)))).float().cpu()
 
     def _prepare(self, sequences: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)."""

@@ -98,9 +98,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
            generator: torch.Generator, greedy: GreedySampler | None = None) -> SampleResult:
-    """logits: [rows, vocab] float32 on the CPU or the device, one row per entry of ``params``.
-    ``greedy``: a compiled pick for batches that are all plain greedy (see AttentionBackend.greedy_sample)."""
-    logits = logits.float()
+    """logits: [rows, vocab] (float32 or the model's dtype) on the CPU or the device, one row per
+    entry of ``params``. ``greedy``: a compiled pick for batches that are all plain greedy (see
+    AttentionBackend.greedy_sample), which takes them in either dtype; the rest runs in float32."""
     rows, vocab = logits.shape
     suppressed = [(row, tid) for row, p in enumerate(params) for tid in p.suppressed_token_ids]
     if suppressed:
@@ -111,6 +111,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     if greedy is not None and all(p.is_greedy and not p.top_logprobs for p in params):
         token_ids, logprobs = greedy(logits)
         return SampleResult(token_ids.tolist(), logprobs.tolist(), None)
+    logits = logits.float()
     if all(p.is_greedy for p in params):
         scaled = logits
     else:

@@ -58,6 +58,27 @@ def test_compiled_greedy_pick_equals_the_torch_path():
     assert x[0].argmax() == banned  # the caller's logits are not masked in place
 
 
+def test_logits_in_bf16_give_what_their_float32_values_give():
+    """The model hands its logits over in its own dtype: the compiled pick reads bf16 as it is, the
+    torch path widens them first; either way the result is that of the widened logits."""
+    from executor.attention.cpu_backend import CpuAttentionBackend
+
+    greedy = CpuAttentionBackend(torch.device("cpu")).greedy_sample
+    x = (logits(8) * 4).to(torch.bfloat16)
+    x[2, 7] = x[2, 700] = x[2].max() + 1  # a tie in bf16: the first index wins
+    widened = x.float()
+    for params in ([SamplingParams()] * 8,
+                   [SamplingParams(suppressed_token_ids=(int(x[0].argmax()),))] + [SamplingParams()] * 7,
+                   [SamplingParams(temperature=0.7, seed=3)] + [SamplingParams(top_logprobs=2)] * 7):
+        for pick in (greedy, None):
+            got = sample(x, params, list(range(8)), torch.Generator().manual_seed(0), pick)
+            want = sample(widened, params, list(range(8)), torch.Generator().manual_seed(0))
+            assert got.token_ids == want.token_ids and got.top_logprobs == want.top_logprobs
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert sample(x, [SamplingParams()] * 8, list(range(8)), torch.Generator(), greedy).token_ids[2] == 7
+    assert torch.equal(x.float(), widened)  # the caller's logits are not masked in place
+
+
 def test_top_k_one_equals_greedy():
     x = logits(32)
     params = [SamplingParams(temperature=1.3, top_k=1)] * 32

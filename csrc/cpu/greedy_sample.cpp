@@ -22,8 +22,10 @@ namespace {
 
 using namespace kvserve_cpu;
 
-// The first index of the row's maximum (what torch.argmax returns) and log p of it.
-std::pair<int64_t, float> greedy_row(const float* row, int64_t vocab) {
+// The first index of the row's maximum (what torch.argmax returns) and log p of it; T is float
+// or bf16 (taken as its exact float value: the same pick and logprob as on the widened row).
+template <typename T>
+std::pair<int64_t, float> greedy_row(const T* row, int64_t vocab) {
   const int64_t vector_end = vocab - vocab % kLanes;
   Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < vector_end; i += kLanes) {
@@ -31,35 +33,42 @@ std::pair<int64_t, float> greedy_row(const float* row, int64_t vocab) {
     vmax = vmax > x ? vmax : x;
   }
   float best = reduce_max(vmax);
-  for (int64_t i = vector_end; i < vocab; ++i) best = std::max(best, row[i]);
+  for (int64_t i = vector_end; i < vocab; ++i) best = std::max(best, static_cast<float>(row[i]));
   int64_t index = 0;
-  while (index < vocab && row[index] != best) ++index;
+  while (index < vocab && static_cast<float>(row[index]) != best) ++index;
   Vec16 vsum{};
   for (int64_t i = 0; i < vector_end; i += kLanes) vsum += exp_nonpositive(load16(row + i) - best);
   float sum = reduce_sum(vsum);
-  for (int64_t i = vector_end; i < vocab; ++i) sum += std::exp(row[i] - best);
+  for (int64_t i = vector_end; i < vocab; ++i) sum += std::exp(static_cast<float>(row[i]) - best);
   return {index, -std::log(sum)};
 }
 
-// logits: [rows, vocab] float32 → (token_ids [rows] int64, logprobs [rows] float32)
+// logits: [rows, vocab] float32 or bfloat16 → (token_ids [rows] int64, logprobs [rows] float32)
 std::tuple<at::Tensor, at::Tensor> greedy_sample(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
-              "greedy_sample: float32 CPU logits [rows, vocab]");
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+                  logits.device().is_cpu(),
+              "greedy_sample: float32 or bfloat16 CPU logits [rows, vocab]");
   TORCH_CHECK(logits.size(1) > 0, "greedy_sample: empty vocabulary");
   const auto x = logits.contiguous();
   const int64_t rows = x.size(0), vocab = x.size(1);
   auto token_ids = at::empty({rows}, x.options().dtype(at::kLong));
-  auto logprobs = at::empty({rows}, x.options());
-  const float* data = x.data_ptr<float>();
+  auto logprobs = at::empty({rows}, x.options().dtype(at::kFloat));
   int64_t* ids = token_ids.data_ptr<int64_t>();
   float* lps = logprobs.data_ptr<float>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const auto [index, logprob] = greedy_row(data + r * vocab, vocab);
-      ids[r] = index;
-      lps[r] = logprob;
-    }
-  });
+  auto pick_rows = [&](const auto* data) {
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const auto [index, logprob] = greedy_row(data + r * vocab, vocab);
+        ids[r] = index;
+        lps[r] = logprob;
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) {
+    pick_rows(x.data_ptr<float>());
+  } else {
+    pick_rows(reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>()));
+  }
   return {token_ids, logprobs};
 }
 
