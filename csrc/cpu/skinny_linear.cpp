@@ -595,13 +595,21 @@ constexpr auto kInt4TileDots = per_row_count<kMaxChunkRows>([](auto rows) { retu
 // VNNI kernel's multiply-adds on so few rows, whose weights the tile before has just brought into
 // cache. A step's matmuls at 17 / 20 rows 10-15% / ~5% faster; at 24 (a tail of 8) slower, hence 4.
 constexpr int kVnniTailRows = 4;
-constexpr auto kInt4AmxChunks = per_row_count<kAmxRows>([](auto rows) {
-  if constexpr (rows <= kVnniTailRows) {
-    return &int4_tile_dot<rows>;
-  } else {
-    return &int4_amx_chunk<rows>;
-  }
-});
+
+// {chunk<1>, ..., chunk<16>} for the AMX path: vnni(rows) up to kVnniTailRows rows, amx(rows) beyond.
+template <typename Vnni, typename Amx>
+constexpr auto amx_path_chunks(Vnni vnni, Amx amx) {
+  return per_row_count<kAmxRows>([=](auto rows) {
+    if constexpr (rows <= kVnniTailRows) {
+      return vnni(rows);
+    } else {
+      return amx(rows);
+    }
+  });
+}
+
+constexpr auto kInt4AmxChunks = amx_path_chunks([](auto rows) { return &int4_tile_dot<rows>; },
+                                                [](auto rows) { return &int4_amx_chunk<rows>; });
 #endif
 
 at::Tensor pack_skinny_int4(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
@@ -731,14 +739,8 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 
 constexpr auto kInt8TileDots = per_row_count<kMaxChunkRows>([](auto rows) { return &int8_tile_dot<rows>; });
 #if defined(KVSERVE_AMX_INT8)
-// As kInt4AmxChunks: a tail of up to kVnniTailRows rows takes the VNNI kernel.
-constexpr auto kInt8AmxChunks = per_row_count<kAmxRows>([](auto rows) {
-  if constexpr (rows <= kVnniTailRows) {
-    return &int8_tile_dot<rows>;
-  } else {
-    return &int8_amx_chunk<rows>;
-  }
-});
+constexpr auto kInt8AmxChunks = amx_path_chunks([](auto rows) { return &int8_tile_dot<rows>; },
+                                                [](auto rows) { return &int8_amx_chunk<rows>; });
 #endif
 
 at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
