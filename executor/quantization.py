@@ -6,8 +6,10 @@ and on the CPU with the compiled kernels the (tied or separate) LM head gets an
 int8 copy (``quantize_lm_head``) used at every step. On the CPU with the compiled
 kernels both modes also round each token's activations per group of
 ``INT8_ACTIVATION_GROUP`` inputs (``quantize_activations_int8``) so that their
-products are integer dot products; elsewhere (torch's kernels) they are
-weight-only: the kernels dequantize weights inside the matmul.
+products are integer dot products — except steps with prompt tokens on a CPU with
+AMX bf16 tiles, which take the activations unrounded (``prompt_linear_*``,
+executor/skinny.py); elsewhere (torch's kernels) they are weight-only: the kernels
+dequantize weights inside the matmul.
 
 - ``int8``: per output channel, symmetric: ``w ≈ q * scale``, ``q`` in [-127, 127].
   ``torch.ops.aten._weight_int8pack_mm`` (CPU; other devices where this torch has it).
