@@ -26,24 +26,17 @@
 #include <vector>
 
 #include "amx.h"
-#include "packed_output.h"
+#include "packed_layout.h"
 #include "vec16.h"
 
 namespace {
 
 using namespace kvserve_cpu;
 
-constexpr int64_t kTile = 16;              // output columns per packed tile (skinny_linear.cpp)
-constexpr int64_t kQuadBytes = 4 * kTile;  // a tile's codes for 4 inputs: 16 columns x 4 bytes (q + 128)
 constexpr int64_t kDepth = 32;             // inputs per tile multiply: 16 pairs of bf16
 constexpr int64_t kRowBlock = 32;          // rows of x per block: two row tiles
 constexpr int64_t kExpandedTile = kDepth * kTile;  // bf16 values of one expanded B tile
 constexpr int64_t kPassBytes = 768 * 1024;         // rows of x per pass over the weights, in bytes
-// int4's records, per tile and group of 32 inputs, 320 bytes: 4 blocks of 64 (block b: each
-// column's 4 bytes, byte j with input 4b + j in its low nibble and 16 + 4b + j in its high one),
-// then the 16 columns' bf16 scales and zeros.
-constexpr int64_t kInt4CodeBytes = 256;
-constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;
 
 #if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
 #define KVSERVE_PROMPT_LINEAR 1
@@ -87,7 +80,10 @@ void expand_int8_tile(const uint8_t* tile, int64_t groups, uint16_t* expanded) {
   }
 }
 
-// ---- int4: the group records of pack_skinny_int4 (layout above) ----------------------------
+// ---- int4: the group records of pack_skinny_int4 ----------------------------------------------
+// Per tile and group of 32 inputs, 320 bytes: 4 blocks of 64 (block b: each column's 4 bytes, byte
+// j with input 4b + j in its low nibble and 16 + 4b + j in its high one), then the 16 columns' bf16
+// scales and zeros.
 
 inline __m512 bf16_as_float(const uint8_t* p) {
   const __m512i words = _mm512_maskz_cvtepu16_epi32(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

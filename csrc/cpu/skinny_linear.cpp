@@ -38,14 +38,13 @@
 #include <vector>
 
 #include "amx.h"
-#include "packed_output.h"
+#include "packed_layout.h"
 #include "vec16.h"
 
 namespace {
 
 using namespace kvserve_cpu;
 
-constexpr int64_t kTile = 16;    // output rows per tile: one register of float32 accumulators
 constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
 // The weights are one sequential stream, but the hardware prefetcher stops at every 4 KiB page and
 // ramps up again: the kernels ask for the line this many 64-byte lines ahead as they go (one core
@@ -224,8 +223,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 // into each 32-bit lane, 64 multiply-adds an instruction where an FMA does 16. Integer sums are
 // exact, and the float ones run in the same order whatever the batch, so a row's result does not
 // depend on the batch, and the fallback without VNNI computes the same numbers.
-constexpr int64_t kGroup = 32;
-constexpr int64_t kQuadBytes = 4 * kTile;  // 4 inputs of 16 rows: one register of codes
 
 // v rounded to the nearest integer, ties to even (|v| < 2^22).
 inline Vec16 round_to_integer(Vec16 v) {
@@ -459,8 +456,6 @@ int64_t amx_padded_rows(int64_t rows) {
 //   sx * (scale * (D - 8 A) + zero * A) = (D sx) * scale + (sx A) * (zero - 8 scale)
 //
 // to each row: a conversion, a product and two FMAs per group and row for eight VPDPBUSDs.
-constexpr int64_t kInt4CodeBytes = kTile * kGroup / 2;                 // 256
-constexpr int64_t kInt4RecordBytes = kInt4CodeBytes + 2 * kTile * 2;  // + scales and zeros, bf16
 
 inline Vec16 load_bf16_16(const uint8_t* p) { return load16(reinterpret_cast<const c10::BFloat16*>(p)); }
 
