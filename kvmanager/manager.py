@@ -42,6 +42,7 @@ MAX_SEQ_ID = (1 << 64) - 1
 # each live sequence costs host memory whether or not it holds blocks.
 MAX_FORK_CHILDREN = 1024
 MAX_SEQUENCES_PER_POOL = 1 << 17
+MAX_LOOKAHEAD_SLOTS = 256
 MAX_PREFIX_QUERIES = 1024
 MAX_MEDIUM_LEN = 64
 # A snapshot is sent in batches of about this many tokens (~0.3 MB of protobuf): far
@@ -317,6 +318,8 @@ class KVManager:
                 raise InvalidArgument(f"sequences[{i}].token_ids: token ids must be 0..{MAX_TOKEN_ID}")
             if request.num_new_tokens < 0:
                 raise InvalidArgument(f"sequences[{i}].num_new_tokens: must be >= 0")
+            if not 0 <= request.num_lookahead_slots <= MAX_LOOKAHEAD_SLOTS:
+                raise InvalidArgument(f"sequences[{i}].num_lookahead_slots: must be 0..{MAX_LOOKAHEAD_SLOTS}")
             seq = sequences.get(seq_id)
             if seq is not None and (freeing and seq_id in freeing):
                 seq = None  # freed first, then admitted afresh
@@ -334,7 +337,7 @@ class KVManager:
             pool.report_written(seq, num_tokens)
         for seq_id in dict.fromkeys(to_free):
             pool.free(seq_id)
-        results = [pool.step(seq, tokens, request.num_new_tokens) if seq is not None
+        results = [pool.step(seq, tokens, request.num_new_tokens, request.num_lookahead_slots) if seq is not None
                    else pool.admit(session_id, request) for seq, tokens, request in plan]
         self._publish(pool)
         return results, pool.block_pool.usage

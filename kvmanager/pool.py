@@ -66,6 +66,7 @@ class AllocationRequest:
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     adapter_id: str = ""
+    num_lookahead_slots: int = 0
 
 
 @dataclass(slots=True)
@@ -143,22 +144,25 @@ class SequenceAllocator:
 
     # -- allocate --------------------------------------------------------------
 
-    def step(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int) -> StepAllocation:
+    def step(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
+             num_lookahead_slots: int = 0) -> StepAllocation:
         """One step of an existing sequence. The caller (``KVManager.allocate``) has
         validated the request and checked that the sequence is the caller's."""
         start = seq.num_computed
         if num_new_tokens == 1 and len(new_token_ids) == 1 and start == len(seq.token_ids):
             # Fast path for the most common call of all, a decode step: one token
-            # into a block the sequence already holds alone. (_plan/_apply do the
-            # same, with the general checks.)
+            # into a block the sequence already holds alone, its lookahead held
+            # too. (_plan/_apply do the same, with the general checks.)
             table = seq.block_table
-            i = start // self.block_size
-            if i < len(table) and table[i].ref_cnt == 1:
+            bs = self.block_size
+            i = start // bs
+            if i < len(table) and table[i].ref_cnt == 1 and (start + num_lookahead_slots) // bs < len(table):
                 seq.token_ids.append(new_token_ids[0])
                 self.block_pool.fill(table[i], start + 1 - i * self.block_size)
                 seq.num_computed = start + 1
                 return StepAllocation(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
-        return self._allocate(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False)
+        return self._allocate(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False,
+                              num_lookahead_slots=num_lookahead_slots)
 
     def admit(self, session_id: str, request: AllocationRequest) -> StepAllocation:
         """Creates a sequence (prefix-cache lookup first), or returns NO_ROOM and creates nothing."""
@@ -170,7 +174,8 @@ class SequenceAllocator:
             hit_blocks, seq.block_hashes = self._find_cached_prefix(seq.extra, request.token_ids)
         seq.block_table = hit_blocks.copy()
         seq.num_computed = seq.num_written = len(hit_blocks) * self.block_size
-        result = self._allocate(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True)
+        result = self._allocate(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True,
+                                num_lookahead_slots=request.num_lookahead_slots)
         if result.ok:
             self.sequences[seq.seq_id] = seq
             self.session_seq_ids.setdefault(session_id, set()).add(seq.seq_id)
@@ -213,14 +218,28 @@ class SequenceAllocator:
         return hits, hashes
 
     def _allocate(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
-                  hit_blocks: list[KVCacheBlock], is_new: bool) -> StepAllocation:
+                  hit_blocks: list[KVCacheBlock], is_new: bool, num_lookahead_slots: int = 0) -> StepAllocation:
         start = seq.num_computed
         num_tokens = min(num_new_tokens, len(seq.token_ids) + len(new_token_ids) - start)  # computed <= known
         reserve = is_new and self.config.allocation_policy is AllocationPolicy.RESERVE
         num_append, cow_indices = self._plan(seq, start, start + num_tokens, reserve)
         if not self._can_take(num_append + len(cow_indices), hit_blocks):
             return StepAllocation(seq.seq_id, False)
+        num_append += self._lookahead_blocks(start + num_tokens, num_lookahead_slots, len(seq.block_table) + num_append,
+                                             num_append + len(cow_indices), hit_blocks)
         return self._apply(seq, new_token_ids, hit_blocks, start, num_tokens, num_append, cow_indices, is_new)
+
+    def _lookahead_blocks(self, end: int, num_lookahead_slots: int, num_held: int, num_taken: int,
+                          hit_blocks: list[KVCacheBlock]) -> int:
+        """Blocks to append beyond the ``num_held`` the step's tokens need so that the next
+        ``num_lookahead_slots`` slots after ``end`` are held: all of them when free blocks allow
+        after the ``num_taken`` the step takes, else none. Within max_model_len."""
+        if not num_lookahead_slots:
+            return 0
+        max_len = self.config.max_model_len
+        held_end = min(end + num_lookahead_slots, max_len) if max_len else end + num_lookahead_slots
+        num_extra = max(0, num_blocks_for(held_end, self.block_size) - num_held)
+        return num_extra if num_extra and self._can_take(num_taken + num_extra, hit_blocks) else 0
 
     def _plan(self, seq: KVSequence, start: int, end: int, reserve: bool) -> tuple[int, list[int]]:
         """Blocks to append to the table, and indices of shared blocks this step writes

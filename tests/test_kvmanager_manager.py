@@ -150,6 +150,7 @@ def test_a_session_is_bound_to_its_pool(manager):
     (Req(1, [1 << 31], 1), "sequences[1].token_ids"),
     (Req(1, [1], -1), "sequences[1].num_new_tokens"),
     (Req(-1, [1], 1), "sequences[1].seq_id"),
+    (Req(1, [1], 1, num_lookahead_slots=257), "sequences[1].num_lookahead_slots"),
 ])
 def test_allocate_rejects_malformed_requests_before_changing_anything(manager, request_, field):
     s = manager.open_session("p").session_id

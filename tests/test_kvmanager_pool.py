@@ -117,6 +117,45 @@ def test_prefill_then_decode_crossing_a_block_boundary():
     assert h.stats.num_stored_tokens == 9 and h.stats.num_allocated_slots == 12
 
 
+def test_lookahead_holds_the_next_block_so_the_next_decode_needs_none():
+    h = Harness()
+    r = h.prefill(1, list(range(8)), num_lookahead_slots=1)  # ends on a block boundary
+    assert (r.start_position, r.num_tokens, r.block_table_offset, len(r.block_table)) == (0, 8, 0, 3)
+    assert h.stats.num_stored_tokens == 8 and h.stats.num_allocated_slots == 12
+    r = h.step(Req(1, [8], 1, num_lookahead_slots=1))  # position 8 is in the block already held
+    assert (r.start_position, r.num_tokens, r.block_table_offset, r.block_table) == (8, 1, 3, [])
+    for t in (9, 10):
+        assert h.step(Req(1, [t], 1, num_lookahead_slots=1)).block_table == []
+    r = h.step(Req(1, [11], 1, num_lookahead_slots=1))  # fills block 2: block 3 comes for position 12
+    assert (r.start_position, r.block_table_offset, len(r.block_table)) == (11, 3, 1)
+    assert h.decode(1, 12).block_table == []
+    assert h.pool.sequences[1].num_computed == 13 and h.stats.num_used_blocks == 4
+
+
+def test_lookahead_is_never_the_reason_for_no_room():
+    h = Harness(num_blocks=4)  # 3 usable blocks
+    r = h.prefill(1, list(range(8)), num_lookahead_slots=1)
+    assert r.ok and len(r.block_table) == 3
+    r = h.prefill(2, [5, 6, 7, 8], num_lookahead_slots=1)  # no block left at all
+    assert not r.ok and 2 not in h.pool.sequences
+    h.free(1)
+    h.prefill(3, list(range(20, 28)))  # 2 blocks, 1 left
+    r = h.prefill(4, [1, 2, 3, 4], num_lookahead_slots=1)  # its own block fits, the lookahead does not
+    assert r.ok and len(r.block_table) == 1 and h.stats.num_free_blocks == 0
+    r = h.step(Req(4, [5], 1, num_lookahead_slots=1))  # so now it needs one, and there is none
+    assert not r.ok and h.pool.sequences[4].num_computed == 4
+
+
+def test_lookahead_stays_within_max_model_len_and_is_freed_with_its_sequence():
+    h = Harness(max_model_len=8)
+    r = h.prefill(1, list(range(8)), num_lookahead_slots=4)
+    assert len(r.block_table) == 2  # nothing past max_model_len
+    r = h.prefill(2, list(range(3)), num_lookahead_slots=6)  # slots 3..8 → up to 8: blocks 0 and 1
+    assert len(r.block_table) == 2 and h.stats.num_used_blocks == 4
+    assert h.free(1, 2) == 4
+    assert h.stats.num_used_blocks == 0 and h.stats.num_free_blocks == 10
+
+
 def test_chunked_prefill_schedules_at_most_the_known_tokens():
     h = Harness()
     r = h.step(Req(1, list(range(10)), 4))

@@ -26,6 +26,7 @@ from tests.kvmanager_support import ShadowExecutor, check_invariants
 SYSTEM_PROMPTS = [[], [7] * 8, list(range(10, 22)), list(range(10, 18)) + [5, 5]]
 tokens = st.builds(lambda head, tail: head + tail, st.sampled_from(SYSTEM_PROMPTS),
                    st.lists(st.integers(0, 2), max_size=12))
+lookaheads = st.sampled_from([0, 0, 1, 6])  # slots held past a step's tokens; never a reason for NO_ROOM
 
 
 class FakeClock:
@@ -158,10 +159,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         self._forget(doomed)
 
     @rule(who=st.integers(0, 1), prompt=tokens, chunk=st.integers(0, 30), salt=st.sampled_from(["", "", "s"]),
-          caching=st.booleans(), run=st.booleans())
-    def admit(self, who, prompt, chunk, salt, caching, run):
+          caching=st.booleans(), run=st.booleans(), lookahead=lookaheads)
+    def admit(self, who, prompt, chunk, salt, caching, run, lookahead):
         """A new sequence; with ``run``, its step is executed at once (as the gateway does)."""
-        self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt)])
+        self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt, num_lookahead_slots=lookahead)])
         if run:
             self.execute()
 
@@ -185,17 +186,19 @@ class KVManagerMachine(RuleBasedStateMachine):
         free = data.draw(st.lists(st.sampled_from(everything), unique=True, max_size=2) if everything
                          else st.just([]))
         free = [s for s in free if s not in chosen] + [self._new_id() + 1000]  # unknown ids are ignored
-        requests = [Req(s, data.draw(st.lists(st.integers(0, 2), max_size=3)), data.draw(st.integers(0, 9)))
-                    for s in chosen]
+        requests = [Req(s, data.draw(st.lists(st.integers(0, 2), max_size=3)), data.draw(st.integers(0, 9)),
+                        num_lookahead_slots=data.draw(lookaheads)) for s in chosen]
         if data.draw(st.booleans()):
             requests.append(Req(self._new_id(), data.draw(tokens), data.draw(st.integers(0, 30))))
         self._allocate(who, free, requests)
 
-    @rule(who=st.integers(0, 1), token=st.integers(0, 2))
-    def decode(self, who, token):
-        """The common step: one sampled token for every sequence of the session."""
+    @rule(who=st.integers(0, 1), token=st.integers(0, 2), lookahead=lookaheads)
+    def decode(self, who, token, lookahead):
+        """The common step: one sampled token for every sequence of the session (holding the
+        next ``lookahead`` slots, as the gateway asks at a block boundary)."""
         # Siblings get different tokens, so that a write into a shared block shows.
-        requests = [Req(s, [(token + k) % 3], 1) for k, s in enumerate(self._steppable(who))]
+        requests = [Req(s, [(token + k) % 3], 1, num_lookahead_slots=lookahead)
+                    for k, s in enumerate(self._steppable(who))]
         self._allocate(who, [], requests)
 
     @precondition(lambda self: set(self.pool.sequences) - set(self.shadow.pending))

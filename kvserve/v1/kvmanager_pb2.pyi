@@ -112,20 +112,22 @@ class AllocateRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id")
+    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
     enable_prefix_caching: bool
     cache_salt: str
     adapter_id: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+    num_lookahead_slots: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocationResult(_message.Message):
     __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst")
