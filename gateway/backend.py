@@ -361,7 +361,7 @@ class Backend:
                            forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
 
     async def _overlapped_decodes(self, pool_id: str, session_id: str, plan: list[ScheduledSeq],
-                                  predicted: list[int]):
+                                  predicted: list[tuple[int, int]]):
         """A step of plain decodes whose Allocate answer is known ahead (``Scheduler.predict_decodes``):
         its Execute goes out beside the Allocate instead of after it, so the kvmanager round trip
         hides behind the forward pass. kvmanager still sees every step, in order (the frees and

@@ -91,6 +91,7 @@ class ScheduledSeq:
     num_tokens: int = 0
     sample: bool = False
     copies: list[tuple[int, int]] = field(default_factory=list)
+    num_lookahead_slots: int = 0  # asked of kvmanager so that the next decode step needs no new block
 
     def compute_token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start_position:self.start_position + self.num_tokens]
@@ -285,12 +286,14 @@ class Scheduler:
             return None
         return (options.cache_salt, tuple(seq.token_ids[:bs]))
 
-    def predict_decodes(self, plan: list[ScheduledSeq]) -> list[int] | None:
+    def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
         """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's
-        answer is known before it comes: OK, the one token at ``num_computed``, no new block, no
-        copy. Returns each entry's start position for ``apply_predicted`` then, or None when
-        any entry needs the answer first (a new sequence, a prefill chunk, a new block, a request
-        with forked choices, whose blocks may be shared until their first copy-on-write)."""
+        answer is known before it comes: OK, the one token at ``num_computed``, no copy, the block
+        table unchanged (or, for a lookahead, only added to). Returns each entry's start position
+        and blocks held for ``apply_predicted`` then, or None when any entry needs the answer first
+        (a new sequence, a prefill chunk, a new block, a request with forked choices, whose blocks
+        may be shared until their first copy-on-write). Steps that end on a block boundary ask for
+        a lookahead slot (``_entry``), so a decode rarely needs a new block."""
         bs = self.kv_block_size
         if not plan or not bs:
             return None
@@ -299,21 +302,21 @@ class Scheduler:
             if (entry.num_new_tokens != 1 or not seq.holds_blocks or seq.num_to_compute() != 1
                     or seq.request.options.n != 1 or seq.num_computed >= len(seq.block_table) * bs):
                 return None
-        return [entry.seq.num_computed for entry in plan]
+        return [(entry.seq.num_computed, len(entry.seq.block_table)) for entry in plan]
 
-    def apply_predicted(self, plan: list[ScheduledSeq], predicted: list[int]) -> list[ScheduledSeq]:
+    def apply_predicted(self, plan: list[ScheduledSeq], predicted: list[tuple[int, int]]) -> list[ScheduledSeq]:
         """Fills in ``plan`` as ``apply_allocation`` would from the predicted answer; the entries to run."""
-        for entry, start in zip(plan, predicted):
+        for entry, (start, _) in zip(plan, predicted):
             entry.start_position, entry.num_tokens, entry.copies = start, 1, []
             entry.sample = True
         return list(plan)
 
     @staticmethod
-    def answer_matches(predicted: list[int], results: list[AllocationResult]) -> bool:
+    def answer_matches(predicted: list[tuple[int, int]], results: list[AllocationResult]) -> bool:
         """Whether kvmanager answered what ``predict_decodes`` said it would."""
         return len(results) == len(predicted) and all(
-            r.ok and r.start_position == start and r.num_tokens == 1 and not r.block_table and not r.copy_src
-            for r, start in zip(results, predicted))
+            r.ok and r.start_position == start and r.num_tokens == 1 and r.block_table_offset == held
+            and not r.copy_src for r, (start, held) in zip(results, predicted))
 
     def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
         """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""
@@ -430,8 +433,15 @@ class Scheduler:
     # --- helpers -------------------------------------------------------------
 
     def _entry(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        new_ids = seq.token_ids[seq.num_known_by_manager:seq.num_sendable()]
-        return ScheduledSeq(seq, seq.seq_id, num_new_tokens, new_ids)
+        """A step that computes all a sequence knows and ends on a block boundary asks for one slot
+        past its end: the next decode step then needs no new block, so its answer can be predicted
+        (``predict_decodes``)."""
+        num_sendable = seq.num_sendable()
+        new_ids = seq.token_ids[seq.num_known_by_manager:num_sendable]
+        end = seq.num_computed + num_new_tokens
+        bs = self.kv_block_size
+        lookahead = int(bool(bs) and end >= num_sendable and end % bs == 0 and seq.request.options.n == 1)
+        return ScheduledSeq(seq, seq.seq_id, num_new_tokens, new_ids, num_lookahead_slots=lookahead)
 
     def _slots(self, seq: Sequence) -> int:
         request = seq.request

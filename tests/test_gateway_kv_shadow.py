@@ -96,7 +96,8 @@ class InProcessKVManager:
     async def allocate(self, pool_id, session_id, free_seq_ids, plan, prefix_caching, written=((), ())):
         requests = [AllocationRequest(e.seq_id, list(e.new_token_ids), e.num_new_tokens,
                                       prefix_caching and e.seq.request.options.enable_prefix_caching,
-                                      e.seq.request.options.cache_salt) for e in plan]
+                                      e.seq.request.options.cache_salt, num_lookahead_slots=e.num_lookahead_slots)
+                    for e in plan]
         results, usage = await self._call(self.manager.allocate, pool_id, session_id, list(free_seq_ids),
                                           requests, *written)
         return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
@@ -433,3 +434,26 @@ def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_rec
     backend.num_mispredicted_steps -= 1  # the one this test caused; teardown asserts there are no others
     machine.teardown()  # every request finished with its reference tokens, no block leaked
     assert backend._session_id != tampered[0]  # that step's KV state was dropped, not trusted
+
+
+def test_decodes_crossing_block_boundaries_at_different_steps_still_overlap(default_model_dir):
+    """Sequences of different lengths cross block boundaries at different steps, so without a
+    lookahead almost every decode step would need a new block for one of them and wait for
+    kvmanager's answer. A step that ends on a boundary holds the next block already, so every
+    decode step overlaps its Allocate; each sequence holds at most one block beyond its tokens,
+    and the outputs are the reference tokens (teardown)."""
+    GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
+    machine = GatewayKVMachine()
+    machine.setup(block_size=4, num_blocks=40, max_num_seqs=4, max_batched=40, num_executors=1, routing="kv")
+    backend = next(iter(machine.engine.backends.values()))
+    for length in (5, 6, 7, 8):
+        machine.submit(prompt=[300 + length] * length, max_tokens=12, n=1, salt="", seed=None)
+    machine.step(steps=1)  # the four prompts in one step
+    steps_before, overlapped_before = backend.num_steps, backend.num_overlapped_steps
+    for _ in range(11):  # 11 more tokens each: every step has a sequence entering a new block
+        machine.step(steps=1)
+        for seq in machine.pool.sequences.values():
+            assert len(seq.block_table) <= seq.num_computed // 4 + 1, "more than the lookahead's block held"
+    assert backend.num_steps - steps_before == 11
+    assert backend.num_overlapped_steps - overlapped_before == 11
+    machine.teardown()
