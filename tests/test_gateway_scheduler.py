@@ -63,6 +63,9 @@ class FakePool:
             if need_new + needs_cow > len(self.free):
                 results.append(AllocationResult(ok=False))
                 continue
+            lookahead = max(0, math.ceil((start + num + entry.num_lookahead_slots) / BLOCK) - len(table) - need_new)
+            if need_new + needs_cow + lookahead <= len(self.free):  # held if there is room, else not asked
+                need_new += lookahead
             offset = len(table)
             copies = ([], [])
             if needs_cow:
@@ -362,9 +365,10 @@ def test_without_a_block_size_or_with_prefix_caching_off_nothing_waits():
 @pytest.mark.parametrize("num_blocks", [40, 12])
 def test_predicted_decode_steps_get_exactly_the_predicted_answer(num_blocks):
     """``predict_decodes`` (the gateway sends such a step's Execute before kvmanager answers) over
-    a mixed workload — forked choices (copy-on-write), block boundaries, admissions, and with 12
-    blocks preemptions: every predicted step gets the answer it predicted from a kvmanager with
-    copy-on-write, and the outputs are the reference ones."""
+    a mixed workload — forked choices (copy-on-write), block boundaries and the lookahead blocks
+    held for them, admissions, and with 12 blocks preemptions and lookaheads refused for want of
+    room: every predicted step gets the answer it predicted from a kvmanager with copy-on-write,
+    and the outputs are the reference ones."""
     scheduler = new_scheduler(max_num_seqs=6)
     scheduler.kv_block_size = BLOCK
     pool, model = FakePool(num_blocks), FakeModel()
