@@ -116,6 +116,7 @@ class Backend:
         self.aborts: dict[str, Exception | None] = {}  # request id -> the error it fails with (None: abort)
         self.last_error: str = ""
         self.num_steps = 0
+        self.num_executes = 0  # Execute calls made (a step's, or each request's after a refusal)
         self.num_overlapped_steps = 0  # decode steps whose Execute went out beside their Allocate
         self.num_mispredicted_steps = 0  # of those, kvmanager answered otherwise (a bug: recomputed)
         self._session_id: str | None = None
@@ -271,8 +272,10 @@ class Backend:
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 continue
+            executes = self.num_executes
             await self.run_step()
-            await asyncio.sleep(0)  # let streams flush and requests arrive
+            if self.num_executes == executes:  # else the Execute's wait let streams flush and requests arrive
+                await asyncio.sleep(0)
 
     async def run_step(self) -> None:
         """One step; a failure costs what it says (see the module docstring)."""
@@ -453,6 +456,7 @@ class Backend:
 
     async def _execute_once(self, entries: list[ScheduledSeq]) -> ExecuteOutput:
         timeout = self.deadline.for_step(sum(e.num_tokens for e in entries))
+        self.num_executes += 1
         try:
             output = await self.executor.execute(entries, timeout=timeout)
         except DependencyError as exc:
