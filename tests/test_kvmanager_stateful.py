@@ -26,7 +26,7 @@ from tests.kvmanager_support import ShadowExecutor, check_invariants
 SYSTEM_PROMPTS = [[], [7] * 8, list(range(10, 22)), list(range(10, 18)) + [5, 5]]
 tokens = st.builds(lambda head, tail: head + tail, st.sampled_from(SYSTEM_PROMPTS),
                    st.lists(st.integers(0, 2), max_size=12))
-lookaheads = st.sampled_from([0, 0, 1, 6])  # slots held past a step's tokens; never a reason for NO_ROOM
+lookaheads = st.sampled_from([0, 0, 1, 6])  # slots held past a step's tokens, when there is room
 
 
 class FakeClock:
