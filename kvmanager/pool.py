@@ -158,7 +158,7 @@ class SequenceAllocator:
             i = start // bs
             if i < len(table) and table[i].ref_cnt == 1 and (start + num_lookahead_slots) // bs < len(table):
                 seq.token_ids.append(new_token_ids[0])
-                self.block_pool.fill(table[i], start + 1 - i * self.block_size)
+                self.block_pool.fill(table[i], start + 1 - i * bs)
                 seq.num_computed = start + 1
                 return StepAllocation(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
         return self._allocate(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False,
