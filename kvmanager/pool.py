@@ -156,7 +156,7 @@ class SequenceAllocator:
             table = seq.block_table
             bs = self.block_size
             i = start // bs
-            if i < len(table) and table[i].ref_cnt == 1 and (start + num_lookahead_slots) // bs < len(table):
+            if (start + num_lookahead_slots) // bs < len(table) and table[i].ref_cnt == 1:  # holds block i too
                 seq.token_ids.append(new_token_ids[0])
                 self.block_pool.fill(table[i], start + 1 - i * bs)
                 seq.num_computed = start + 1
