@@ -55,6 +55,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(self._ops)
         self.skinny_matmul_ops = self._ops
         self._kernel_fits = True
+        self._fused_prefill = bool(self._ops.has_prefill_attention())
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
@@ -98,6 +99,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
                           scale: float) -> torch.Tensor:
         # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
+        if self._fused_prefill and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0:
+            return self._ops.prefill_attention(q, keys, values, g.first_query_pos, g.seq_lens, g.query_len, scale)
         if q.numel() // q.shape[-1] * keys.shape[2] > MATMUL_ATTENTION_MAX_SCORES:
             return super()._masked_attention(q, keys, values, g, scale)
         # Two oneDNN GEMMs around causal_softmax_, which applies the mask as it goes (no additive
