@@ -7,7 +7,7 @@ import torch
 
 import executor.attention.cpu_backend as cpu_backend
 from executor.attention import AttentionMetadata, create_backend
-from executor.attention.cpu_backend import CpuAttentionBackend
+from executor.attention.cpu_backend import CpuAttentionBackend, CpuInt8KVAttentionBackend
 from executor.attention.torch_backend import TorchAttentionBackend
 
 NUM_HEADS, KV_HEADS, HEAD = 6, 2, 16
@@ -230,80 +230,71 @@ def prefill_ops(cpu_ops):
     return cpu_ops
 
 
-def causal_reference(q, keys, values, first_query_pos, seq_lens, query_len, scale):
-    """Masked attention in float64; row r of sequence s sees keys [0, min(first + r % query_len + 1, n))."""
-    rows, ctx_len = q.shape[2], keys.shape[2]
-    limit = torch.tensor([[min(first + r % query_len + 1, n) for r in range(rows)]
-                          for first, n in zip(first_query_pos, seq_lens)])  # [seqs, rows]
-    allowed = torch.arange(ctx_len).view(1, 1, 1, -1) < limit.view(len(seq_lens), 1, rows, 1)
-    scores = (q.double() @ keys.double().nan_to_num().transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    return scores.softmax(-1) @ values.double().nan_to_num()
+FUSED_BACKENDS = {"bf16 cache": CpuAttentionBackend, "int8 cache": CpuInt8KVAttentionBackend}
 
 
+@pytest.mark.parametrize("cache", list(FUSED_BACKENDS))
 @pytest.mark.parametrize("head_size", [32, 64, 128])
-def test_prefill_attention_matches_float64_under_the_causal_mask(prefill_ops, head_size):
-    """The fused prefill kernel (scores, online softmax and values on AMX tiles) against float64: a
-    chunk after a cached prefix longer than one 64-key chunk, a shorter sequence padded to the
-    group's query length (its extra rows see all its keys), rows that are not whole tiles of 16,
-    a context that is not whole chunks — and keys and values past each sequence's length are NaN,
-    which must not reach any output."""
+def test_fused_prefill_matches_float64_under_the_causal_mask(prefill_ops, cache, head_size):
+    """Prefill chunks in paged_prefill_attention (scores, online softmax and values on AMX tiles, K/V
+    read from the blocks where they lie) against float64: a chunk after a cached prefix longer than
+    one 64-key chunk, a shorter chunk padded to the group's query length, a decode token beside
+    them, rows that are not whole tiles of 16, contexts that are not whole chunks; every unused slot
+    of the cache holds a stale value (inf; in the int8 cache ~1.7e24), which must reach no output."""
     torch.manual_seed(11)
-    query_len, group, kv_heads, ctx_len = 37, 3, 2, 176
-    first_query_pos, seq_lens = [139, 0], [176, 20]
-    q = torch.randn(2, kv_heads, group * query_len, head_size).bfloat16()
-    keys = torch.randn(2, kv_heads, ctx_len, head_size).mul(2).bfloat16()
-    values = torch.randn(2, kv_heads, ctx_len, head_size).bfloat16()
-    for s, n in enumerate(seq_lens):
-        keys[s, :, n:], values[s, :, n:] = float("nan"), float("nan")
-    scale = head_size**-0.5
-    out = prefill_ops.prefill_attention(q, keys, values, torch.tensor(first_query_pos, dtype=torch.int32),
-                                        torch.tensor(seq_lens, dtype=torch.int32), query_len, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    expected = causal_reference(q, keys, values, first_query_pos, seq_lens, query_len, scale)
-    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+    backend = FUSED_BACKENDS[cache](torch.device("cpu"))
+    # int8 records filled with byte 100: codes of 100 under scales of ~1.7e22
+    out, expected = run_step(backend, 16, [37, 5, 1, 64], [177, 21, 40, 64], num_heads=9, kv_heads=3,
+                             head=head_size, dtype=torch.bfloat16,
+                             stale=float("inf") if cache == "bf16 cache" else 100)
+    assert backend._fused_prefill
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
 
 
-def test_prefill_attention_agrees_with_the_gemm_path(prefill_ops):
-    """Where there is no AMX the backend computes prefill as two GEMMs around causal_softmax_: both
-    paths give the same outputs within bf16 rounding, so a model's prefill does not depend on the CPU."""
-    torch.manual_seed(12)
-    query_len, group, ctx_len = 130, 3, 258
-    q = torch.randn(1, 3, group * query_len, 64).bfloat16()
-    keys, values = torch.randn(1, 3, ctx_len, 64).bfloat16(), torch.randn(1, 3, ctx_len, 64).bfloat16()
-    first, lens = torch.tensor([128], dtype=torch.int32), torch.tensor([258], dtype=torch.int32)
-    fused = prefill_ops.prefill_attention(q, keys, values, first, lens, query_len, 0.125)
-    scores = torch.matmul(q * 0.125, keys.transpose(-1, -2))
-    prefill_ops.causal_softmax_(scores, first, lens, query_len)
-    torch.testing.assert_close(fused.float(), torch.matmul(scores, values).float(), atol=2e-2, rtol=2e-2)
-
-
-def test_prefill_attention_refuses_what_it_cannot_compute(prefill_ops):
-    q, kv = torch.zeros(1, 1, 4, 64).bfloat16(), torch.zeros(1, 1, 16, 64).bfloat16()
-    first, lens = torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="seq_len 17 .* for 16 keys"):
-        prefill_ops.prefill_attention(q, kv, kv, first, torch.tensor([17], dtype=torch.int32), 4, 0.125)
-    with pytest.raises(RuntimeError, match="multiple of query_len"):
-        prefill_ops.prefill_attention(q, kv, kv, first, lens, 3, 0.125)
-    with pytest.raises(RuntimeError, match="head_size must be a multiple of 32"):
-        odd = torch.zeros(1, 1, 4, 48).bfloat16()
-        prefill_ops.prefill_attention(odd, odd, odd, first, lens, 4, 0.125)
-    with pytest.raises(RuntimeError, match="must be bfloat16"):
-        prefill_ops.prefill_attention(q.float(), kv.float(), kv.float(), first, lens, 4, 0.125)
-
-
-def test_cpu_backend_prefill_is_the_same_on_either_path(prefill_ops):
-    """The backend's bf16 prefill through the fused kernel and through the GEMM path it keeps for
-    CPUs without AMX: the same tokens' outputs within bf16 rounding, both against float64."""
-    results = []
+@pytest.mark.parametrize("cache", list(FUSED_BACKENDS))
+def test_fused_prefill_agrees_with_the_gemm_path(prefill_ops, cache):
+    """Where there is no AMX the backend gathers the blocks and computes prefill as two GEMMs around
+    causal_softmax_: both paths give the same outputs within bf16 rounding (and the int8 cache's
+    keys and values are widened to the same bf16 on both), so a model's prefill does not depend on
+    the CPU."""
+    outputs = []
     for fused in (True, False):
-        torch.manual_seed(2)
-        backend = CpuAttentionBackend(torch.device("cpu"))
-        backend._fused_prefill = fused
-        results.append(run_step(backend, 16, [1, 37, 5, 64], [40, 37, 70, 64], num_heads=9, kv_heads=3, head=64,
-                                dtype=torch.bfloat16))
-    (fused_out, expected), (gemm_out, _) = results
-    torch.testing.assert_close(fused_out, expected, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(fused_out, gemm_out, atol=2e-2, rtol=2e-2)
+        backend = FUSED_BACKENDS[cache](torch.device("cpu"))
+        allocate = backend.allocate_kv_cache
+
+        def allocate_on_one_path(*args, backend=backend, allocate=allocate, fused=fused):
+            caches = allocate(*args)
+            assert backend._fused_prefill
+            backend._fused_prefill = fused
+            return caches
+
+        backend.allocate_kv_cache = allocate_on_one_path
+        torch.manual_seed(12)
+        outputs.append(run_step(backend, 16, [130, 1, 77], [258, 90, 77], num_heads=9, kv_heads=3, head=64,
+                                dtype=torch.bfloat16, stale=0)[0])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
+
+
+def test_fused_prefill_refuses_what_it_cannot_compute(prefill_ops):
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 64, torch.bfloat16, torch.device("cpu"))
+    q = torch.zeros(1, 1, 4, 64).bfloat16()
+    table, first, lens = (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                          torch.tensor([4], dtype=torch.int32))
+    attend = prefill_ops.paged_prefill_attention
+    with pytest.raises(RuntimeError, match="seq_len 33 .* for 2 blocks"):
+        attend(q, key_cache, value_cache, table, first, torch.tensor([33], dtype=torch.int32), 4, 0.125)
+    with pytest.raises(RuntimeError, match="block id 9 out of range"):
+        attend(q, key_cache, value_cache, torch.tensor([[9, 1]], dtype=torch.int32), first, lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of query_len"):
+        attend(q, key_cache, value_cache, table, first, lens, 3, 0.125)
+    with pytest.raises(RuntimeError, match="q must be bfloat16"):
+        attend(q.float(), key_cache, value_cache, table, first, lens, 4, 0.125)
+    with pytest.raises(RuntimeError, match="q has 2 KV heads"):
+        attend(torch.zeros(1, 2, 4, 64).bfloat16(), key_cache, value_cache, table, first, lens, 4, 0.125)
+    odd_k, odd_v = backend.allocate_kv_cache(4, 16, 1, 48, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="head_size must be a multiple of 32"):
+        attend(torch.zeros(1, 1, 4, 48).bfloat16(), odd_k, odd_v, table, first, lens, 4, 0.125)
 
 
 def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch):

@@ -1,11 +1,13 @@
 // Causal attention of a prefill chunk on AMX bf16 tiles, fused: scores, softmax and values in one
-// pass per block of 16 query rows, nothing of size [rows, ctx_len] written to memory.
+// pass per block of 16 query rows, reading K and V from the paged cache where they lie; nothing of
+// size [rows, ctx_len] and no gathered copy of the context goes through memory.
 //
-// The cpu backend's prefill path before this kernel (and still where there is no AMX) is two oneDNN
-// GEMMs around causal_softmax_: the [rows, ctx_len] scores go through memory three times (written,
-// softmaxed in place, read), 16 MiB a layer for an 896-token prompt against a 1024-token context,
-// and that traffic, not the arithmetic, was 40% of the whole prefill (bmm 19%, softmax 23%).
-// Here, for 16 query rows at a time (one A tile), the keys go by in chunks of 64:
+// The cpu backend's prefill path before this kernel (and still where there is no AMX) gathers the
+// blocks into contiguous K/V (the int8 cache widened to bf16 on the way, several passes in torch)
+// and runs two oneDNN GEMMs around causal_softmax_: the [rows, ctx_len] scores go through memory
+// three times (written, softmaxed in place, read), 16 MiB a layer for an 896-token chunk after 128
+// cached tokens, and that traffic, not the arithmetic, was 40% of the whole prefill (bmm 19%,
+// softmax 23%). Here, for 16 query rows at a time (one A tile), the keys go by in chunks of 64:
 //
 //   scores  S [16, 64] = Q [16, D] . K^T      TDPBF16PS, 4 C tiles, D / 32 steps each
 //   online softmax per row (float32): running max m and sum l, P = exp(S - m) rounded to bf16,
@@ -14,7 +16,7 @@
 //
 // and only the chunks a block's rows may see are visited (row r sees keys
 // [0, min(first_query_pos + r % query_len + 1, seq_len))). Per (sequence, KV head) K and V are first
-// laid out once as the B tiles want them (pairs of bf16 side by side), keys past seq_len as zeros:
+// laid out once as the B tiles want them (pairs of bf16 side by side):
 //
 //   K: [key blocks of 16][D / 32][16 pairs of dims][16 keys][2]
 //   V: [key blocks of 32][D / 16][16 pairs of keys][16 dims][2]
@@ -22,7 +24,7 @@
 // Scores and sums are float32, probabilities bf16 (as the GEMM path stores them), the output is
 // normalized once at the end.
 //
-// Registered as torch.ops.kvserve_cpu.{has_prefill_attention, prefill_attention}.
+// Registered as torch.ops.kvserve_cpu.{has_prefill_attention, paged_prefill_attention}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +45,7 @@ namespace {
 using namespace kvserve_cpu;
 
 constexpr int64_t kMaxHeadSize = 256;
+constexpr int64_t kBlock = 16;  // tokens per cache block
 
 #if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
 #define KVSERVE_PREFILL_ATTENTION 1
@@ -93,34 +96,106 @@ inline void store_tile(int c, float* dst, int64_t stride_bytes) {
   }
 }
 
-// One (sequence, KV head)'s keys and values [ctx, d] (bf16 bits, rows d apart) in the B-tile layouts
-// above, `padded` keys (a multiple of kChunk), zeros from `keys` on.
-void pack_keys(const uint16_t* k, int64_t keys, int64_t padded, int64_t d, uint32_t* out) {
-  const int64_t slices = d / 32;
-  auto* rows = reinterpret_cast<const uint32_t*>(k);  // a key's pairs of dims
-  for (int64_t kb = 0; kb < padded / 16; ++kb) {
-    for (int64_t ds = 0; ds < slices; ++ds) {
-      uint32_t* tile = out + (kb * slices + ds) * (kPairTile / 2);
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t key = kb * 16 + n;
-        for (int64_t p = 0; p < 16; ++p) tile[p * 16 + n] = key < keys ? rows[key * (d / 2) + ds * 16 + p] : 0u;
-      }
-    }
-  }
+// ---- K and V from the paged cache, as B tiles ---------------------------------------------------
+//
+// The caches are the cpu backend's (paged_decode_attention.cpp, write_kv.cpp): per (block, KV head)
+// a K tile [d, 16] (a row: one dimension of the block's 16 keys) and a V tile [16, d], bf16; or, for
+// the int8 cache, records of the tile's codes and then the block's 16 per-token float32 scales,
+// widened here as the torch path did (code * scale in float32, rounded to bf16, ties to even).
+
+// a0 b0 a1 b1 ... a15 b15 from [a0..a15 | b0..b15]: two rows of 16 as one B tile row of pairs.
+inline __m512i interleave_halves(__m512i rows) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kInterleave), rows);
 }
 
-void pack_values(const uint16_t* v, int64_t keys, int64_t padded, int64_t d, uint16_t* out) {
-  const int64_t blocks = d / 16;
-  for (int64_t kp = 0; kp < padded / 32; ++kp) {
-    for (int64_t db = 0; db < blocks; ++db) {
-      uint16_t* tile = out + (kp * blocks + db) * kPairTile;
-      for (int64_t p = 0; p < 16; ++p) {
-        for (int64_t e = 0; e < 2; ++e) {
-          const int64_t key = kp * 32 + 2 * p + e;
-          const uint16_t* row = v + key * d + db * 16;
-          for (int64_t n = 0; n < 16; ++n) tile[(p * 16 + n) * 2 + e] = key < keys ? row[n] : uint16_t{0};
-        }
-      }
+// The same from two rows of 16 bf16 in memory.
+inline __m512i interleave_rows(const uint16_t* a, const uint16_t* b) {
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                          8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+  const __m512i high = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  return _mm512_permutex2var_epi16(low, _mm512_load_si512(kInterleave), high);
+}
+
+inline __m512 widen_codes(const int8_t* codes) {
+  return _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_maskz_cvtepi8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
+}
+
+// a and b rounded to bf16 (ties to even, as torch's conversion), interleaved.
+inline __m512i interleave_bf16(__m512 a, __m512 b) { return interleave_halves((__m512i)_mm512_cvtne2ps_pbh(b, a)); }
+
+// Where a layer's tiles lie: tile (block, head) starts block * block_stride + head * head_stride
+// elements in.
+struct TileCache {
+  const void* base;
+  int64_t block_stride, head_stride;
+};
+
+// bf16 tiles. key_rows: dims (d, d + 1) of a block's 16 keys, interleaved; value_rows: dims
+// [d0, d0 + 16) of tokens (t, t + 1) of a block, interleaved.
+struct Bf16Cache {
+  TileCache k, v;
+  int64_t d;
+  const uint16_t* tile(const TileCache& c, int64_t block, int64_t head) const {
+    return static_cast<const uint16_t*>(c.base) + block * c.block_stride + head * c.head_stride;
+  }
+  __m512i key_rows(int64_t block, int64_t head, int64_t dim) const {
+    const uint16_t* t = tile(k, block, head) + dim * kBlock;
+    return interleave_rows(t, t + kBlock);
+  }
+  __m512i value_rows(int64_t block, int64_t head, int64_t token, int64_t d0) const {
+    const uint16_t* t = tile(v, block, head) + token * d + d0;
+    return interleave_rows(t, t + d);
+  }
+};
+
+// int8 records: codes, then 16 float32 scales (one per token of the block).
+struct Int8Cache {
+  TileCache k, v;
+  int64_t d;
+  const int8_t* tile(const TileCache& c, int64_t block, int64_t head) const {
+    return static_cast<const int8_t*>(c.base) + block * c.block_stride + head * c.head_stride;
+  }
+  const float* scales(const int8_t* t) const { return reinterpret_cast<const float*>(t + kBlock * d); }
+  __m512i key_rows(int64_t block, int64_t head, int64_t dim) const {
+    const int8_t* t = tile(k, block, head);
+    const __m512 scale = _mm512_loadu_ps(scales(t));
+    return interleave_bf16(_mm512_mul_ps(widen_codes(t + dim * kBlock), scale),
+                           _mm512_mul_ps(widen_codes(t + (dim + 1) * kBlock), scale));
+  }
+  __m512i value_rows(int64_t block, int64_t head, int64_t token, int64_t d0) const {
+    const int8_t* t = tile(v, block, head);
+    const float* scale = scales(t);
+    return interleave_bf16(_mm512_mul_ps(widen_codes(t + token * d + d0), _mm512_set1_ps(scale[token])),
+                           _mm512_mul_ps(widen_codes(t + (token + 1) * d + d0), _mm512_set1_ps(scale[token + 1])));
+  }
+};
+
+// One (sequence, KV head)'s keys and values, from its blocks (`table`), into the B-tile layouts of
+// the top of this file, `padded` keys (a multiple of kChunk); keys from `keys` on are zeros.
+template <typename Cache>
+void pack_sequence(const Cache& cache, const int32_t* table, int64_t head, int64_t keys, int64_t padded,
+                   uint16_t* packed_k, uint16_t* packed_v) {
+  const int64_t d = cache.d, slices = d / 32, dblocks = d / 16;
+  // The scores of keys past `keys` are never read, so a block's stale slots may stay in K; blocks
+  // past the last are not in the table.
+  for (int64_t kb = 0; kb < padded / kBlock; ++kb) {
+    const bool held = kb * kBlock < keys;
+    for (int64_t dim = 0; dim < d; dim += 2) {  // row dim / 2 % 16 of slice dim / 32
+      const __m512i row = held ? cache.key_rows(table[kb], head, dim) : _mm512_setzero_si512();
+      _mm512_storeu_si512(packed_k + ((kb * slices + dim / 32) * 16 + dim % 32 / 2) * 32, row);
+    }
+  }
+  // Stale values must go: their probability is 0, but 0 * inf is not.
+  for (int64_t key = 0; key < padded; key += 2) {  // row key / 2 % 16 of key block key / 32
+    const bool first = key < keys, second = key + 1 < keys;
+    for (int64_t db = 0; db < dblocks; ++db) {
+      __m512i row = _mm512_setzero_si512();
+      if (first) row = cache.value_rows(table[key / kBlock], head, key % kBlock, db * 16);
+      if (!second) row = _mm512_maskz_mov_epi16(0x55555555u, row);  // the odd key's words
+      _mm512_storeu_si512(packed_v + ((key / 32 * dblocks + db) * 16 + key % 32 / 2) * 32, row);
     }
   }
 }
@@ -266,59 +341,27 @@ bool has_prefill_attention() {
 #endif
 }
 
-// q: [num_seqs, kv_heads, rows, d] bf16, rows = group * query_len (the query heads of a KV head,
-//   query_len rows each: row r is query token r % query_len); keys, values: [num_seqs, kv_heads,
-//   ctx_len, d] bf16; first_query_pos, seq_lens: [num_seqs] int32 (as causal_softmax_ takes them).
-// Row r of sequence s attends to keys [0, min(first_query_pos[s] + r % query_len + 1, seq_lens[s])).
-// Returns [num_seqs, kv_heads, rows, d] bf16.
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                             const at::Tensor& first_query_pos, const at::Tensor& seq_lens, int64_t query_len,
-                             double scale) {
-  TORCH_CHECK(has_prefill_attention(), "prefill_attention: needs AMX bf16 tiles, which this CPU or build lacks");
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
-              "prefill_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
-                  values.scalar_type() == at::kBFloat16,
-              "prefill_attention: q, keys and values must be bfloat16");
-  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && keys.sizes() == values.sizes() && q.size(0) == keys.size(0) &&
-                  q.size(1) == keys.size(1) && q.size(3) == keys.size(3),
-              "prefill_attention: q [seqs, kv_heads, rows, d], keys and values [seqs, kv_heads, ctx_len, d]");
-  const int64_t num_seqs = q.size(0), rows = q.size(2), d = q.size(3), ctx_len = keys.size(2);
-  TORCH_CHECK(d % 32 == 0 && d <= kMaxHeadSize, "prefill_attention: head_size must be a multiple of 32 up to ",
-              kMaxHeadSize, ", got ", d);
-  TORCH_CHECK(query_len > 0 && rows % query_len == 0, "prefill_attention: rows (", rows,
-              ") must be a multiple of query_len (", query_len, ")");
-  TORCH_CHECK(first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
-              "prefill_attention: first_query_pos and seq_lens must be int32, one per sequence");
-  const auto first = first_query_pos.contiguous();
-  const auto lens = seq_lens.contiguous();
-  const int32_t* first_ptr = first.data_ptr<int32_t>();
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= ctx_len && first_ptr[s] >= 0 && first_ptr[s] < lens_ptr[s],
-                "prefill_attention: sequence ", s, " has seq_len ", lens_ptr[s], " and first query at ", first_ptr[s],
-                " for ", ctx_len, " keys");
-  }
-  at::Tensor out = at::empty(q.sizes(), q.options());
 #if defined(KVSERVE_PREFILL_ATTENTION)
-  const int64_t heads = q.size(1);
-  const auto qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous();
-  const int64_t padded = (ctx_len + kChunk - 1) / kChunk * kChunk, pairs = num_seqs * heads;
+// Packs every (sequence, KV head), then attends every block of 16 query rows; both spread over
+// the threads.
+template <typename Cache>
+void attend_all(const Cache& cache, const at::Tensor& q, const int32_t* tables, int64_t max_blocks,
+                const int32_t* first_ptr, const int32_t* lens_ptr, int64_t query_len, float scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) longest = std::max<int64_t>(longest, lens_ptr[s]);
+  const int64_t padded = (longest + kChunk - 1) / kChunk * kChunk, pairs = num_seqs * heads;
   std::vector<uint16_t> packed(static_cast<size_t>(2 * pairs * padded * d));
-  const auto* qp = reinterpret_cast<const uint16_t*>(qc.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(kc.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(vc.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
-  auto packed_k = [&](int64_t pair) { return reinterpret_cast<uint32_t*>(packed.data() + 2 * pair * padded * d); };
+  auto packed_k = [&](int64_t pair) { return packed.data() + 2 * pair * padded * d; };
   auto packed_v = [&](int64_t pair) { return packed.data() + (2 * pair + 1) * padded * d; };
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t keys_seen = lens_ptr[pair / heads];
-      pack_keys(kp + pair * ctx_len * d, keys_seen, padded, d, packed_k(pair));
-      pack_values(vp + pair * ctx_len * d, keys_seen, padded, d, packed_v(pair));
+      const int64_t s = pair / heads;
+      pack_sequence(cache, tables + s * max_blocks, pair % heads, lens_ptr[s], padded, packed_k(pair), packed_v(pair));
     }
   });
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  auto* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks_per_pair = (rows + kRows - 1) / kRows;
   at::parallel_for(0, pairs * blocks_per_pair, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
@@ -333,11 +376,79 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
         for (int64_t r = 0; r < block_rows; ++r) std::memcpy(padded_q + r * d, block_q + r * d, d * 2);
         block_q = padded_q;
       }
-      const BlockShape shape{d, query_len, first_ptr[s], lens_ptr[s], static_cast<float>(scale)};
-      attend_block(block_q, d, r0, block_rows, packed_k(pair), packed_v(pair), shape, scratch.data(),
-                   op + (pair * rows + r0) * d);
+      const BlockShape shape{d, query_len, first_ptr[s], lens_ptr[s], scale};
+      attend_block(block_q, d, r0, block_rows, reinterpret_cast<const uint32_t*>(packed_k(pair)), packed_v(pair),
+                   shape, scratch.data(), op + (pair * rows + r0) * d);
     }
   });
+}
+#endif
+
+// q: [num_seqs, kv_heads, rows, d] bf16, rows = group * query_len (the query heads of a KV head,
+//   query_len rows each: row r is query token r % query_len);
+// key_cache, value_cache: the cpu backend's, bf16 (K [num_blocks, kv_heads, d, 16], V [num_blocks,
+//   kv_heads, 16, d]) or int8 records ([num_blocks, kv_heads, 16 d codes + 16 float32 scales]);
+// block_tables [num_seqs, max_blocks] int32; first_query_pos, seq_lens [num_seqs] int32.
+// Row r of sequence s attends to keys [0, min(first_query_pos[s] + r % query_len + 1, seq_lens[s])).
+// Returns [num_seqs, kv_heads, rows, d] bf16.
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& first_query_pos,
+                                   const at::Tensor& seq_lens, int64_t query_len, double scale) {
+  const char* op = "paged_prefill_attention";
+  TORCH_CHECK(has_prefill_attention(), op, ": needs AMX bf16 tiles, which this CPU or build lacks");
+  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
+              ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, op, ": q must be bfloat16 [seqs, kv_heads, rows, d]");
+  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
+  TORCH_CHECK(d % 32 == 0 && d <= kMaxHeadSize, op, ": head_size must be a multiple of 32 up to ", kMaxHeadSize,
+              ", got ", d);
+  TORCH_CHECK(query_len > 0 && rows % query_len == 0, op, ": rows (", rows, ") must be a multiple of query_len (",
+              query_len, ")");
+  const bool int8 = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && (int8 || key_cache.scalar_type() == at::kBFloat16),
+              op, ": the caches must be bfloat16 tiles or int8 records");
+  if (int8) {
+    TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
+                    key_cache.size(2) == kBlock * d + kBlock * 4 && key_cache.stride(2) == 1 && value_cache.stride(2) == 1,
+                op, ": int8 caches must be [num_blocks, kv_heads, 16 x head_size codes + 16 float32 scales]");
+  } else {
+    TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d &&
+                    key_cache.size(3) == kBlock && value_cache.size(2) == kBlock && value_cache.size(3) == d &&
+                    key_cache.size(0) == value_cache.size(0) && key_cache.stride(3) == 1 &&
+                    key_cache.stride(2) == kBlock && value_cache.stride(3) == 1 && value_cache.stride(2) == d,
+                op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
+                " with contiguous tiles");
+  }
+  TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
+              " KV heads, the caches ", key_cache.size(1));
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
+              op, ": block_tables [seqs, max_blocks], first_query_pos and seq_lens [seqs], int32");
+  const auto tables = block_tables.contiguous(), first = first_query_pos.contiguous(), lens = seq_lens.contiguous();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int32_t* first_ptr = first.data_ptr<int32_t>();
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1), num_blocks = key_cache.size(0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kBlock && first_ptr[s] >= 0 && first_ptr[s] < lens_ptr[s],
+                op, ": sequence ", s, " has seq_len ", lens_ptr[s], " and first query at ", first_ptr[s], " for ",
+                max_blocks, " blocks");
+    for (int64_t b = 0; b < (lens_ptr[s] + kBlock - 1) / kBlock; ++b) {
+      const int32_t block = tables_ptr[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+#if defined(KVSERVE_PREFILL_ATTENTION)
+  const auto qc = q.contiguous();
+  const TileCache k{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1)};
+  const TileCache v{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1)};
+  if (int8) {
+    attend_all(Int8Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+  } else {
+    attend_all(Bf16Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+  }
 #endif
   return out;
 }
@@ -346,8 +457,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& keys, const 
 
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("has_prefill_attention", &has_prefill_attention);
-  m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor first_query_pos, Tensor seq_lens, "
-        "int query_len, float scale) -> Tensor");
+  m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor first_query_pos, Tensor seq_lens, int query_len, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

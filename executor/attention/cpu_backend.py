@@ -14,13 +14,16 @@ every head (SmolLM2: 3 x 2 KiB) are one stretch of memory, read at ~1.5x the spe
 tiles each in a page of its own, while consecutive blocks still make one sequential stream
 (``python -m bench.attention_bench`` measures both layouts).
 
-Prefill chunks (more than one new token per sequence) gather their blocks as the torch backend
-does and attend with two oneDNN GEMMs: they are compute-bound, so the gather is small next to
-the attention, and oneDNN's GEMMs beat anything hand-written here. Between the GEMMs,
-``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``) masks and normalizes each score row in one
-pass, where torch needed an additive mask, an add and a softmax (SDPA beyond
-``MATMUL_ATTENTION_MAX_SCORES``). The decode kernel wants ``block_size`` 16 and ``head_size`` a
-multiple of 16; with other shapes every group takes the torch path.
+Prefill chunks (more than one new token per sequence), where the CPU has AMX bf16 tiles and the
+model computes in bf16, go to ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``):
+per 16 query rows, scores, an online softmax and the values in one pass over 64-key chunks read
+from the blocks where they lie, so neither the gathered K/V nor the [rows, ctx_len] scores go
+through memory. Elsewhere they gather their blocks as the torch backend does and attend with two
+oneDNN GEMMs around ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``), which masks and
+normalizes each score row in one pass, where torch needed an additive mask, an add and a softmax
+(SDPA beyond ``MATMUL_ATTENTION_MAX_SCORES``). The kernels want ``block_size`` 16 and a
+``head_size`` that is a multiple of 16 (32 for prefill); with other shapes every group takes the
+torch path.
 
 ``--kv-cache-dtype int8`` (``CpuInt8KVAttentionBackend``) keeps K and V as int8 codes with one
 float32 scale per token and KV head, about half the bytes a decode step reads (at concurrency 32 the
@@ -37,7 +40,8 @@ import torch
 
 from executor.attention.base import KVCache
 from executor.attention.csrc_loader import csrc_build_script
-from executor.attention.torch_backend import MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group
+from executor.attention.torch_backend import (MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group, rows_per_kv_head,
+                                             tokens_from_rows)
 from executor.layer_ops import CpuLayerOps
 
 KERNEL_BLOCK_SIZE = 16
@@ -55,13 +59,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(self._ops)
         self.skinny_matmul_ops = self._ops
         self._kernel_fits = True
-        self._fused_prefill = bool(self._ops.has_prefill_attention())
+        # Prefill chunks on AMX tiles, for bf16 models whose head size the kernel takes (set once
+        # the cache is allocated); elsewhere the two GEMMs around causal_softmax_.
+        self._fused_prefill = False
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
+        self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
         key_cache = torch.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype=dtype, device=device)
         value_cache = torch.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype=dtype, device=device)
         return key_cache, value_cache
+
+    def _fused_prefill_fits(self, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
+        return bool(self._ops.has_prefill_attention()) and block_size == KERNEL_BLOCK_SIZE and \
+            head_size % 32 == 0 and head_size <= 256 and dtype == torch.bfloat16
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
@@ -89,6 +100,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
+        if g.query_len != 1 and self._fused_prefill:
+            return self._fused_prefill_group(query, kv_cache, g, scale)
         if g.query_len != 1 or not self._kernel_fits:
             return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
@@ -96,11 +109,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                                g.seq_lens, scale)
         return out.to(query.dtype)
 
+    def _fused_prefill_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        """A prefill group's attention in paged_prefill_attention (csrc/cpu/prefill_attention.cpp):
+        scores, softmax and values on AMX tiles, K and V read from the blocks where they lie."""
+        key_cache, value_cache = kv_cache
+        q = rows_per_kv_head(query.to(torch.bfloat16), g, key_cache.shape[1])
+        out = self._ops.paged_prefill_attention(q, key_cache, value_cache, g.block_tables, g.first_query_pos,
+                                                g.seq_lens, g.query_len, scale)
+        return tokens_from_rows(out, g, query.shape[1]).to(query.dtype)
+
     def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
                           scale: float) -> torch.Tensor:
         # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
-        if self._fused_prefill and q.dtype == torch.bfloat16 and q.shape[-1] % 32 == 0:
-            return self._ops.prefill_attention(q, keys, values, g.first_query_pos, g.seq_lens, g.query_len, scale)
         if q.numel() // q.shape[-1] * keys.shape[2] > MATMUL_ATTENTION_MAX_SCORES:
             return super()._masked_attention(q, keys, values, g, scale)
         # Two oneDNN GEMMs around causal_softmax_, which applies the mask as it goes (no additive
@@ -114,8 +134,10 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
     """The cpu backend over an int8 KV cache: per layer, K and V ``[num_blocks, num_kv_heads,
     record]`` int8, a record being the tile above (K ``[head_size, 16]``, V ``[16, head_size]``) of
     codes and then 16 float32 scales, one per token: x ~ code * scale, scale = max|x| / 127 over the
-    token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks gather
-    their blocks dequantized to the model's dtype and take the torch path as before."""
+    token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks in
+    ``paged_prefill_attention`` where the CPU has AMX (it widens the codes as it packs them, to the
+    same bf16), else they gather their blocks dequantized to the model's dtype and take the torch
+    path."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -126,6 +148,7 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
             raise ValueError(f"--kv-cache-dtype int8 needs block_size {KERNEL_BLOCK_SIZE} and a head size that is a "
                              f"multiple of {KERNEL_BLOCK_SIZE} (got {block_size} and {head_size})")
         self._compute_dtype = dtype
+        self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
         shape = (num_blocks, num_kv_heads, int8_record_bytes(block_size, head_size))
         return torch.zeros(shape, dtype=torch.int8, device=device), torch.zeros(shape, dtype=torch.int8, device=device)
 
@@ -159,6 +182,8 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
         return tiles.transpose(1, 2).reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
 
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        if g.query_len != 1 and self._fused_prefill:
+            return self._fused_prefill_group(query, kv_cache, g, scale)
         if g.query_len != 1:
             return TorchAttentionBackend._attend_group(self, query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache

@@ -170,29 +170,36 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         keys = self._gather_keys(key_cache, g)
         values = self._gather_values(value_cache, g)
-        kv_heads, head_size = keys.shape[1], keys.shape[3]
-        num_heads = query.shape[1]
-        group_size = num_heads // kv_heads
-        q = query.to(keys.dtype)  # the cache's dtype, or the model's where the cache is quantized
-        if g.padded_index is not None:
-            padded = q.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
-            padded[g.padded_index] = q
-            q = padded
-        # [num_seqs * query_len, heads, d] → [num_seqs, kv_heads, group * query_len, d]
-        q = q.view(g.num_seqs, g.query_len, kv_heads, group_size, head_size).permute(0, 2, 3, 1, 4)
-        q = q.reshape(g.num_seqs, kv_heads, group_size * g.query_len, head_size)
+        # the cache's dtype, or the model's where the cache is quantized
+        q = rows_per_kv_head(query.to(keys.dtype), g, keys.shape[1])
         out = self._masked_attention(q, keys, values, g, scale)
-        # back to [num_seqs * query_len, heads, d]
-        out = out.view(g.num_seqs, kv_heads, group_size, g.query_len, head_size).permute(0, 3, 1, 2, 4)
-        out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
-        if g.padded_index is not None:
-            out = out[g.padded_index]
-        return out.to(query.dtype)
+        return tokens_from_rows(out, g, query.shape[1]).to(query.dtype)
 
     def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
                           scale: float) -> torch.Tensor:
         # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
         return _masked_attention(q, keys, values, g.sdpa_mask(q.shape[2] // g.query_len, q.dtype), scale)
+
+
+def rows_per_kv_head(query: torch.Tensor, g: _Group, kv_heads: int) -> torch.Tensor:
+    """A group's query tokens as rows of their KV heads: [n_tokens, heads, d] → [num_seqs, kv_heads,
+    group * query_len, d], the query heads sharing a KV head one after another (GQA without copying
+    K/V), shorter chunks padded with zero rows to the group's query length."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    if g.padded_index is not None:
+        padded = query.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
+        padded[g.padded_index] = query
+        query = padded
+    q = query.view(g.num_seqs, g.query_len, kv_heads, num_heads // kv_heads, head_size).permute(0, 2, 3, 1, 4)
+    return q.reshape(g.num_seqs, kv_heads, num_heads // kv_heads * g.query_len, head_size)
+
+
+def tokens_from_rows(out: torch.Tensor, g: _Group, num_heads: int) -> torch.Tensor:
+    """rows_per_kv_head's inverse: [num_seqs, kv_heads, group * query_len, d] → [n_tokens, heads, d]."""
+    kv_heads, head_size = out.shape[1], out.shape[3]
+    out = out.view(g.num_seqs, kv_heads, num_heads // kv_heads, g.query_len, head_size).permute(0, 3, 1, 2, 4)
+    out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
+    return out if g.padded_index is None else out[g.padded_index]
 
 
 # Above this many scores per step the [rows, ctx_len] matrix is not materialized (bf16: 64 MiB).
