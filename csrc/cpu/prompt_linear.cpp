@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -174,15 +175,22 @@ at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, con
   const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
-  // Whole blocks of 32 rows, contiguous: the tile loads read 16 full rows at a time.
-  const int64_t padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
-  at::Tensor xs = x;
-  if (padded_rows != rows || x.stride(1) != 1) {
-    xs = at::zeros({padded_rows, k}, x.options());
-    xs.narrow(0, 0, rows).copy_(x);
+  // The tile loads read 16 full rows at a time: the last block of 32 rows, if x ends inside it, is
+  // read from a copy padded with zero rows (copying all of x to pad it cost ~8% of a prefill).
+  const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t whole_rows = rows / kRowBlock * kRowBlock;
+  at::Tensor tail;
+  if (whole_rows != rows) {
+    tail = at::zeros({kRowBlock, k}, x.options());
+    tail.narrow(0, 0, rows - whole_rows).copy_(xs.narrow(0, whole_rows, rows - whole_rows));
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>());
   const int64_t x_stride = xs.stride(0), groups = k / kDepth;
+  // Row m0's block of 32 rows, and the stride between its rows.
+  auto row_block = [&](int64_t m0) -> std::pair<const uint16_t*, int64_t> {
+    if (m0 < whole_rows) return {xp + m0 * x_stride, x_stride};
+    return {reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()), k};
+  };
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<at::BFloat16>();
   // Column tile c's sums of the row block at m0 (`block_rows` of them rows of x) → y.
@@ -219,7 +227,8 @@ at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, con
         expand(t0, b0);
         if (two) expand(t0 + 1, b1);
         for (int64_t m0 = pass0; m0 < pass_end; m0 += kRowBlock) {
-          multiply_row_block(xp + m0 * x_stride, x_stride, b0, b1, two, groups, sums);
+          const auto [block, block_stride] = row_block(m0);
+          multiply_row_block(block, block_stride, b0, b1, two, groups, sums);
           for (int c = 0; c < 1 + two; ++c) {
             store_columns(sums, c, m0, std::min(kRowBlock, rows - m0), (t0 + c) * kTile, column_scale(t0 + c));
           }
