@@ -182,10 +182,8 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
         return tiles.transpose(1, 2).reshape(g.num_seqs, kv_heads, g.ctx_len, head_size)
 
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
-        if g.query_len != 1 and self._fused_prefill:
-            return self._fused_prefill_group(query, kv_cache, g, scale)
-        if g.query_len != 1:
-            return TorchAttentionBackend._attend_group(self, query, kv_cache, g, scale)
+        if g.query_len != 1:  # the fused prefill kernel, or the gather of the records and two GEMMs
+            return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
         return self._ops.paged_decode_attention_int8(query, key_cache, value_cache, g.block_tables, g.seq_lens, scale)
 
