@@ -31,3 +31,17 @@ struct AmxConfig {
 
 }  // namespace kvserve_cpu
 #endif
+
+namespace kvserve_cpu {
+
+// Whether this build has the kernels on AMX bf16 and int8 tiles (built where the CPU has both) and
+// this process may use the tiles: what has_amx, has_prompt_linear and has_prefill_attention answer.
+inline bool amx_bf16_usable() {
+#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+}  // namespace kvserve_cpu

@@ -332,13 +332,7 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_
 }
 #endif
 
-bool has_prefill_attention() {
-#if defined(KVSERVE_PREFILL_ATTENTION)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool has_prefill_attention() { return amx_bf16_usable(); }
 
 #if defined(KVSERVE_PREFILL_ATTENTION)
 // Packs every (sequence, KV head), then attends every block of 16 query rows; both spread over

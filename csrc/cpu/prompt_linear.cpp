@@ -156,13 +156,7 @@ void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0,
 }
 #endif
 
-bool has_prompt_linear() {
-#if defined(KVSERVE_PROMPT_LINEAR)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool has_prompt_linear() { return amx_bf16_usable(); }
 
 #if defined(KVSERVE_PROMPT_LINEAR)
 // Checks the common arguments and runs `expand(t, out)` (tile t's weights as K / 32 B tiles) per

@@ -794,13 +794,7 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 
 // Whether this build runs AMX tiles here: the CPU has them (the build is for this CPU's features)
 // and the kernel lets this process use them. oneDNN's bf16 and int8 GEMMs use them then too.
-bool has_amx() {
-#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool has_amx() { return amx_bf16_usable(); }
 
 }  // namespace
 
