@@ -181,6 +181,12 @@ class Linear(nn.Linear):
             return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def silu_and_mul(self, x: torch.Tensor, ops: TorchLayerOps, decode_step: bool = False) -> torch.Tensor:
+        """silu(gate) * up of this layer's output (gate, then up): the MLP's activation, which the
+        quantized layers (executor/quantization.py) can take from their sums."""
+        # x: [num_tokens, in] → [num_tokens, out / 2]
+        return ops.silu_and_mul(self(x, decode_step))
+
 
 class RMSNorm(nn.Module):
     """RMSNorm; with ``residual`` given, of ``x + residual``, returning that sum too (the
@@ -244,7 +250,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: TorchLayerOps, decode_step: bool = False) -> torch.Tensor:
         # x: [num_tokens, hidden] → [num_tokens, hidden]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, decode_step)), decode_step)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, ops, decode_step), decode_step)
 
 
 class DecoderLayer(nn.Module):

@@ -50,7 +50,34 @@ class SkinnyMatmul:
         return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
 
 
-class SkinnyInt8Matmul:
+class _QuantizedSkinnyMatmul:
+    """What the int8 and int4 layouts share: decode steps take the skinny kernel, steps with prompt
+    tokens the AMX bf16 one where the CPU has it (``csrc/cpu/prompt_linear.cpp``), which for the
+    MLP's gate_up projection can also apply ``silu(gate) * up`` to its sums."""
+
+    def __init__(self, cpu_ops, out_features: int, packed: torch.Tensor, decode_op, prompt_op, prompt_silu_op):
+        self.out_features = out_features
+        self.packed = packed
+        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
+        self._decode_op, self._prompt_op, self._prompt_silu_op = decode_op, prompt_op, prompt_silu_op
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
+        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
+        op = self._prompt_op if prompt and self.has_prompt_kernel else self._decode_op
+        return op(x, self.packed, bias, self.out_features)
+
+    def fuses_silu_and_mul(self, prompt: bool) -> bool:
+        """Whether ``silu_and_mul`` takes this step: prompt steps where the prompt kernel runs, with
+        gate and up each whole tiles of 16 outputs."""
+        return prompt and self.has_prompt_kernel and self.out_features % 32 == 0
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → silu(gate) * up [rows, out / 2] bf16, bit for bit as silu_and_mul of this
+        # projection's prompt output, which is never stored
+        return self._prompt_silu_op(x, self.packed, bias, self.out_features // 2)
+
+
+class SkinnyInt8Matmul(_QuantizedSkinnyMatmul):
     """Per-channel int8 weights (executor/quantization.py's codes and scales) in
     ``skinny_linear_int8``'s layout: per tile of 16 rows, each 4 inputs' 64 codes (+128, unsigned),
     then the scales. x is quantized per token and group of 32 inputs on the way in
@@ -64,24 +91,16 @@ class SkinnyInt8Matmul:
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
         # codes: [out, in] int8; scales: [out]
-        self._ops = cpu_ops
-        self.out_features = codes.shape[0]
-        self.packed = cpu_ops.pack_skinny_int8(codes, scales)
-        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
+        super().__init__(cpu_ops, codes.shape[0], cpu_ops.pack_skinny_int8(codes, scales), cpu_ops.skinny_linear_int8,
+                         cpu_ops.prompt_linear_int8, cpu_ops.prompt_silu_and_mul_int8)
 
     @staticmethod
     def fits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
         return (scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
                 and codes.shape[1] % INT8_ACTIVATION_GROUP == 0)
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
-        if prompt and self.has_prompt_kernel:
-            return self._ops.prompt_linear_int8(x, self.packed, bias, self.out_features)
-        return self._ops.skinny_linear_int8(x, self.packed, bias, self.out_features)
 
-
-class SkinnyInt4Matmul:
+class SkinnyInt4Matmul(_QuantizedSkinnyMatmul):
     """Group-wise int4 weights (executor/quantization.py's codes, scales and zeros, groups of 32)
     in ``skinny_linear_int4``'s layout: per tile of 16 rows and group, the codes two a byte and the
     group's bf16 scales and zeros, one 320-byte record. x is quantized as for
@@ -91,17 +110,9 @@ class SkinnyInt4Matmul:
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16
-        self._ops = cpu_ops
-        self.out_features = codes.shape[0]
-        self.packed = cpu_ops.pack_skinny_int4(codes, scales, zeros)
-        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
+        super().__init__(cpu_ops, codes.shape[0], cpu_ops.pack_skinny_int4(codes, scales, zeros),
+                         cpu_ops.skinny_linear_int4, cpu_ops.prompt_linear_int4, cpu_ops.prompt_silu_and_mul_int4)
 
     @staticmethod
     def fits(scales: torch.Tensor, group_size: int) -> bool:
         return scales.dtype == torch.bfloat16 and scales.device.type == "cpu" and group_size == 32
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
-        if prompt and self.has_prompt_kernel:
-            return self._ops.prompt_linear_int4(x, self.packed, bias, self.out_features)
-        return self._ops.skinny_linear_int4(x, self.packed, bias, self.out_features)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from executor.layer_ops import TorchLayerOps
 from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 from tests.test_executor_skinny_linear import BF16_STEP, randn, reference
 
@@ -20,6 +21,10 @@ def prompt_ops(cpu_ops):
 
 
 FORMATS = ["int8", "int4"]
+
+
+def silu_op(cpu_ops, kind):
+    return cpu_ops.prompt_silu_and_mul_int8 if kind == "int8" else cpu_ops.prompt_silu_and_mul_int4
 
 
 def pack(cpu_ops, kind, out_features, in_features, seed=0):
@@ -98,12 +103,66 @@ def test_bad_arguments_are_refused_clearly(prompt_ops, kind):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("rows", [1, 5, 32, 33, 300])
+@pytest.mark.parametrize("intermediate,in_features", [(16, 64), (48, 576), (96, 1536)])
+def test_silu_and_mul_from_the_sums_is_the_separate_ops_bit_for_bit(prompt_ops, kind, rows, intermediate,
+                                                                    in_features):
+    """The MLP's gate_up projection with the activation applied to its sums: the same bits as
+    silu_and_mul after prompt_linear (gate and up each rounded to bf16 first), and within bf16
+    rounding of float32 arithmetic followed by torch's SiLU; with and without a bias, short rows
+    and rows past one pass over the weights (300 of 1536 inputs)."""
+    weight, packed, op, _ = pack(prompt_ops, kind, 2 * intermediate, in_features)
+    x, bias = randn(rows, in_features), randn(2 * intermediate, seed=1)
+    for b in (None, bias):
+        fused = silu_op(prompt_ops, kind)(x, packed, b, intermediate)
+        assert fused.shape == (rows, intermediate) and fused.dtype == torch.bfloat16
+        assert torch.equal(fused, prompt_ops.silu_and_mul(op(x, packed, b, 2 * intermediate)))
+        expected = TorchLayerOps().silu_and_mul(reference(x, weight, b))
+        torch.testing.assert_close(fused, expected, **BF16_STEP)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_silu_and_mul_refuses_a_weight_that_is_not_gate_and_up(prompt_ops, kind):
+    _, packed, _, _ = pack(prompt_ops, kind, 96, 64)
+    fused = silu_op(prompt_ops, kind)
+    with pytest.raises(RuntimeError, match="has 96 outputs, not 2 x intermediate 40"):
+        fused(randn(3, 64), packed, None, 40)
+    _, odd, _, _ = pack(prompt_ops, kind, 40, 64)  # gate and up of 20: not whole tiles
+    with pytest.raises(RuntimeError, match="not 2 x intermediate 20 \\(a multiple of 16\\)"):
+        fused(randn(3, 64), odd, None, 20)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        fused(randn(3, 64), packed, randn(48), 48)
+    with pytest.raises(RuntimeError, match="x has 32 features"):
+        fused(randn(3, 32), packed, None, 48)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_layer_applies_silu_and_mul_to_prompt_sums_and_after_decode_steps(prompt_ops, kind):
+    linear = nn.Linear(576, 192, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(randn(192, 576, scale=0.05).float())
+    layer = (Int8Linear if kind == "int8" else Int4Linear)(linear.to(torch.bfloat16), skinny_ops=prompt_ops)
+    x = randn(2, 5, 576)
+    calls = []
+    fused_op = layer.skinny._prompt_silu_op
+    layer.skinny._prompt_silu_op = lambda *args: calls.append(args) or fused_op(*args)
+    ops = TorchLayerOps()
+    prompt = layer.silu_and_mul(x, ops, decode_step=False)
+    assert len(calls) == 1 and prompt.shape == (2, 5, 96)
+    assert torch.equal(prompt, ops.silu_and_mul(layer(x, decode_step=False)))
+    decode = layer.silu_and_mul(x, ops, decode_step=True)
+    assert len(calls) == 1 and torch.equal(decode, ops.silu_and_mul(layer(x, decode_step=True)))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 def test_without_amx_bf16_the_ops_refuse_and_the_layers_keep_the_decode_kernels(cpu_ops, kind):
     if cpu_ops.has_prompt_linear():
         pytest.skip("this CPU has AMX bf16 tiles")
     _, packed, op, _ = pack(cpu_ops, kind, 32, 64)
     with pytest.raises(RuntimeError, match="needs AMX bf16 tiles"):
         op(randn(3, 64), packed, None, 32)
+    with pytest.raises(RuntimeError, match="needs AMX bf16 tiles"):
+        silu_op(cpu_ops, kind)(randn(3, 64), packed, None, 16)
     layer = (Int8Linear if kind == "int8" else Int4Linear)(nn.Linear(64, 32, bias=False).to(torch.bfloat16),
                                                             skinny_ops=cpu_ops)
     x = randn(3, 64)

@@ -183,12 +183,6 @@ void rotary_embedding_(at::Tensor& x, const at::Tensor& cos_sin) {
   });
 }
 
-// x * sigmoid(x), with exp taken of -|x| only (no overflow).
-inline Vec16 silu(Vec16 x) {
-  const Vec16 e = exp_nonpositive(x < 0.f ? x : -x);
-  return x * ((x >= 0.f ? splat(1.f) : e) / (1.f + e));
-}
-
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1), stride = gate_up.stride(0);

@@ -15,7 +15,11 @@
 // it stays in L2), then for every 32 rows of x four accumulators — 2 row tiles x 2 column tiles —
 // over all of K.
 //
-// Registered as torch.ops.kvserve_cpu.{has_prompt_linear, prompt_linear_int8, prompt_linear_int4}.
+// prompt_silu_and_mul_*: the MLP's gate_up projection with silu(gate) * up computed from the sums,
+// pairing gate tile p with up tile p + tiles / 2, so that the projection's output is never stored.
+//
+// Registered as torch.ops.kvserve_cpu.{has_prompt_linear, prompt_linear_int8, prompt_linear_int4,
+// prompt_silu_and_mul_int8, prompt_silu_and_mul_int4}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -123,12 +127,34 @@ void expand_int4_tile(const uint8_t* tile, int64_t groups, uint16_t* expanded) {
   for (int64_t g = 0; g < groups; ++g) expand_int4_group(tile + g * kInt4RecordBytes, expanded + g * kExpandedTile);
 }
 
+// A pair of column tiles multiplied together: their indices, and whether the second is there.
+struct TilePair {
+  int64_t first, second;
+  bool two;
+};
+
+// One block's products with a pair of column tiles, as multiply_row_block stores them: float32
+// [2 r + c][16 rows][16 columns] for row tile r and column tile c; `rows` of them rows of x (0: none).
+struct StoredBlock {
+  const float (*sums)[kTile * kTile] = nullptr;
+  TilePair tiles{};
+  int64_t m0 = 0, rows = 0;
+
+  const float* row(int c, int64_t m) const { return sums[2 * (m / kTile) + c] + (m % kTile) * kTile; }
+};
+
 // The products of 32 rows of x (`x_stride` bf16 apart, all present) with one or two expanded
-// column tiles over `groups` depths, stored as float32 [2 r + c][16 rows][16 columns].
+// column tiles over `groups` depths, stored into `sums`; meanwhile `finish(pending, r0, r1)` takes
+// the previous block's rows a few at a time, so that its vector work (scales, rounding, the MLP's
+// SiLU) runs while the tiles multiply instead of between blocks.
 // GCC's tile intrinsics are asm without a memory clobber, hence the compiler barriers.
+template <typename Finish>
 void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0, const uint16_t* b1, bool two,
-                        int64_t groups, float (*sums)[kTile * kTile]) {
+                        int64_t groups, float (*sums)[kTile * kTile], const StoredBlock& pending,
+                        const Finish& finish) {
   const int64_t x_bytes = x_stride * 2;
+  const int64_t rows_per_depth = (pending.rows + groups - 1) / groups;
+  int64_t finished = 0;
   asm volatile("" ::: "memory");
   _tile_zero(0);
   _tile_zero(1);
@@ -145,6 +171,11 @@ void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0,
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
+    if (finished < pending.rows) {
+      const int64_t next = std::min(pending.rows, finished + rows_per_depth);
+      finish(pending, finished, next);
+      finished = next;
+    }
   }
   _tile_stored(0, sums[0], 64);
   _tile_stored(2, sums[2], 64);
@@ -159,16 +190,14 @@ void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0,
 bool has_prompt_linear() { return amx_bf16_usable(); }
 
 #if defined(KVSERVE_PROMPT_LINEAR)
-// Checks the common arguments and runs `expand(t, out)` (tile t's weights as K / 32 B tiles) per
-// pair of column tiles and the row blocks against them; `column_scale(t)`: what tile t's 16 sums
-// are multiplied by, or nullptr.
-template <typename Expand, typename ColumnScale>
-at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, const c10::optional<at::Tensor>& bias,
-                         int64_t out_features, const Expand& expand, const ColumnScale& column_scale) {
+// What both ops share: per pair of column tiles (`pair_tiles(p)`, p < pairs), expands
+// them (`expand(t, out)`: tile t's weights as K / 32 B tiles), multiplies every row block of x
+// against them and hands each block's rows to `finish(block, r0, r1)`.
+template <typename PairTiles, typename Expand, typename Finish>
+void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pair_tiles, const Expand& expand,
+                         const Finish& finish) {
   const int64_t rows = x.size(0), k = x.size(1);
-  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
-  if (rows == 0) return out;
+  if (rows == 0) return;
   // The tile loads read 16 full rows at a time: the last block of 32 rows, if x ends inside it, is
   // read from a copy padded with zero rows (copying all of x to pad it cost ~8% of a prefill).
   const at::Tensor xs = x.stride(1) == 1 ? x : x.contiguous();
@@ -185,51 +214,90 @@ at::Tensor prompt_linear(const char* op, const at::Tensor& x, int64_t tiles, con
     if (m0 < whole_rows) return {xp + m0 * x_stride, x_stride};
     return {reinterpret_cast<const uint16_t*>(tail.data_ptr<at::BFloat16>()), k};
   };
-  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  auto* y = out.data_ptr<at::BFloat16>();
-  // Column tile c's sums of the row block at m0 (`block_rows` of them rows of x) → y.
-  auto store_columns = [&](const float (*sums)[kTile * kTile], int c, int64_t m0, int64_t block_rows, int64_t col0,
-                           const float* scale) {
-    const int64_t cols = std::min(kTile, out_features - col0);
-    for (int64_t m = 0; m < block_rows; ++m) {
-      const float* sum = sums[2 * (m / kTile) + c] + (m % kTile) * kTile;
-      at::BFloat16* dst = y + (m0 + m) * out_features + col0;
-      if (cols == kTile) {
-        const Vec16 v = scale ? load16(sum) * load16(scale) : load16(sum);
-        store16(dst, b ? v + load16(b + col0) : v);
-      } else {
-        for (int64_t j = 0; j < cols; ++j) {
-          dst[j] = static_cast<at::BFloat16>(sum[j] * (scale ? scale[j] : 1.f) + (b ? b[col0 + j] : 0.f));
-        }
-      }
-    }
-  };
   // Every pair of column tiles reads all the rows of x: in passes of rows that stay in L2 beside the
   // expanded tiles (each pass expands them again): 2048 rows in one pass took ~40% longer a row.
   const int64_t pass_rows = std::max(kRowBlock, kPassBytes / (2 * k) / kRowBlock * kRowBlock);
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     std::vector<uint16_t> expanded(2 * groups * kExpandedTile);
     uint16_t* b0 = expanded.data();
     uint16_t* b1 = b0 + groups * kExpandedTile;
-    alignas(64) float sums[4][kTile * kTile];
+    alignas(64) float sums[2][4][kTile * kTile];  // the block multiplying and the one finishing
+    StoredBlock pending;
     for (int64_t pass0 = 0; pass0 < rows; pass0 += pass_rows) {
       const int64_t pass_end = std::min(rows, pass0 + pass_rows);
       for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t0 = 2 * pair;
-        const bool two = t0 + 1 < tiles;
-        expand(t0, b0);
-        if (two) expand(t0 + 1, b1);
+        const TilePair tiles = pair_tiles(pair);
+        expand(tiles.first, b0);
+        if (tiles.two) expand(tiles.second, b1);
         for (int64_t m0 = pass0; m0 < pass_end; m0 += kRowBlock) {
           const auto [block, block_stride] = row_block(m0);
-          multiply_row_block(block, block_stride, b0, b1, two, groups, sums);
-          for (int c = 0; c < 1 + two; ++c) {
-            store_columns(sums, c, m0, std::min(kRowBlock, rows - m0), (t0 + c) * kTile, column_scale(t0 + c));
+          float(*stored)[kTile * kTile] = sums[pending.sums == sums[0]];
+          multiply_row_block(block, block_stride, b0, b1, tiles.two, groups, stored, pending, finish);
+          pending = StoredBlock{stored, tiles, m0, std::min(kRowBlock, rows - m0)};
+        }
+      }
+    }
+    finish(pending, 0, pending.rows);
+  });
+}
+
+// y = x @ W^T (+ bias): column tiles in pairs (2p, 2p + 1); `column_scale(t)`: what tile t's 16
+// sums are multiplied by, or nullptr.
+template <typename Expand, typename ColumnScale>
+at::Tensor prompt_linear(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, int64_t out_features,
+                         const Expand& expand, const ColumnScale& column_scale) {
+  at::Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  auto* y = out.data_ptr<at::BFloat16>();
+  auto store_columns = [&](const StoredBlock& block, int64_t r0, int64_t r1) {
+    for (int c = 0; c < 1 + block.tiles.two; ++c) {
+      const int64_t t = c ? block.tiles.second : block.tiles.first, col0 = t * kTile;
+      const int64_t cols = std::min(kTile, out_features - col0);
+      const float* scale = column_scale(t);
+      for (int64_t m = r0; m < r1; ++m) {
+        const float* sum = block.row(c, m);
+        at::BFloat16* dst = y + (block.m0 + m) * out_features + col0;
+        if (cols == kTile) {
+          const Vec16 v = scale ? load16(sum) * load16(scale) : load16(sum);
+          store16(dst, b ? v + load16(b + col0) : v);
+        } else {
+          for (int64_t j = 0; j < cols; ++j) {
+            dst[j] = static_cast<at::BFloat16>(sum[j] * (scale ? scale[j] : 1.f) + (b ? b[col0 + j] : 0.f));
           }
         }
       }
     }
-  });
+  };
+  multiply_tile_pairs(
+      x, (tiles + 1) / 2, [&](int64_t p) { return TilePair{2 * p, 2 * p + 1, 2 * p + 1 < tiles}; }, expand,
+      store_columns);
+  return out;
+}
+
+// silu(gate) * up of y = x @ W^T (+ bias), W's first half of rows gate, its second up: the gate
+// tile p paired with up tile p + tiles / 2. Each output rounds as silu_and_mul after
+// prompt_linear would: gate and up to bf16, silu(gate) to bf16, their product to bf16; but y is
+// never written (the separate op read and wrote 1.5x the intermediate's bytes).
+template <typename Expand, typename ColumnScale>
+at::Tensor prompt_silu_and_mul(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, const Expand& expand,
+                               const ColumnScale& column_scale) {
+  const int64_t half = tiles / 2, intermediate = half * kTile;
+  at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  auto* y = out.data_ptr<at::BFloat16>();
+  auto activate = [&](const StoredBlock& block, int64_t r0, int64_t r1) {
+    const float *gate_scale = column_scale(block.tiles.first), *up_scale = column_scale(block.tiles.second);
+    const int64_t col0 = block.tiles.first * kTile;
+    for (int64_t m = r0; m < r1; ++m) {
+      Vec16 gate = load16(block.row(0, m)), up = load16(block.row(1, m));
+      if (gate_scale) gate = gate * load16(gate_scale), up = up * load16(up_scale);
+      if (b) gate = gate + load16(b + col0), up = up + load16(b + intermediate + col0);
+      store16(y + (block.m0 + m) * intermediate + col0, round_bf16(silu(round_bf16(gate))) * round_bf16(up));
+    }
+  };
+  multiply_tile_pairs(
+      x, half, [&](int64_t p) { return TilePair{p, p + half, true}; }, expand, activate);
   return out;
 }
 #endif
@@ -240,45 +308,106 @@ void check_x(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % kDepth == 0, op, ": in_features must be a multiple of ", kDepth);
 }
 
+// The packed int8 weight's tile count, checked against x; refuses where there are no tiles.
+int64_t checked_int8_tiles(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  check_x(op, x);
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(), op,
+              ": packed must come from pack_skinny_int8");
+  TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, op, ": x has ", k, " features, the weight ",
+              (packed.size(1) - kTile * 4) / kTile);
+  return packed.size(0);
+}
+
+int64_t checked_int4_tiles(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  check_x(op, x);
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              op, ": packed must come from pack_skinny_int4");
+  TORCH_CHECK(packed.size(1) * kDepth == k, op, ": x has ", k, " features, the weight ", packed.size(1) * kDepth);
+  return packed.size(0);
+}
+
+// Refuses a gate_up weight whose gate and up halves do not each fill whole tiles.
+void check_gate_up(const char* op, int64_t tiles, int64_t intermediate) {
+  TORCH_CHECK(intermediate % kTile == 0 && tiles * kTile == 2 * intermediate, op, ": the packed weight has ",
+              tiles * kTile, " outputs, not 2 x intermediate ", intermediate, " (a multiple of ", kTile, ")");
+}
+
+#if defined(KVSERVE_PROMPT_LINEAR)
+// Runs `body(expand, column_scale)` with the int8 weight's expansion and per-column scales.
+template <typename Body>
+at::Tensor with_int8_weight(const at::Tensor& x, const at::Tensor& packed, const Body& body) {
+  const auto* w = packed.data_ptr<uint8_t>();
+  const int64_t k = x.size(1), tile_bytes = packed.size(1);
+  return body([=](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, k / kDepth, expanded); },
+              [=](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
+}
+
+template <typename Body>
+at::Tensor with_int4_weight(const at::Tensor& x, const at::Tensor& packed, const Body& body) {
+  const auto* w = packed.data_ptr<uint8_t>();
+  const int64_t k = x.size(1), tile_bytes = packed.size(1) * kInt4RecordBytes;
+  return body([=](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, k / kDepth, expanded); },
+              [](int64_t) -> const float* { return nullptr; });
+}
+#endif
+
 at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  check_x("prompt_linear_int8", x);
-  const int64_t k = x.size(1);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "prompt_linear_int8: packed must come from pack_skinny_int8");
-  TORCH_CHECK(packed.size(1) == k * kTile + kTile * 4, "prompt_linear_int8: x has ", k, " features, the weight ",
-              (packed.size(1) - kTile * 4) / kTile);
+  const char* op = "prompt_linear_int8";
+  const int64_t tiles = checked_int8_tiles(op, x, packed);
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
 #if defined(KVSERVE_PROMPT_LINEAR)
-  const auto* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = packed.size(1);
-  return prompt_linear(
-      "prompt_linear_int8", x, packed.size(0), bias, out_features,
-      [&](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, k / kDepth, expanded); },
-      [&](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
+  return with_int8_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
+    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
+  });
 #else
-  (void)bias, (void)out_features;
   return {};  // check_x refused: no tiles in this build
 #endif
 }
 
 at::Tensor prompt_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  check_x("prompt_linear_int4", x);
-  const int64_t k = x.size(1);
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kByte,
-              "prompt_linear_int4: packed must come from pack_skinny_int4");
-  TORCH_CHECK(packed.size(1) * kDepth == k, "prompt_linear_int4: x has ", k, " features, the weight ",
-              packed.size(1) * kDepth);
+  const char* op = "prompt_linear_int4";
+  const int64_t tiles = checked_int4_tiles(op, x, packed);
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
 #if defined(KVSERVE_PROMPT_LINEAR)
-  const auto* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = packed.size(1) * kInt4RecordBytes;
-  return prompt_linear(
-      "prompt_linear_int4", x, packed.size(0), bias, out_features,
-      [&](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, k / kDepth, expanded); },
-      [](int64_t) -> const float* { return nullptr; });
+  return with_int4_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
+    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
+  });
 #else
-  (void)bias, (void)out_features;
+  return {};  // check_x refused: no tiles in this build
+#endif
+}
+
+at::Tensor prompt_silu_and_mul_int8(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias, int64_t intermediate) {
+  const char* op = "prompt_silu_and_mul_int8";
+  const int64_t tiles = checked_int8_tiles(op, x, packed);
+  check_gate_up(op, tiles, intermediate);
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
+#if defined(KVSERVE_PROMPT_LINEAR)
+  return with_int8_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
+    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
+  });
+#else
+  return {};  // check_x refused: no tiles in this build
+#endif
+}
+
+at::Tensor prompt_silu_and_mul_int4(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias, int64_t intermediate) {
+  const char* op = "prompt_silu_and_mul_int4";
+  const int64_t tiles = checked_int4_tiles(op, x, packed);
+  check_gate_up(op, tiles, intermediate);
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
+#if defined(KVSERVE_PROMPT_LINEAR)
+  return with_int4_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
+    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
+  });
+#else
   return {};  // check_x refused: no tiles in this build
 #endif
 }
@@ -289,9 +418,13 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("has_prompt_linear", &has_prompt_linear);
   m.def("prompt_linear_int8(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("prompt_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("prompt_silu_and_mul_int8(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
+  m.def("prompt_silu_and_mul_int4(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("prompt_linear_int8", &prompt_linear_int8);
   m.impl("prompt_linear_int4", &prompt_linear_int4);
+  m.impl("prompt_silu_and_mul_int8", &prompt_silu_and_mul_int8);
+  m.impl("prompt_silu_and_mul_int4", &prompt_silu_and_mul_int4);
 }

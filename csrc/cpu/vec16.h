@@ -211,6 +211,12 @@ inline Vec16 exp_nonpositive(Vec16 x) {
   return p * two_n;
 }
 
+// x * sigmoid(x), with exp taken of -|x| only (no overflow).
+inline Vec16 silu(Vec16 x) {
+  const Vec16 e = exp_nonpositive(x < 0.f ? x : -x);
+  return x * ((x >= 0.f ? splat(1.f) : e) / (1.f + e));
+}
+
 // The numerators of a softmax over x[0..n) (n a multiple of 16; lanes out of it -inf), in place:
 // exp(x - max x), with a vectorized exp. Returns 1 / their sum.
 inline float softmax_numerators(float* x, int64_t n) {
