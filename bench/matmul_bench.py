@@ -2,12 +2,18 @@
 stand in for, at the model's shapes, on this machine.
 
     python -m bench.matmul_bench [--model DIR] [--rows 1,2,4,8,16,32] [--threads 1]
+    python -m bench.matmul_bench --prompt [--rows 40,200,551]
 
 For each number of rows (tokens of a step), every projection of every layer and the LM head
 once, with random weights of the model's shapes: bf16 through oneDNN's packed matmul and through
 ``skinny_linear``; int8 and int4 (executor/quantization.py's formats) through torch's weight-only
 kernels and through the skinny ones. The kernels run in turn, round after round, and the best of
 ``--rounds`` is kept. GB/s is the bytes of weights read per second (bf16: 2 a weight).
+
+``--prompt``: a prompt step's matmuls where the CPU has AMX bf16 tiles — every layer's four
+projections and the MLP's activation (``silu_and_mul``), no LM head: bf16 through oneDNN, and
+int8 / int4 through the prompt kernels with the activation as a separate op and taken from the
+gate_up projection's sums (``prompt_silu_and_mul_*``). G multiply-adds/s of the projections.
 """
 from __future__ import annotations
 
@@ -60,6 +66,67 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
     return kernels
 
 
+def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
+    """Per kernel, one callable x576, x1536 → None running every layer's projections and activation
+    as a prompt step does (x576: inputs of hidden_size features, x1536: of intermediate_size)."""
+    generator = torch.Generator().manual_seed(0)
+    c = config
+    shapes = model_shapes(c)[:4]
+    layers = [[(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16) for n, k in shapes]
+              for _ in range(c.num_layers)]
+
+    def quantized(kind: str, fused: bool):
+        matmuls = [[SkinnyInt8Matmul(ops, *quantize_int8(w, torch.bfloat16)) if kind == "int8" else
+                    SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16)) for w in layer] for layer in layers]
+
+        def run(hidden: torch.Tensor, intermediate: torch.Tensor) -> None:
+            for qkv, o, gate_up, down in matmuls:
+                qkv(hidden, None, prompt=True)
+                o(hidden, None, prompt=True)
+                if fused:
+                    gate_up.silu_and_mul(hidden, None)
+                else:
+                    ops.silu_and_mul(gate_up(hidden, None, prompt=True))
+                down(intermediate, None, prompt=True)
+        return run
+
+    packed = [[pack_weight(w) for w in layer] for layer in layers]
+
+    def onednn(hidden: torch.Tensor, intermediate: torch.Tensor) -> None:
+        for qkv, o, gate_up, down in packed:
+            packed_linear(hidden, qkv, None)
+            packed_linear(hidden, o, None)
+            ops.silu_and_mul(packed_linear(hidden, gate_up, None))
+            packed_linear(intermediate, down, None)
+
+    return {"oneDNN bf16, separate SiLU": onednn,
+            "int8, separate SiLU": quantized("int8", False), "int8, SiLU from the sums": quantized("int8", True),
+            "int4, separate SiLU": quantized("int4", False), "int4, SiLU from the sums": quantized("int4", True)}
+
+
+def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> None:
+    if not ops.has_prompt_linear():
+        print("this CPU has no AMX bf16 tiles: prompt steps keep the decode kernels, nothing to compare")
+        return
+    kernels = build_prompt_kernels(config, ops)
+    macs_per_row = sum(n * k for n, k in model_shapes(config)[:4]) * config.num_layers
+    print(f"a prompt step's projections and MLP activation, {config.num_layers} layers, best of {rounds}")
+    print("| rows | " + " | ".join(kernels) + " |")
+    print("|---:|" + "---:|" * len(kernels))
+    for rows in rows_list:
+        hidden = torch.randn(rows, config.hidden_size).to(torch.bfloat16)
+        intermediate = torch.randn(rows, config.intermediate_size).to(torch.bfloat16)
+        best = {name: float("inf") for name in kernels}
+        for round_ in range(rounds + 1):  # the first round warms up
+            for name, fn in kernels.items():
+                start = time.perf_counter()
+                fn(hidden, intermediate)
+                if round_:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        cells = [f"{best[n] * 1e3:.1f} ms ({macs_per_row * rows / best[n] / 1e9:.0f} G/s)" for n in kernels]
+        print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
 def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
     head = shapes[-1][0] * shapes[-1][1] * (1 if name in ("skinny int8", "skinny int4") else 2)
     per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}[name.split()[-1]]  # int4: + bf16 scale, zero
@@ -69,13 +136,20 @@ def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--rows", default="1,2,4,8,16,32", help="comma-separated numbers of rows (tokens)")
+    parser.add_argument("--rows", default=None, help="comma-separated numbers of rows (tokens); default "
+                        "1,2,4,8,16,32, with --prompt 40,200,551")
+    parser.add_argument("--prompt", action="store_true", help="a prompt step's matmuls and MLP activation on the "
+                        "AMX prompt kernels instead of a decode step's")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = csrc_build_script().load_cpu()
     config = ModelConfig.from_dir(args.model or default_model_dir())
+    if args.prompt:
+        with torch.inference_mode():
+            run_prompt(config, ops, [int(r) for r in (args.rows or "40,200,551").split(",")], args.rounds)
+        return 0
     shapes = model_shapes(config)
     kernels = build_kernels(shapes, ops)
     print(f"{len(shapes)} matmuls a step ({config.architecture}, hidden {config.hidden_size}), "
@@ -83,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| rows | " + " | ".join(kernels) + " |")
     print("|---:|" + "---:|" * len(kernels))
     with torch.inference_mode():
-        for rows in (int(r) for r in args.rows.split(",")):
+        for rows in (int(r) for r in (args.rows or "1,2,4,8,16,32").split(",")):
             inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
             best = {name: float("inf") for name in kernels}
             for round_ in range(args.rounds + 1):  # the first round warms up
