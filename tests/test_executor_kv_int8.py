@@ -73,6 +73,42 @@ def test_each_token_head_is_rounded_within_half_a_step_of_its_own_scale(cpu_ops)
     assert (untouched == 0).all()  # slot -1: nothing written
 
 
+@pytest.mark.parametrize("head", [64, 40])
+def test_codes_and_scales_are_the_round_to_nearest_even_of_x_over_amax_by_127(cpu_ops, head):
+    """The exact bits, against torch: scale = amax / 127 in float32, code = x / scale rounded to
+    nearest (ties to even), clamped to 127 — for head sizes that are whole 16-lane vectors (64) and
+    not (40), with ties on purpose (x an odd multiple of half a step), an infinity and a NaN."""
+    g = torch.Generator().manual_seed(3)
+    tokens = 40
+    x = (torch.randn(tokens, KV_HEADS, head, generator=g) * torch.rand(tokens, KV_HEADS, 1, generator=g) * 8)
+    x[:8, :, 0] = 127.0  # amax 127: scale 1, and the halves below are exact ties
+    x[:8, :, 1:9] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5])
+    x[9, 0, 5], x[10, 2, 3], x[11, 1] = float("inf"), float("nan"), 0.0
+    x = x.to(torch.bfloat16)
+    key_cache = torch.zeros(tokens // BLOCK + 1, KV_HEADS, BLOCK * (head + 4), dtype=torch.int8)
+    value_cache = torch.zeros_like(key_cache)
+    cpu_ops.write_kv_int8(x, x, key_cache, value_cache, torch.arange(tokens))
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    expected = torch.clamp(torch.round(xf / scale), -127, 127).nan_to_num(0.0)
+    expected[amax.squeeze(-1) == 0] = 0
+    finite = xf.isfinite().all(-1)
+    expected[~finite] = 0
+    blocks = torch.arange(tokens) // BLOCK
+    offsets = torch.arange(tokens) % BLOCK
+    v_records = value_cache[blocks]  # [tokens, kv_heads, record]
+    v_codes = v_records[..., :BLOCK * head].view(tokens, KV_HEADS, BLOCK, head)[torch.arange(tokens), :, offsets]
+    k_records = key_cache[blocks]
+    k_codes = k_records[..., :BLOCK * head].view(tokens, KV_HEADS, head, BLOCK)[torch.arange(tokens), :, :, offsets]
+    for records, codes in ((v_records, v_codes), (k_records, k_codes)):
+        assert torch.equal(codes.float(), expected)
+        scales = records[..., BLOCK * head:].contiguous().view(torch.float32)[torch.arange(tokens), :, offsets]
+        want = torch.where(amax.squeeze(-1) == 0, 0.0, scale.squeeze(-1))
+        assert torch.equal(scales[finite], want[finite]) and scales[~finite].isnan().all()
+    assert torch.equal(v_codes[0, 0, 1:9].float(), torch.tensor([0., 2, 2, 0, -2, -2, 126, -126]))
+
+
 def reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     # query [heads, head]; keys, values [ctx, kv_heads, head] float32 → [heads, head]
     group = HEADS // KV_HEADS

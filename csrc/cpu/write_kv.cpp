@@ -29,7 +29,7 @@
 
 namespace {
 
-using kvserve_cpu::dispatch_float_types;
+using namespace kvserve_cpu;
 
 // Calls write(k_row, v_row, k_tile, v_tile, offset) for each token and KV head whose slot is not
 // -1: that head's new K and V ([head_size] each, T) and the (block, head) tiles of the two caches
@@ -66,11 +66,46 @@ void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_c
   });
 }
 
+// quantize_head for n a multiple of 16, 16 lanes at a time: the same division and the same rounding
+// to nearest even (adding and subtracting 1.5 * 2^23 rounds any |q| < 2^22 so), so the same codes.
+template <typename T>
+float quantize_head_lanes(const T* x, int64_t n, int8_t* codes, int64_t code_stride) {
+  const Vec16 largest = splat(std::numeric_limits<float>::max());
+  Vec16 amax{};
+  Int16 finite = Int16{} - 1;
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Vec16 v = load16(x + i);
+    const Vec16 magnitude = v < 0.f ? -v : v;
+    finite &= magnitude <= largest;  // false for NaN and for either infinity
+    amax = magnitude > amax ? magnitude : amax;
+  }
+  const float m = reduce_max_any_order(amax);
+  if (!all_lanes(finite) || m == 0.f) {
+    for (int64_t i = 0; i < n; ++i) codes[i * code_stride] = 0;
+    return all_lanes(finite) ? 0.f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float scale = m / 127.f;
+  const Vec16 round_even = splat(12582912.f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    Vec16 code = (load16(x + i) / scale + round_even) - round_even;
+    code = code > 127.f ? splat(127.f) : code;
+    code = code < -127.f ? splat(-127.f) : code;
+    const Int16 narrow = __builtin_convertvector(code, Int16);
+    if (code_stride == 1) {
+      store_narrowed(codes + i, narrow);
+    } else {
+      for (int64_t j = 0; j < kLanes; ++j) codes[(i + j) * code_stride] = static_cast<int8_t>(narrow[j]);
+    }
+  }
+  return scale;
+}
+
 // x[0..n) as codes (code_stride apart) in [-127, 127]; returns the scale: 0 for an all-zero row,
 // NaN for one holding a NaN or an infinity (so that it reaches the output as it would from a float
 // cache instead of vanishing).
 template <typename T>
 float quantize_head(const T* x, int64_t n, int8_t* codes, int64_t code_stride) {
+  if (n % kLanes == 0) return quantize_head_lanes(x, n, codes, code_stride);
   float amax = 0.f;
   bool finite = true;
   for (int64_t i = 0; i < n; ++i) {
