@@ -40,6 +40,14 @@ def pack(cpu_ops, kind, out_features, in_features, seed=0):
             cpu_ops.prompt_linear_int4, cpu_ops.skinny_linear_int4)
 
 
+def quantized_layer(cpu_ops, kind, out_features, in_features=576):
+    """An Int8Linear / Int4Linear with a bias, on the CPU kernels."""
+    linear = nn.Linear(in_features, out_features, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(randn(out_features, in_features, scale=0.05).float())
+    return (Int8Linear if kind == "int8" else Int4Linear)(linear.to(torch.bfloat16), skinny_ops=cpu_ops)
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("rows", [1, 5, 16, 31, 33, 64])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (40, 64), (832, 576), (7, 1536)])
@@ -138,10 +146,7 @@ def test_silu_and_mul_refuses_a_weight_that_is_not_gate_and_up(prompt_ops, kind)
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_the_layer_applies_silu_and_mul_to_prompt_sums_and_after_decode_steps(prompt_ops, kind):
-    linear = nn.Linear(576, 192, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(randn(192, 576, scale=0.05).float())
-    layer = (Int8Linear if kind == "int8" else Int4Linear)(linear.to(torch.bfloat16), skinny_ops=prompt_ops)
+    layer = quantized_layer(prompt_ops, kind, 192)
     x = randn(2, 5, 576)
     calls = []
     fused_op = layer.skinny._prompt_silu_op
@@ -171,10 +176,7 @@ def test_without_amx_bf16_the_ops_refuse_and_the_layers_keep_the_decode_kernels(
 
 @pytest.mark.parametrize("kind", FORMATS)
 def test_the_layer_takes_it_for_prompt_steps_and_the_decode_kernel_for_decode_steps(prompt_ops, kind):
-    linear = nn.Linear(576, 96, bias=True)
-    with torch.no_grad():
-        linear.weight.copy_(randn(96, 576, scale=0.05).float())
-    layer = (Int8Linear if kind == "int8" else Int4Linear)(linear.to(torch.bfloat16), skinny_ops=prompt_ops)
+    layer = quantized_layer(prompt_ops, kind, 96)
     _, _, prompt_op, decode_op = pack(prompt_ops, kind, 16, 32)
     x = randn(2, 5, 576)
     packed, bias = layer.skinny.packed, layer.bias

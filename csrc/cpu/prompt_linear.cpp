@@ -335,81 +335,75 @@ void check_gate_up(const char* op, int64_t tiles, int64_t intermediate) {
               tiles * kTile, " outputs, not 2 x intermediate ", intermediate, " (a multiple of ", kTile, ")");
 }
 
-#if defined(KVSERVE_PROMPT_LINEAR)
-// Runs `body(expand, column_scale)` with the int8 weight's expansion and per-column scales.
+enum class Format { kInt8, kInt4 };
+
+// Checks x and the packed weight (in `format`'s layout) and returns `body(tiles, expand,
+// column_scale)` with that layout's expansion and per-column scales (int4: none).
 template <typename Body>
-at::Tensor with_int8_weight(const at::Tensor& x, const at::Tensor& packed, const Body& body) {
+at::Tensor with_weight(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed, const Body& body) {
+  const int64_t tiles = format == Format::kInt8 ? checked_int8_tiles(op, x, packed) : checked_int4_tiles(op, x, packed);
+#if defined(KVSERVE_PROMPT_LINEAR)
   const auto* w = packed.data_ptr<uint8_t>();
-  const int64_t k = x.size(1), tile_bytes = packed.size(1);
-  return body([=](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, k / kDepth, expanded); },
-              [=](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
+  const int64_t k = x.size(1), groups = k / kDepth;
+  if (format == Format::kInt8) {
+    const int64_t tile_bytes = packed.size(1);
+    return body(
+        tiles, [=](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, groups, expanded); },
+        [=](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
+  }
+  const int64_t tile_bytes = packed.size(1) * kInt4RecordBytes;
+  return body(
+      tiles, [=](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, groups, expanded); },
+      [](int64_t) -> const float* { return nullptr; });
+#else
+  (void)tiles, (void)body;
+  return {};  // check_x refused: no tiles in this build
+#endif
 }
 
-template <typename Body>
-at::Tensor with_int4_weight(const at::Tensor& x, const at::Tensor& packed, const Body& body) {
-  const auto* w = packed.data_ptr<uint8_t>();
-  const int64_t k = x.size(1), tile_bytes = packed.size(1) * kInt4RecordBytes;
-  return body([=](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, k / kDepth, expanded); },
-              [](int64_t) -> const float* { return nullptr; });
-}
+at::Tensor linear_op(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& expand, const auto& column_scale) {
+    const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
+#if defined(KVSERVE_PROMPT_LINEAR)
+    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
+#else
+    return at::Tensor();
 #endif
+  });
+}
+
+at::Tensor silu_and_mul_op(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed,
+                           const c10::optional<at::Tensor>& bias, int64_t intermediate) {
+  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& expand, const auto& column_scale) {
+    check_gate_up(op, tiles, intermediate);
+    const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
+#if defined(KVSERVE_PROMPT_LINEAR)
+    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
+#else
+    return at::Tensor();
+#endif
+  });
+}
 
 at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  const char* op = "prompt_linear_int8";
-  const int64_t tiles = checked_int8_tiles(op, x, packed);
-  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
-#if defined(KVSERVE_PROMPT_LINEAR)
-  return with_int8_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
-    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
-  });
-#else
-  return {};  // check_x refused: no tiles in this build
-#endif
+  return linear_op("prompt_linear_int8", Format::kInt8, x, packed, bias, out_features);
 }
 
 at::Tensor prompt_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  const char* op = "prompt_linear_int4";
-  const int64_t tiles = checked_int4_tiles(op, x, packed);
-  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
-#if defined(KVSERVE_PROMPT_LINEAR)
-  return with_int4_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
-    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
-  });
-#else
-  return {};  // check_x refused: no tiles in this build
-#endif
+  return linear_op("prompt_linear_int4", Format::kInt4, x, packed, bias, out_features);
 }
 
 at::Tensor prompt_silu_and_mul_int8(const at::Tensor& x, const at::Tensor& packed,
                                     const c10::optional<at::Tensor>& bias, int64_t intermediate) {
-  const char* op = "prompt_silu_and_mul_int8";
-  const int64_t tiles = checked_int8_tiles(op, x, packed);
-  check_gate_up(op, tiles, intermediate);
-  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
-#if defined(KVSERVE_PROMPT_LINEAR)
-  return with_int8_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
-    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
-  });
-#else
-  return {};  // check_x refused: no tiles in this build
-#endif
+  return silu_and_mul_op("prompt_silu_and_mul_int8", Format::kInt8, x, packed, bias, intermediate);
 }
 
 at::Tensor prompt_silu_and_mul_int4(const at::Tensor& x, const at::Tensor& packed,
                                     const c10::optional<at::Tensor>& bias, int64_t intermediate) {
-  const char* op = "prompt_silu_and_mul_int4";
-  const int64_t tiles = checked_int4_tiles(op, x, packed);
-  check_gate_up(op, tiles, intermediate);
-  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
-#if defined(KVSERVE_PROMPT_LINEAR)
-  return with_int4_weight(x, packed, [&](const auto& expand, const auto& column_scale) {
-    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
-  });
-#else
-  return {};  // check_x refused: no tiles in this build
-#endif
+  return silu_and_mul_op("prompt_silu_and_mul_int4", Format::kInt4, x, packed, bias, intermediate);
 }
 
 }  // namespace
