@@ -278,7 +278,7 @@ at::Tensor prompt_linear(const at::Tensor& x, int64_t tiles, const at::Tensor& b
 // silu(gate) * up of y = x @ W^T (+ bias), W's first half of rows gate, its second up: the gate
 // tile p paired with up tile p + tiles / 2. Each output rounds as silu_and_mul after
 // prompt_linear would: gate and up to bf16, silu(gate) to bf16, their product to bf16; but y is
-// never written (the separate op read and wrote 1.5x the intermediate's bytes).
+// never written (the separate ops wrote [rows, 2 x intermediate] and read it back).
 template <typename Expand, typename ColumnScale>
 at::Tensor prompt_silu_and_mul(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, const Expand& expand,
                                const ColumnScale& column_scale) {
