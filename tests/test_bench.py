@@ -275,3 +275,21 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert prefix.cached_prompt_tokens > 0
     assert all(run["model_info"]["batching"] == run["config"]["batching"] for run in meta["runs"])
     assert "throughput" in printed and (out / "bench.png").exists() and (out / "table.md").exists()
+
+
+def test_matmul_bench_prompt_mode_times_every_kernel_on_a_tiny_model(tiny_model_dir, cpu_ops, capsys):
+    """``python -m bench.matmul_bench --prompt``: one row of timings per row count, a cell per kernel
+    (oneDNN, and int8 / int4 with the SiLU separate and from the sums); where the CPU has no AMX bf16
+    tiles it says so instead."""
+    from bench.matmul_bench import main
+
+    assert main(["--model", str(tiny_model_dir), "--prompt", "--rows", "5,33", "--rounds", "1"]) == 0
+    printed = capsys.readouterr().out
+    if not cpu_ops.has_prompt_linear():
+        assert "no AMX bf16 tiles" in printed
+        return
+    lines = printed.splitlines()
+    header = next(line for line in lines if line.startswith("| rows |"))
+    assert header.count("SiLU from the sums") == 2 and "oneDNN bf16" in header
+    rows = [line for line in lines if line.startswith(("| 5 |", "| 33 |"))]
+    assert len(rows) == 2 and all(row.count(" ms (") == 5 for row in rows), printed
