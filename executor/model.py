@@ -21,7 +21,7 @@ from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
 from executor.layer_ops import TorchLayerOps
-from executor.skinny import SkinnyMatmul, bf16_skinny_max_rows
+from executor.skinny import GateUpActivation, SkinnyMatmul, bf16_skinny_max_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -161,7 +161,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class Linear(nn.Linear):
+class Linear(GateUpActivation, nn.Linear):
     """nn.Linear whose bf16 weight can be pre-packed on the CPU: for oneDNN (F.linear re-packs the
     weight into oneDNN's blocked layout on every call, ``packed_weight`` is that layout made once)
     and, for decode steps of a few tokens, for ``SkinnyMatmul`` (executor/skinny.py). Once packed
@@ -169,7 +169,8 @@ class Linear(nn.Linear):
     reads it, and it would be one copy more. ``decode_step``: every sequence of the step computes
     one token. Prompt tokens always take oneDNN, however few are left after a prefix-cache hit, so
     that a prompt's rounding (and a greedy answer at a near-tie) does not depend on how much of it
-    was cached."""
+    was cached — except the MLP's gate_up where the CPU has AMX bf16 tiles, whose prompt tokens take
+    the prompt kernel with the SiLU applied to its sums (``GateUpActivation``), as row by row."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | None = None
@@ -180,12 +181,6 @@ class Linear(nn.Linear):
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def silu_and_mul(self, x: torch.Tensor, ops: TorchLayerOps, decode_step: bool = False) -> torch.Tensor:
-        """silu(gate) * up of this layer's output (gate, then up): the MLP's activation, which the
-        quantized layers (executor/quantization.py) can take from their sums."""
-        # x: [num_tokens, in] → [num_tokens, out / 2]
-        return ops.silu_and_mul(self(x, decode_step))
 
 
 class RMSNorm(nn.Module):

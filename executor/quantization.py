@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from executor.skinny import INT8_ACTIVATION_GROUP, SkinnyInt4Matmul, SkinnyInt8Matmul
+from executor.skinny import INT8_ACTIVATION_GROUP, GateUpActivation, SkinnyInt4Matmul, SkinnyInt8Matmul
 
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32
@@ -126,25 +126,7 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 
 # ---- the layers ----------------------------------------------------------------------------------
-class _QuantizedLinear(nn.Module):
-    """What Int8Linear and Int4Linear share beyond their weights."""
-
-    in_features: int
-    out_features: int
-    skinny: SkinnyInt8Matmul | SkinnyInt4Matmul | None
-
-    def silu_and_mul(self, x: torch.Tensor, ops, decode_step: bool = False) -> torch.Tensor:
-        """silu(gate) * up of this layer's output (gate, then up), as ``ops.silu_and_mul(self(x))``;
-        steps with prompt tokens compute it from the prompt kernel's sums where that runs, bit for bit
-        the same without storing the output."""
-        # x: [..., in] → [..., out / 2]
-        if self.skinny is not None and self.skinny.fuses_silu_and_mul(prompt=not decode_step):
-            rows = self.skinny.silu_and_mul(x.reshape(-1, self.in_features), self.bias)
-            return rows.view(*x.shape[:-1], self.out_features // 2)
-        return ops.silu_and_mul(self(x, decode_step))
-
-
-class Int8Linear(_QuantizedLinear):
+class Int8Linear(GateUpActivation, nn.Module):
     """A linear layer with per-channel int8 weights; same inputs and outputs as the float one.
     With ``skinny_ops`` (and bf16 scales on the CPU, in_features a multiple of 32) every step
     takes executor/skinny.py's kernels, and torch's copy is not kept: decode steps the VNNI / AMX
@@ -172,7 +154,7 @@ class Int8Linear(_QuantizedLinear):
         return out if self.bias is None else out + self.bias
 
 
-class Int4Linear(_QuantizedLinear):
+class Int4Linear(GateUpActivation, nn.Module):
     """A linear layer with group-wise int4 weights, packed once for the device's kernel. With
     ``skinny_ops``, as ``Int8Linear``: executor/skinny.py's layout only (2x torch's CPU kernel)."""
 

@@ -28,15 +28,54 @@ def bf16_skinny_max_rows(cpu_ops) -> int:
     return AMX_SKINNY_MAX_ROWS if cpu_ops.has_amx() else SKINNY_MAX_ROWS
 
 
-class SkinnyMatmul:
+class GateUpActivation:
+    """For the projection layers (executor/model.py's ``Linear``, executor/quantization.py's): the
+    MLP's activation of their output, from the prompt kernel's sums where their packed matmul
+    (``skinny``) fuses it. The layer has ``skinny`` (or None), ``in_features``, ``out_features``,
+    ``bias`` and is called as ``layer(x, decode_step)``."""
+
+    def silu_and_mul(self, x: torch.Tensor, ops, decode_step: bool = False) -> torch.Tensor:
+        """silu(gate) * up of this layer's output (gate, then up), as ``ops.silu_and_mul(self(x))``."""
+        # x: [..., in] → [..., out / 2]
+        skinny = self.skinny
+        if skinny is not None and skinny.fuses_silu_and_mul(prompt=not decode_step):
+            rows = skinny.silu_and_mul(x.reshape(-1, self.in_features), self.bias)
+            return rows.view(*x.shape[:-1], self.out_features // 2)
+        return ops.silu_and_mul(self(x, decode_step))
+
+
+class _PackedMatmul:
+    """What every packed layout here shares: where the CPU has AMX bf16 tiles, the MLP's gate_up
+    projection can take ``silu(gate) * up`` straight from the prompt kernel's sums on steps with
+    prompt tokens (``prompt_silu_and_mul_*``, csrc/cpu/prompt_linear.cpp), its output never stored."""
+
+    def __init__(self, cpu_ops, out_features: int, in_features: int, packed: torch.Tensor, prompt_silu_op):
+        self.out_features, self.in_features = out_features, in_features
+        self.packed = packed
+        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
+        self._prompt_silu_op = prompt_silu_op
+
+    def fuses_silu_and_mul(self, prompt: bool) -> bool:
+        """Whether ``silu_and_mul`` takes this step: prompt steps where the prompt kernel runs, with
+        inputs in whole 32-input steps and gate and up each whole tiles of 16 outputs."""
+        return prompt and self.has_prompt_kernel and self.in_features % 32 == 0 and self.out_features % 32 == 0
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] bf16 → silu(gate) * up [rows, out / 2] bf16, rounded as silu_and_mul of this
+        # projection's bf16 output, which is never stored
+        return self._prompt_silu_op(x, self.packed, bias, self.out_features // 2)
+
+
+class SkinnyMatmul(_PackedMatmul):
     """A bf16 weight [out, in] in ``skinny_linear``'s layout (tiles of 16 output rows, input
-    columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight."""
+    columns in pairs): x @ W^T for x of a few rows as one sequential read of the weight. The same
+    layout is the AMX tiles' B operand, so ``silu_and_mul`` reads it in place."""
 
     def __init__(self, cpu_ops, weight: torch.Tensor, max_rows: int = SKINNY_MAX_ROWS):
+        super().__init__(cpu_ops, weight.shape[0], weight.shape[1], cpu_ops.pack_skinny_weight(weight.detach()),
+                         cpu_ops.prompt_silu_and_mul_bf16)
         self._ops = cpu_ops
-        self.out_features = weight.shape[0]
         self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster (bf16_skinny_max_rows)
-        self.packed = cpu_ops.pack_skinny_weight(weight.detach())
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.shape[0] <= self.max_rows
@@ -50,31 +89,19 @@ class SkinnyMatmul:
         return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
 
 
-class _QuantizedSkinnyMatmul:
+class _QuantizedSkinnyMatmul(_PackedMatmul):
     """What the int8 and int4 layouts share: decode steps take the skinny kernel, steps with prompt
-    tokens the AMX bf16 one where the CPU has it (``csrc/cpu/prompt_linear.cpp``), which for the
-    MLP's gate_up projection can also apply ``silu(gate) * up`` to its sums."""
+    tokens the AMX bf16 one where the CPU has it (``csrc/cpu/prompt_linear.cpp``)."""
 
-    def __init__(self, cpu_ops, out_features: int, packed: torch.Tensor, decode_op, prompt_op, prompt_silu_op):
-        self.out_features = out_features
-        self.packed = packed
-        self.has_prompt_kernel = cpu_ops.has_prompt_linear()
-        self._decode_op, self._prompt_op, self._prompt_silu_op = decode_op, prompt_op, prompt_silu_op
+    def __init__(self, cpu_ops, codes: torch.Tensor, packed: torch.Tensor, decode_op, prompt_op, prompt_silu_op):
+        # codes: [out, in]
+        super().__init__(cpu_ops, codes.shape[0], codes.shape[1], packed, prompt_silu_op)
+        self._decode_op, self._prompt_op = decode_op, prompt_op
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
         # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
         op = self._prompt_op if prompt and self.has_prompt_kernel else self._decode_op
         return op(x, self.packed, bias, self.out_features)
-
-    def fuses_silu_and_mul(self, prompt: bool) -> bool:
-        """Whether ``silu_and_mul`` takes this step: prompt steps where the prompt kernel runs, with
-        gate and up each whole tiles of 16 outputs."""
-        return prompt and self.has_prompt_kernel and self.out_features % 32 == 0
-
-    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [rows, in] bf16 → silu(gate) * up [rows, out / 2] bf16, bit for bit as silu_and_mul of this
-        # projection's prompt output, which is never stored
-        return self._prompt_silu_op(x, self.packed, bias, self.out_features // 2)
 
 
 class SkinnyInt8Matmul(_QuantizedSkinnyMatmul):
@@ -91,7 +118,7 @@ class SkinnyInt8Matmul(_QuantizedSkinnyMatmul):
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
         # codes: [out, in] int8; scales: [out]
-        super().__init__(cpu_ops, codes.shape[0], cpu_ops.pack_skinny_int8(codes, scales), cpu_ops.skinny_linear_int8,
+        super().__init__(cpu_ops, codes, cpu_ops.pack_skinny_int8(codes, scales), cpu_ops.skinny_linear_int8,
                          cpu_ops.prompt_linear_int8, cpu_ops.prompt_silu_and_mul_int8)
 
     @staticmethod
@@ -110,7 +137,7 @@ class SkinnyInt4Matmul(_QuantizedSkinnyMatmul):
 
     def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16
-        super().__init__(cpu_ops, codes.shape[0], cpu_ops.pack_skinny_int4(codes, scales, zeros),
+        super().__init__(cpu_ops, codes, cpu_ops.pack_skinny_int4(codes, scales, zeros),
                          cpu_ops.skinny_linear_int4, cpu_ops.prompt_linear_int4, cpu_ops.prompt_silu_and_mul_int4)
 
     @staticmethod

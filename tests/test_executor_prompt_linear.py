@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from executor.layer_ops import TorchLayerOps
+from executor.model import Linear, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from executor.skinny import SkinnyMatmul
 from tests.test_executor_skinny_linear import BF16_STEP, randn, reference
 
 
@@ -21,6 +23,9 @@ def prompt_ops(cpu_ops):
 
 
 FORMATS = ["int8", "int4"]
+# silu(gate) * up from sums added in another order: gate and up may each land a bf16 rounding step
+# from the reference, so their product about two.
+SILU_STEPS = dict(rtol=2 ** -6, atol=2e-3)
 
 
 def silu_op(cpu_ops, kind):
@@ -126,7 +131,7 @@ def test_silu_and_mul_from_the_sums_is_the_separate_ops_bit_for_bit(prompt_ops, 
         assert fused.shape == (rows, intermediate) and fused.dtype == torch.bfloat16
         assert torch.equal(fused, prompt_ops.silu_and_mul(op(x, packed, b, 2 * intermediate)))
         expected = TorchLayerOps().silu_and_mul(reference(x, weight, b))
-        torch.testing.assert_close(fused, expected, **BF16_STEP)
+        torch.testing.assert_close(fused, expected, **SILU_STEPS)
 
 
 @pytest.mark.parametrize("kind", FORMATS)
@@ -157,6 +162,52 @@ def test_the_layer_applies_silu_and_mul_to_prompt_sums_and_after_decode_steps(pr
     assert torch.equal(prompt, ops.silu_and_mul(layer(x, decode_step=False)))
     decode = layer.silu_and_mul(x, ops, decode_step=True)
     assert len(calls) == 1 and torch.equal(decode, ops.silu_and_mul(layer(x, decode_step=True)))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 300])
+@pytest.mark.parametrize("intermediate,in_features", [(16, 64), (48, 576), (96, 1536)])
+def test_bf16_silu_and_mul_reads_the_skinny_layout_in_place(prompt_ops, rows, intermediate, in_features):
+    """bf16 weights in pack_skinny_weight's layout, which is the tiles' B operand as it lies: within
+    bf16 rounding of float32 arithmetic followed by torch's SiLU, and of oneDNN's projection followed
+    by silu_and_mul; each row the same bits alone as in the batch."""
+    weight, x = randn(2 * intermediate, in_features, scale=0.05), randn(rows, in_features)
+    bias = randn(2 * intermediate, seed=1)
+    packed = prompt_ops.pack_skinny_weight(weight)
+    fused = prompt_ops.prompt_silu_and_mul_bf16(x, packed, bias, intermediate)
+    torch.testing.assert_close(fused, TorchLayerOps().silu_and_mul(reference(x, weight, bias)), **SILU_STEPS)
+    onednn = prompt_ops.silu_and_mul(packed_linear(x, pack_weight(weight), bias))
+    torch.testing.assert_close(fused, onednn, **SILU_STEPS)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(prompt_ops.prompt_silu_and_mul_bf16(x[i:i + 1], packed, bias, intermediate), fused[i:i + 1])
+
+
+def test_bf16_silu_and_mul_refuses_what_is_not_a_skinny_bf16_gate_up(prompt_ops):
+    packed = prompt_ops.pack_skinny_weight(randn(96, 64))
+    op = prompt_ops.prompt_silu_and_mul_bf16
+    with pytest.raises(RuntimeError, match="packed must come from pack_skinny_weight"):
+        op(randn(3, 64), pack(prompt_ops, "int8", 96, 64)[1], None, 48)
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
+        op(randn(3, 32), packed, None, 48)
+    with pytest.raises(RuntimeError, match="not 2 x intermediate 40"):
+        op(randn(3, 64), packed, None, 40)
+
+
+def test_the_bf16_layer_applies_silu_and_mul_to_prompt_sums_and_after_decode_steps(prompt_ops):
+    layer = Linear(576, 192, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(randn(192, 576, scale=0.05))
+    layer.packed_weight = pack_weight(layer.weight)
+    layer.skinny = SkinnyMatmul(prompt_ops, layer.weight, max_rows=2)
+    calls = []
+    fused_op = layer.skinny._prompt_silu_op
+    layer.skinny._prompt_silu_op = lambda *args: calls.append(args) or fused_op(*args)
+    ops, x = TorchLayerOps(), randn(7, 576)
+    with torch.inference_mode():
+        prompt = layer.silu_and_mul(x, ops, decode_step=False)
+        assert len(calls) == 1 and prompt.shape == (7, 96)
+        torch.testing.assert_close(prompt, ops.silu_and_mul(layer(x, decode_step=False)), **SILU_STEPS)
+        decode = layer.silu_and_mul(x, ops, decode_step=True)
+        assert len(calls) == 1 and torch.equal(decode, ops.silu_and_mul(layer(x, decode_step=True)))
 
 
 @pytest.mark.parametrize("kind", FORMATS)

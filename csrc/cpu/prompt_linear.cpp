@@ -190,11 +190,12 @@ void multiply_row_block(const uint16_t* x, int64_t x_stride, const uint16_t* b0,
 bool has_prompt_linear() { return amx_bf16_usable(); }
 
 #if defined(KVSERVE_PROMPT_LINEAR)
-// What both ops share: per pair of column tiles (`pair_tiles(p)`, p < pairs), expands
-// them (`expand(t, out)`: tile t's weights as K / 32 B tiles), multiplies every row block of x
-// against them and hands each block's rows to `finish(block, r0, r1)`.
-template <typename PairTiles, typename Expand, typename Finish>
-void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pair_tiles, const Expand& expand,
+// What both ops share: per pair of column tiles (`pair_tiles(p)`, p < pairs), takes their B tiles
+// (`b_tiles(t, buffer)`: tile t's weights as K / 32 B tiles, expanded into `buffer` or where they
+// lie), multiplies every row block of x against them and hands each block's rows to
+// `finish(block, r0, r1)`.
+template <typename PairTiles, typename BTiles, typename Finish>
+void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pair_tiles, const BTiles& b_tiles,
                          const Finish& finish) {
   const int64_t rows = x.size(0), k = x.size(1);
   if (rows == 0) return;
@@ -220,16 +221,14 @@ void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pa
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     load_tile_config();
     std::vector<uint16_t> expanded(2 * groups * kExpandedTile);
-    uint16_t* b0 = expanded.data();
-    uint16_t* b1 = b0 + groups * kExpandedTile;
     alignas(64) float sums[2][4][kTile * kTile];  // the block multiplying and the one finishing
     StoredBlock pending;
     for (int64_t pass0 = 0; pass0 < rows; pass0 += pass_rows) {
       const int64_t pass_end = std::min(rows, pass0 + pass_rows);
       for (int64_t pair = begin; pair < end; ++pair) {
         const TilePair tiles = pair_tiles(pair);
-        expand(tiles.first, b0);
-        if (tiles.two) expand(tiles.second, b1);
+        const uint16_t* b0 = b_tiles(tiles.first, expanded.data());
+        const uint16_t* b1 = tiles.two ? b_tiles(tiles.second, expanded.data() + groups * kExpandedTile) : nullptr;
         for (int64_t m0 = pass0; m0 < pass_end; m0 += kRowBlock) {
           const auto [block, block_stride] = row_block(m0);
           float(*stored)[kTile * kTile] = sums[pending.sums == sums[0]];
@@ -244,9 +243,9 @@ void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pa
 
 // y = x @ W^T (+ bias): column tiles in pairs (2p, 2p + 1); `column_scale(t)`: what tile t's 16
 // sums are multiplied by, or nullptr.
-template <typename Expand, typename ColumnScale>
+template <typename BTiles, typename ColumnScale>
 at::Tensor prompt_linear(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, int64_t out_features,
-                         const Expand& expand, const ColumnScale& column_scale) {
+                         const BTiles& b_tiles, const ColumnScale& column_scale) {
   at::Tensor out = at::empty({x.size(0), out_features}, x.options());
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   auto* y = out.data_ptr<at::BFloat16>();
@@ -270,7 +269,7 @@ at::Tensor prompt_linear(const at::Tensor& x, int64_t tiles, const at::Tensor& b
     }
   };
   multiply_tile_pairs(
-      x, (tiles + 1) / 2, [&](int64_t p) { return TilePair{2 * p, 2 * p + 1, 2 * p + 1 < tiles}; }, expand,
+      x, (tiles + 1) / 2, [&](int64_t p) { return TilePair{2 * p, 2 * p + 1, 2 * p + 1 < tiles}; }, b_tiles,
       store_columns);
   return out;
 }
@@ -279,8 +278,8 @@ at::Tensor prompt_linear(const at::Tensor& x, int64_t tiles, const at::Tensor& b
 // tile p paired with up tile p + tiles / 2. Each output rounds as silu_and_mul after
 // prompt_linear would: gate and up to bf16, silu(gate) to bf16, their product to bf16; but y is
 // never written (the separate ops wrote [rows, 2 x intermediate] and read it back).
-template <typename Expand, typename ColumnScale>
-at::Tensor prompt_silu_and_mul(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, const Expand& expand,
+template <typename BTiles, typename ColumnScale>
+at::Tensor prompt_silu_and_mul(const at::Tensor& x, int64_t tiles, const at::Tensor& bias_f32, const BTiles& b_tiles,
                                const ColumnScale& column_scale) {
   const int64_t half = tiles / 2, intermediate = half * kTile;
   at::Tensor out = at::empty({x.size(0), intermediate}, x.options());
@@ -297,7 +296,7 @@ at::Tensor prompt_silu_and_mul(const at::Tensor& x, int64_t tiles, const at::Ten
     }
   };
   multiply_tile_pairs(
-      x, half, [&](int64_t p) { return TilePair{p, p + half, true}; }, expand, activate);
+      x, half, [&](int64_t p) { return TilePair{p, p + half, true}; }, b_tiles, activate);
   return out;
 }
 #endif
@@ -306,6 +305,16 @@ void check_x(const char* op, const at::Tensor& x) {
   TORCH_CHECK(has_prompt_linear(), op, ": needs AMX bf16 tiles, which this CPU or build lacks");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [rows, in_features] bfloat16");
   TORCH_CHECK(x.size(1) % kDepth == 0, op, ": in_features must be a multiple of ", kDepth);
+}
+
+// The packed bf16 weight's tile count (pack_skinny_weight's layout), checked against x.
+int64_t checked_bf16_tiles(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  check_x(op, x);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              op, ": packed must come from pack_skinny_weight");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), op, ": x has ", x.size(1), " features, the weight ", packed.size(1) * 2);
+  return packed.size(0);
 }
 
 // The packed int8 weight's tile count, checked against x; refuses where there are no tiles.
@@ -335,26 +344,42 @@ void check_gate_up(const char* op, int64_t tiles, int64_t intermediate) {
               tiles * kTile, " outputs, not 2 x intermediate ", intermediate, " (a multiple of ", kTile, ")");
 }
 
-enum class Format { kInt8, kInt4 };
+enum class Format { kBf16, kInt8, kInt4 };
 
-// Checks x and the packed weight (in `format`'s layout) and returns `body(tiles, expand,
-// column_scale)` with that layout's expansion and per-column scales (int4: none).
+// Checks x and the packed weight (in `format`'s layout) and returns `body(tiles, b_tiles,
+// column_scale)` with that layout's B tiles and per-column scales (int8 only). pack_skinny_weight's
+// bf16 layout, [tiles][K / 2][16][2], is already K / 32 B tiles per tile: they are read in place.
 template <typename Body>
 at::Tensor with_weight(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed, const Body& body) {
-  const int64_t tiles = format == Format::kInt8 ? checked_int8_tiles(op, x, packed) : checked_int4_tiles(op, x, packed);
+  const int64_t tiles = format == Format::kBf16   ? checked_bf16_tiles(op, x, packed)
+                        : format == Format::kInt8 ? checked_int8_tiles(op, x, packed)
+                                                  : checked_int4_tiles(op, x, packed);
 #if defined(KVSERVE_PROMPT_LINEAR)
-  const auto* w = packed.data_ptr<uint8_t>();
+  const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr());
   const int64_t k = x.size(1), groups = k / kDepth;
+  auto no_scale = [](int64_t) -> const float* { return nullptr; };
+  if (format == Format::kBf16) {
+    const auto* bf16 = reinterpret_cast<const uint16_t*>(w);
+    return body(tiles, [=](int64_t t, uint16_t*) { return bf16 + t * k * kTile; }, no_scale);
+  }
   if (format == Format::kInt8) {
     const int64_t tile_bytes = packed.size(1);
     return body(
-        tiles, [=](int64_t t, uint16_t* expanded) { expand_int8_tile(w + t * tile_bytes, groups, expanded); },
+        tiles,
+        [=](int64_t t, uint16_t* expanded) {
+          expand_int8_tile(w + t * tile_bytes, groups, expanded);
+          return static_cast<const uint16_t*>(expanded);
+        },
         [=](int64_t t) { return reinterpret_cast<const float*>(w + t * tile_bytes + k * kTile); });
   }
   const int64_t tile_bytes = packed.size(1) * kInt4RecordBytes;
   return body(
-      tiles, [=](int64_t t, uint16_t* expanded) { expand_int4_tile(w + t * tile_bytes, groups, expanded); },
-      [](int64_t) -> const float* { return nullptr; });
+      tiles,
+      [=](int64_t t, uint16_t* expanded) {
+        expand_int4_tile(w + t * tile_bytes, groups, expanded);
+        return static_cast<const uint16_t*>(expanded);
+      },
+      no_scale);
 #else
   (void)tiles, (void)body;
   return {};  // check_x refused: no tiles in this build
@@ -363,10 +388,10 @@ at::Tensor with_weight(const char* op, Format format, const at::Tensor& x, const
 
 at::Tensor linear_op(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed,
                      const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& expand, const auto& column_scale) {
+  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& b_tiles, const auto& column_scale) {
     const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
 #if defined(KVSERVE_PROMPT_LINEAR)
-    return prompt_linear(x, tiles, bias_f32, out_features, expand, column_scale);
+    return prompt_linear(x, tiles, bias_f32, out_features, b_tiles, column_scale);
 #else
     return at::Tensor();
 #endif
@@ -375,11 +400,11 @@ at::Tensor linear_op(const char* op, Format format, const at::Tensor& x, const a
 
 at::Tensor silu_and_mul_op(const char* op, Format format, const at::Tensor& x, const at::Tensor& packed,
                            const c10::optional<at::Tensor>& bias, int64_t intermediate) {
-  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& expand, const auto& column_scale) {
+  return with_weight(op, format, x, packed, [&](int64_t tiles, const auto& b_tiles, const auto& column_scale) {
     check_gate_up(op, tiles, intermediate);
     const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, 2 * intermediate, bias);
 #if defined(KVSERVE_PROMPT_LINEAR)
-    return prompt_silu_and_mul(x, tiles, bias_f32, expand, column_scale);
+    return prompt_silu_and_mul(x, tiles, bias_f32, b_tiles, column_scale);
 #else
     return at::Tensor();
 #endif
@@ -394,6 +419,11 @@ at::Tensor prompt_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor prompt_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
   return linear_op("prompt_linear_int4", Format::kInt4, x, packed, bias, out_features);
+}
+
+at::Tensor prompt_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
+                                    const c10::optional<at::Tensor>& bias, int64_t intermediate) {
+  return silu_and_mul_op("prompt_silu_and_mul_bf16", Format::kBf16, x, packed, bias, intermediate);
 }
 
 at::Tensor prompt_silu_and_mul_int8(const at::Tensor& x, const at::Tensor& packed,
@@ -412,6 +442,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("has_prompt_linear", &has_prompt_linear);
   m.def("prompt_linear_int8(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("prompt_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("prompt_silu_and_mul_bf16(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
   m.def("prompt_silu_and_mul_int8(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
   m.def("prompt_silu_and_mul_int4(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
 }
@@ -419,6 +450,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("prompt_linear_int8", &prompt_linear_int8);
   m.impl("prompt_linear_int4", &prompt_linear_int4);
+  m.impl("prompt_silu_and_mul_bf16", &prompt_silu_and_mul_bf16);
   m.impl("prompt_silu_and_mul_int8", &prompt_silu_and_mul_int8);
   m.impl("prompt_silu_and_mul_int4", &prompt_silu_and_mul_int4);
 }
