@@ -16,10 +16,12 @@
 // over all of K.
 //
 // prompt_silu_and_mul_*: the MLP's gate_up projection with silu(gate) * up computed from the sums,
-// pairing gate tile p with up tile p + tiles / 2, so that the projection's output is never stored.
+// pairing gate tile p with up tile p + tiles / 2, so that the projection's output is never stored;
+// for int8 and int4 weights, and for bf16 ones in pack_skinny_weight's layout, whose tiles are the
+// B operand as they lie (nothing to expand).
 //
 // Registered as torch.ops.kvserve_cpu.{has_prompt_linear, prompt_linear_int8, prompt_linear_int4,
-// prompt_silu_and_mul_int8, prompt_silu_and_mul_int4}.
+// prompt_silu_and_mul_bf16, prompt_silu_and_mul_int8, prompt_silu_and_mul_int4}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
