@@ -75,11 +75,12 @@ def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
     layers = [[(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16) for n, k in shapes]
               for _ in range(c.num_layers)]
 
-    def quantized(kind: str, fused: bool):
+    def quantized(kind: str):
+        """(SiLU separate, SiLU from the sums) over one set of ``kind`` weights."""
         matmuls = [[SkinnyInt8Matmul(ops, *quantize_int8(w, torch.bfloat16)) if kind == "int8" else
                     SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16)) for w in layer] for layer in layers]
 
-        def run(hidden: torch.Tensor, intermediate: torch.Tensor) -> None:
+        def run(hidden: torch.Tensor, intermediate: torch.Tensor, fused: bool) -> None:
             for qkv, o, gate_up, down in matmuls:
                 qkv(hidden, None, prompt=True)
                 o(hidden, None, prompt=True)
@@ -88,7 +89,8 @@ def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
                 else:
                     ops.silu_and_mul(gate_up(hidden, None, prompt=True))
                 down(intermediate, None, prompt=True)
-        return run
+        return (lambda hidden, intermediate: run(hidden, intermediate, False),
+                lambda hidden, intermediate: run(hidden, intermediate, True))
 
     packed = [[pack_weight(w) for w in layer] for layer in layers]
 
@@ -99,9 +101,10 @@ def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
             ops.silu_and_mul(packed_linear(hidden, gate_up, None))
             packed_linear(intermediate, down, None)
 
-    return {"oneDNN bf16, separate SiLU": onednn,
-            "int8, separate SiLU": quantized("int8", False), "int8, SiLU from the sums": quantized("int8", True),
-            "int4, separate SiLU": quantized("int4", False), "int4, SiLU from the sums": quantized("int4", True)}
+    kernels = {"oneDNN bf16, separate SiLU": onednn}
+    for kind in ("int8", "int4"):
+        kernels[f"{kind}, separate SiLU"], kernels[f"{kind}, SiLU from the sums"] = quantized(kind)
+    return kernels
 
 
 def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> None:
