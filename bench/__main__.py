@@ -22,6 +22,7 @@ from pathlib import Path
 from kvserve.paths import default_model_dir
 
 from bench import report
+from bench.targets import representative_rows, round_lines, target_lines
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
 from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES
@@ -38,6 +39,13 @@ def kvserve_quantizations(text: str) -> list[str]:
         return parse_list(text, QUANTIZATION_MODES, "kvserve quantization")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="shared system prompt in front of every request (tokens; 0 = none)")
     work.add_argument("--seed", type=int, default=0)
     load = p.add_argument_group("load")
+    load.add_argument("--rounds", type=positive_int, default=1,
+                      help="run every row N times, kvserve and the peers taking turns going first; the tables "
+                           "show each row's median round, the targets' ratios are taken within each round "
+                           "(--sweep)")
     load.add_argument("--concurrency", type=int, default=None,
                       help=f"closed loop of N clients (default {DEFAULTS['concurrency']} unless --request-rate)")
     load.add_argument("--request-rate", type=float, default=None, help="open loop: Poisson arrivals per second")
@@ -111,24 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row | None) -> None:
-    """Terminal table, ratios, details; results.json, table.md, bench.png."""
-    lines = report.table_lines(rows)
-    if any(r.system for r in rows):
+    """Terminal table, ratios, details, targets; results.json (every round's rows), table.md, bench.png."""
+    shown = representative_rows(rows)
+    lines = report.table_lines(shown)
+    if any(r.system for r in shown):
         lines += ["", "side by side (same requests; threads, KV budget, weights and transport per row):",
-                  *report.system_lines(rows)]
-        ours = [r for r in rows if r.system == "kvserve" and r.completed]
-        if ours and any(r.system and r.system != "kvserve" for r in rows):
-            lines += ["", *report.versus_lines(rows, max(ours, key=lambda r: r.output_throughput))]
+                  *report.system_lines(shown)]
+        ours = [r for r in shown if r.system == "kvserve" and r.completed]
+        if ours and any(r.system and r.system != "kvserve" for r in shown):
+            lines += ["", *report.versus_lines(shown, max(ours, key=lambda r: r.output_throughput))]
     if baseline is not None:
-        lines += ["", *report.ratio_lines(rows, baseline)]
-    lines += ["", *report.detail_lines(rows)]
-    profile = report.profile_lines(rows)
+        lines += ["", *report.ratio_lines(shown, baseline)]
+    lines += ["", *report.detail_lines(shown)]
+    profile = report.profile_lines(shown)
     if profile:
         lines += ["", "where the engine's time goes (gateway step counters):", *profile]
-    for row in rows:
+    for extra in (round_lines(rows), target_lines(rows, meta.get("concurrency"))):
+        if extra:
+            lines += ["", *extra]
+    for row in shown:
         for note in row.notes + row.errors:
             lines.append(f"- {row.name}: {note}")
-    for note in meta.get("notes", []):
+    for note in dict.fromkeys(meta.get("notes", [])):
         lines.append(f"- {note}")
     text = "\n".join(lines)
     print("\n" + text)
@@ -139,12 +155,13 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row
     title = (f"kvserve on ShareGPT: {workload.get('num_prompts')} prompts, mean in "
              f"{workload.get('mean_input_len', 0):.0f} / out {workload.get('mean_output_len', 0):.0f} tokens, "
              f"concurrency {meta.get('concurrency')}")
-    report.write_plot(out_dir / "bench.png", rows, title)
+    report.write_plot(out_dir / "bench.png", shown, title)
     print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'table.md'}, {out_dir / 'bench.png'}")
 
 
 def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
-    from bench.sweep import SEED_TABLE, plan_budget, plan_configs, run_seed_table, weights_description
+    """The seed-table rows and the peers' rows, ``--rounds`` times; every row carries its round."""
+    from bench.sweep import SEED_TABLE, plan_budget, plan_configs
 
     wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
     configs = plan_configs(wanted, args.kvserve_quantization)
@@ -157,19 +174,46 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
     budget.extra_executor_args = threads + shlex.split(args.executor_args)
     budget.extra_gateway_args = shlex.split(args.gateway_args)
     meta["budget"] = vars(budget)
+    meta["rounds"] = args.rounds
     print(f"KV budget: {budget.num_blocks} blocks (one of them the null block) x {budget.block_size} tokens = "
           f"{(budget.num_blocks - 1) * budget.block_size} usable slots = {args.baseline_seqs} x max_model_len "
           f"{budget.max_model_len}; max_num_seqs {budget.max_num_seqs}")
+    rows: list[report.Row] = []
+    for round_index in range(args.rounds):
+        if args.rounds > 1:
+            print(f"== round {round_index + 1} of {args.rounds}")
+        parts = [lambda: run_kvserve_rows(args, requests, meta, budget, configs),
+                 lambda: run_other_rows(args, requests, meta, budget)]
+        if round_index % 2:  # kvserve and the peers take turns going first: neither always meets the same hour
+            parts.reverse()
+        for part in parts:
+            for row in part():
+                row.round_index = round_index
+                rows.append(row)
+    shown = representative_rows(rows)
+    baseline = next((r for r in shown if r.name == SEED_TABLE[0].name and r.completed), None)
+    return rows, baseline
+
+
+def run_kvserve_rows(args, requests, meta, budget, configs) -> list[report.Row]:
+    from bench.sweep import run_seed_table, weight_bits, weights_description
+
     rows, details = run_seed_table(requests, budget, args.model_dir, args.out, concurrency=args.concurrency,
                                    request_rate=args.request_rate, seed=args.seed, configs=configs,
                                    progress=not args.no_progress, metrics_interval=args.metrics_interval)
-    meta["runs"] = details
+    meta.setdefault("runs", []).extend(details)
     usable = (budget.num_blocks - 1) * budget.block_size
     for row, config in zip(rows, configs):  # what every kvserve row ran with, for the side-by-side table
         row.system, row.threads, row.transport = "kvserve", args.executor_threads or None, "HTTP"
         row.weights = weights_description(args.dtype, config.quantization)
+        row.weight_bits = weight_bits(args.dtype, config.quantization)
         row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
                          f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {budget.kv_description()}")
+    return rows
+
+
+def run_other_rows(args, requests, meta, budget) -> list[report.Row]:
+    rows: list[report.Row] = []
     peers = set(parse_peers(args.peers))
     if "transformers" in peers:
         from bench.hf_peer import run_transformers_peer
@@ -180,6 +224,7 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
         import torch
 
         rows[-1].system, rows[-1].weights, rows[-1].threads = "transformers", args.peer_dtype, torch.get_num_threads()
+        rows[-1].weight_bits = 32 if args.peer_dtype == "float32" else 16
         rows[-1].kv_budget, rows[-1].transport = "padded batch, no budget", "in-process"
     if "llama-cpp" in peers:
         from bench.llamacpp_peer import run_llamacpp_peer
@@ -192,12 +237,12 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
             print(f"   {result}")
         else:
             result.system, result.weights, result.threads = "llama-cpp-python", "Q4_1 GGUF", os.cpu_count()
+            result.weight_bits = 4
             result.kv_budget, result.transport = f"n_ctx {budget.max_model_len}, one request at a time", "HTTP"
             rows.append(result)
     rows += run_cpu_peers(args, requests, budget, meta, [p for p in parse_peers(args.peers)
                                                          if p in ("llama-server", "openvino")])
-    baseline = next((r for r in rows if r.name == SEED_TABLE[0].name and r.completed), None)
-    return rows, baseline
+    return rows
 
 
 def run_cpu_peers(args, requests, budget, meta, peers: list[str]) -> list[report.Row]:
@@ -268,11 +313,14 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(str(exc))
     if args.from_json:
         rows, meta = report.load_json(args.from_json)
-        baseline = rows[0] if rows and rows[0].name.startswith("baseline") else None
+        first = representative_rows(rows)[:1]
+        baseline = first[0] if first and first[0].name.startswith("baseline") else None
         emit(rows, meta, args.out, baseline)
         return 0
     if not args.sweep and not args.base_url:
         build_parser().error("give --base-url (a running server) or --sweep seed-table")
+    if args.rounds > 1 and not args.sweep:
+        build_parser().error("--rounds runs the sweep's rows again: give --sweep seed-table")
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = DEFAULTS["concurrency"]
     args.model_dir = args.model_dir or default_model_dir()

@@ -49,11 +49,13 @@ class Row:
     # What the system is and how it ran, for the side-by-side table (bench/peers)
     system: str = ""  # kvserve, llama.cpp llama-server, OpenVINO GenAI ...
     weights: str = ""  # weights precision / format
+    weight_bits: int | None = None  # 16, 8 or 4 (32 for float32): which peers' rows it is compared with
     threads: int | None = None  # compute threads
     kv_budget: str = ""  # the KV cache it was given
     transport: str = ""  # HTTP, gRPC or in-process
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)
+    round_index: int = 0  # with --rounds N, which of the N runs of every row this one is
 
 
 def stats_ms(values: list[float]) -> dict:

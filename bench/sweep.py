@@ -78,6 +78,11 @@ def weights_description(dtype: str, quantization: str) -> str:
     return loaded
 
 
+def weight_bits(dtype: str, quantization: str) -> int:
+    """Bits a projection weight of a kvserve row: what the peers' rows it is compared with hold."""
+    return {"int8": 8, "int4": 4}.get(quantization) or (32 if dtype == "float32" else 16)
+
+
 @dataclass
 class Budget:
     """The fixed engine limits every configuration runs with."""

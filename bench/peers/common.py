@@ -178,7 +178,8 @@ def ensure_venv(path: Path, packages: list[str], log_path: Path, *, first: list[
     return python
 
 
-def label(name: str, *, weights: str, threads: int, kv_budget: str, transport: str) -> dict:
+def label(name: str, *, weights: str, weight_bits: int | None, threads: int, kv_budget: str,
+          transport: str) -> dict:
     """The row fields every system states beside its numbers."""
-    return {"system": name, "weights": weights, "threads": threads, "kv_budget": kv_budget,
-            "transport": transport}
+    return {"system": name, "weights": weights, "weight_bits": weight_bits, "threads": threads,
+            "kv_budget": kv_budget, "transport": transport}

@@ -60,6 +60,13 @@ def gguf_precision(path: Path) -> str:
     return "GGUF"
 
 
+def gguf_weight_bits(precision: str) -> int | None:
+    """Bits a weight of a GGUF type (``gguf_precision``'s name): Q4_1 -> 4, BF16 -> 16; None if unknown."""
+    if precision.startswith("Q") and precision[1:2].isdigit():
+        return int(precision[1])
+    return {"BF16": 16, "F16": 16, "F32": 32}.get(precision)
+
+
 def install_root(flags: set[str] | None = None) -> Path:
     flags = cpu_flags() if flags is None else flags
     return peers_dir() / "llama.cpp" / f"{SDIST_VERSION}-{cpu_flags_hash(flags)}"
@@ -243,8 +250,9 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
                 proc.wait()
     row = summarize(name, results, wall)
     precision = gguf_precision(gguf)
-    for key, value in label("llama.cpp llama-server", weights=f"{precision} GGUF", threads=threads,
-                            kv_budget=kv_note, transport="HTTP").items():
+    for key, value in label("llama.cpp llama-server", weights=f"{precision} GGUF",
+                            weight_bits=gguf_weight_bits(precision), threads=threads, kv_budget=kv_note,
+                            transport="HTTP").items():
         setattr(row, key, value)
     row.profile = {"llamacpp_metrics": after,
                    "llamacpp_metrics_delta": {k: after[k] - before.get(k, 0.0) for k in after

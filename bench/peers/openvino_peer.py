@@ -36,6 +36,7 @@ RUNNER = Path(__file__).with_name("openvino_runner.py")
 # every projection in int4 (ratio 1.0), the embedding and head in nncf's int8 backup precision.
 EXPORT_ARGS = {"int4": ["--group-size", "32", "--ratio", "1.0"]}
 WEIGHT_FORMATS = {"fp16": "FP16", "int8": "INT8 (weights only)", "fp32": "FP32", "int4": "INT4 (weights only)"}
+WEIGHT_BITS = {"fp16": 16, "int8": 8, "fp32": 32, "int4": 4}
 
 
 def venv_path() -> Path:
@@ -123,6 +124,7 @@ def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurr
     precision = facts.get("INFERENCE_PRECISION_HINT", "?")
     for key, value in label("OpenVINO GenAI ContinuousBatchingPipeline",
                             weights=f"{WEIGHT_FORMATS.get(weight_format, weight_format)} IR, compute {precision}",
+                            weight_bits=WEIGHT_BITS.get(weight_format),
                             threads=threads, kv_budget=f"{kv_note}, {facts.get('KV_CACHE_PRECISION', '?')} K/V",
                             transport="in-process").items():
         setattr(row, key, value)

@@ -1,0 +1,141 @@
+"""The bench's targets section and ``--rounds``: which rows are compared, per round, and the verdicts."""
+from __future__ import annotations
+
+import pytest
+
+from bench import report, targets
+from bench.report import Row
+from bench.workload import BenchRequest
+
+OPENVINO = "OpenVINO GenAI ContinuousBatchingPipeline"
+LLAMA_SERVER = "llama.cpp llama-server"
+
+
+def row(name, system, bits, tput, *, p99=1000.0, itl=50.0, round_index=0, **fields) -> Row:
+    return Row(name=name, system=system, weight_bits=bits, completed=8, output_throughput=tput,
+               ttft_ms={"p99": p99}, itl_ms={"mean": itl}, round_index=round_index, **fields)
+
+
+def lines_of(rows, concurrency=32):
+    return targets.target_lines(rows, concurrency)[1:]
+
+
+def test_each_kvserve_precision_meets_the_peers_of_its_precision_only():
+    rows = [row("prefix", "kvserve", 16, 220.0, p99=3800.0), row("prefix, int8 weights", "kvserve", 8, 300.0),
+            row("paged", "kvserve", 16, 150.0),  # slower kvserve row of the same precision: not the one compared
+            row("OpenVINO GenAI CB FP16", OPENVINO, 16, 120.0, p99=15000.0),
+            row("OpenVINO GenAI CB INT8", OPENVINO, 8, 210.0, p99=900.0),
+            row("OpenVINO GenAI CB INT4", OPENVINO, 4, 190.0),  # no 4-bit kvserve row: no check
+            row("llama.cpp llama-server BF16", LLAMA_SERVER, 16, 70.0, p99=100.0)]
+    assert lines_of(rows) == [
+        "- 16-bit: output throughput >= 1.5x OpenVINO GenAI CB FP16's: 1.83x: met",
+        "- 16-bit: TTFT P99 <= OpenVINO GenAI CB FP16's: 3800 ms vs 15000 ms: met",
+        "- 8-bit: output throughput >= 1.5x OpenVINO GenAI CB INT8's: 1.43x: missed",
+        "- 8-bit: TTFT P99 <= OpenVINO GenAI CB INT8's: 1000 ms vs 900 ms: missed",
+        # llama-server: 3x, and its TTFT is not a target
+        "- 16-bit: output throughput >= 3x llama.cpp llama-server BF16's: 3.14x: met",
+    ]
+
+
+def test_ratios_are_taken_within_each_round():
+    """Round 1 is a slow hour for kvserve, round 2 a slow one for the peer: each ratio pairs rows of
+    the same round, and a target that holds in one round of two says so."""
+    rows = [row("prefix, int4 weights", "kvserve", 4, 290.0, round_index=0),
+            row("OpenVINO GenAI CB INT4", OPENVINO, 4, 150.0, round_index=0),
+            row("OpenVINO GenAI CB INT4", OPENVINO, 4, 200.0, round_index=1),
+            row("prefix, int4 weights", "kvserve", 4, 260.0, round_index=1)]
+    assert lines_of(rows)[0] == "- 4-bit: output throughput >= 1.5x OpenVINO GenAI CB INT4's: 1.93x / 1.30x: " \
+                                "met in 1 of 2 rounds"
+    assert targets.target_lines(rows, 32)[0].endswith("2 rounds, each value within one round):")
+
+
+def test_single_stream_itl_against_the_fastest_peer_of_the_precision():
+    rows = [row("prefix", "kvserve", 16, 30.0, itl=33.0), row("prefix, int4 weights", "kvserve", 4, 57.0, itl=16.0),
+            row("OpenVINO GenAI CB FP16", OPENVINO, 16, 25.0, itl=36.0),
+            row("llama.cpp llama-server BF16", LLAMA_SERVER, 16, 24.0, itl=32.0),
+            row("llama.cpp llama-server Q4_1", LLAMA_SERVER, 4, 70.0, itl=13.0)]
+    itl = [line for line in lines_of(rows, concurrency=1) if "ITL" in line]
+    assert itl == ["- 16-bit: single-stream ITL mean <= the best peer's: 33 ms vs 32 ms "
+                   "(llama.cpp llama-server BF16): missed",
+                   "- 4-bit: single-stream ITL mean <= the best peer's: 16 ms vs 13 ms (llama.cpp llama-server Q4_1): "
+                   "missed"]
+    assert not [line for line in lines_of(rows, concurrency=32) if "ITL" in line]  # only a single stream's
+
+
+def test_failed_rows_and_rows_without_a_precision_are_left_out():
+    ours = row("prefix", "kvserve", 16, 200.0)
+    broken = row("OpenVINO GenAI CB FP16", OPENVINO, 16, 0.0)
+    broken.completed = 0
+    unknown = row("transformers", "transformers", 16, 10.0)  # not a peer with a target
+    old = row("OpenVINO GenAI CB INT8", OPENVINO, None, 100.0)  # a results.json from before weight_bits
+    assert lines_of([ours, broken, unknown, old]) == []
+    failed_ours = row("prefix", "kvserve", 16, 200.0, failed=3)
+    assert lines_of([failed_ours, row("OpenVINO GenAI CB FP16", OPENVINO, 16, 100.0)]) == []
+
+
+def test_split_and_memory_targets_per_kvserve_row():
+    phases = {"step": 62.0, "scheduler": 0.7, "kvmanager_rpc": 0.6, "executor_rpc": 60.5, "executor_total": 58.4,
+              "executor_forward": 50.0}
+    paged = row("prefix", "kvserve", 16, 200.0, profile={"step_time_by_phase_s": phases},
+                kv_utilization=0.967, internal_fragmentation=0.033)
+    reserve = row("baseline", "kvserve", 16, 50.0, kv_utilization=0.4)  # no fragmentation figure: not paged
+    assert targets.split_fraction(paged) == pytest.approx((0.7 + 0.6 + 2.1) / 62.0)
+    assert targets.split_fraction(reserve) is None
+    assert lines_of([paged, reserve]) == [
+        "- prefix: split (scheduler + both RPCs) <= 5% of a step: 5.48%: missed",
+        "- prefix: KV utilization > 96%, internal fragmentation < 4%: 96.7%, 3.3%: met",
+    ]
+
+
+def test_tables_show_each_rows_median_round_and_list_every_round():
+    rows = [row("prefix", "kvserve", 16, tput, round_index=i) for i, tput in enumerate((210.0, 250.0, 190.0))]
+    rows += [row("OpenVINO GenAI CB FP16", OPENVINO, 16, tput, round_index=i) for i, tput in enumerate((120.0, 110.0))]
+    shown = targets.representative_rows(rows)
+    assert [(r.name, r.output_throughput) for r in shown] == [("prefix", 210.0), ("OpenVINO GenAI CB FP16", 110.0)]
+    assert targets.round_lines(rows) == [
+        "output tok/s in each of 3 rounds (the tables above show each row's median round):",
+        "- prefix: 210.0 / 250.0 / 190.0 (median 210.0)",
+        "- OpenVINO GenAI CB FP16: 120.0 / 110.0 (median 115.0)",
+    ]
+    assert targets.round_lines(rows[:1]) == []
+
+
+def test_rounds_alternate_who_goes_first_and_the_report_keeps_every_round(tmp_path, monkeypatch, capsys):
+    import bench.__main__ as cli
+
+    order = []
+
+    def kvserve_rows(args, requests, meta, budget, configs):
+        order.append("kvserve")
+        return [row("+ prefix caching (shared system prompt)", "kvserve", 16, 200.0 + len(order))]
+
+    def other_rows(args, requests, meta, budget):
+        order.append("peers")
+        return [row("OpenVINO GenAI CB FP16", OPENVINO, 16, 100.0)]
+
+    monkeypatch.setattr(cli, "run_kvserve_rows", kvserve_rows)
+    monkeypatch.setattr(cli, "run_other_rows", other_rows)
+    args = cli.build_parser().parse_args(["--sweep", "seed-table", "--configs", "prefix", "--peers", "openvino",
+                                          "--rounds", "3", "--concurrency", "32", "--out", str(tmp_path)])
+    args.model_dir = tmp_path
+    meta = {"concurrency": 32}
+    rows, baseline = cli.run_sweep(args, [BenchRequest("p", 100, 50)], meta)
+    assert order == ["kvserve", "peers", "peers", "kvserve", "kvserve", "peers"]
+    assert [r.round_index for r in rows] == [0, 0, 1, 1, 2, 2] and baseline is None and meta["rounds"] == 3
+    cli.emit(rows, meta, tmp_path, baseline)
+    printed = capsys.readouterr().out
+    assert "- 16-bit: output throughput >= 1.5x OpenVINO GenAI CB FP16's: 2.01x / 2.04x / 2.05x: met" in printed
+    saved, _ = report.load_json(tmp_path / "results.json")
+    assert len(saved) == 6 and {r.round_index for r in saved} == {0, 1, 2}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep", "seed-table", "--rounds", "0"], "must be at least 1"),
+    (["--base-url", "http://127.0.0.1:9", "--rounds", "2"], "--rounds runs the sweep's rows again"),
+])
+def test_rounds_option_refuses_what_it_cannot_do(argv, message, capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
