@@ -60,6 +60,9 @@ def test_single_stream_itl_against_the_fastest_peer_of_the_precision():
                    "- 4-bit: single-stream ITL mean <= the best peer's: 16 ms vs 13 ms (llama.cpp llama-server Q4_1): "
                    "missed"]
     assert not [line for line in lines_of(rows, concurrency=32) if "ITL" in line]  # only a single stream's
+    # ... and one stream's throughput is its ITL's inverse: the throughput targets are for a loaded server
+    assert not [line for line in lines_of(rows, concurrency=1) if "throughput" in line]
+    assert [line for line in lines_of(rows, concurrency=32) if "throughput" in line]
 
 
 def test_failed_rows_and_rows_without_a_precision_are_left_out():
