@@ -127,6 +127,10 @@ class Backend:
         self._idle.set()
         self._tasks: list[asyncio.Task] = []
         self._closing: asyncio.Task | None = None
+        # A step's outputs and counters not yet handed to the engine (see _publish_after_next_write)
+        self._unpublished_outputs: list[RequestOutput] = []
+        self._unpublished_steps: list[dict] = []
+        self._publish_scheduled = False
 
     # --- what the engine and the router read -------------------------------------
 
@@ -225,6 +229,7 @@ class Backend:
         """Hands every request back to the engine (to be recomputed) and forgets the session."""
         self._take_inbox()
         self._apply_aborts()
+        self.publish()
         self.hooks.deliver(self.scheduler.take_outputs())
         requests = self.scheduler.evacuate()
         self.hooks.publish_counters()
@@ -267,20 +272,25 @@ class Backend:
                     await asyncio.sleep(UNAVAILABLE_RETRY_S)
                     continue
             if not self._has_work():
+                self.publish()
                 await self.flush_frees()
                 self._idle.set()
                 await self._wakeup.wait()
                 self._wakeup.clear()
                 continue
             executes = self.num_executes
-            await self.run_step()
+            await self.run_step(publish_after_next_write=True)
             if self.num_executes == executes:  # else the Execute's wait let streams flush and requests arrive
                 await asyncio.sleep(0)
 
-    async def run_step(self) -> None:
-        """One step; a failure costs what it says (see the module docstring)."""
+    async def run_step(self, publish_after_next_write: bool = False) -> None:
+        """One step; a failure costs what it says (see the module docstring). Its outputs reach the
+        engine before it returns, or with ``publish_after_next_write`` (the loop's steps) once the
+        next step's Execute is written."""
         try:
             await self._step()
+            if not publish_after_next_write:
+                self.publish()
         except KVStateLost as exc:
             log.warning("kv_state_lost", executor=self.address, reason=str(exc),
                         num_running=len(self.scheduler.running))
@@ -314,6 +324,7 @@ class Backend:
         self._take_inbox()
         self._apply_aborts()
         if not scheduler.has_work():
+            self.publish()
             self.hooks.deliver(scheduler.take_outputs())
             return
         if self._session_id is None:
@@ -358,10 +369,34 @@ class Backend:
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
         self.num_steps += 1
-        self.hooks.deliver(scheduler.take_outputs())
-        self.hooks.publish_counters()
-        self.hooks.on_step(self, step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s,
-                           forward_s=forward_s, executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage)
+        self._publish_after_next_write(scheduler.take_outputs(), dict(
+            step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s, forward_s=forward_s,
+            executor_total_s=total_s, num_seqs=len(ready), kv_usage=usage))
+
+    def _publish_after_next_write(self, outputs: list[RequestOutput], step: dict) -> None:
+        """The step's outputs (to the request streams), the counters and the step's metrics go to
+        the engine at the event loop's next turn, not now: the loop's next step runs first as far
+        as its first wait, the write of its Execute (or its Allocate), so that this bookkeeping
+        (~0.35 ms of a 19-sequence step on a 2-core box) runs while the executor computes instead
+        of keeping it idle. Anything else that hands outputs over publishes these first, so a
+        request's outputs keep their order."""
+        self._unpublished_outputs += outputs
+        self._unpublished_steps.append(step)
+        if not self._publish_scheduled:
+            self._publish_scheduled = True
+            asyncio.get_running_loop().call_soon(self.publish)
+
+    def publish(self) -> None:
+        """Hands the engine what the steps so far left unpublished, in order."""
+        self._publish_scheduled = False
+        outputs, self._unpublished_outputs = self._unpublished_outputs, []
+        steps, self._unpublished_steps = self._unpublished_steps, []
+        if outputs:
+            self.hooks.deliver(outputs)
+        if steps:
+            self.hooks.publish_counters()
+        for step in steps:
+            self.hooks.on_step(self, **step)
 
     async def _overlapped_decodes(self, pool_id: str, session_id: str, plan: list[ScheduledSeq],
                                   predicted: list[tuple[int, int]]):

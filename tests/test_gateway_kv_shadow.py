@@ -457,3 +457,52 @@ def test_decodes_crossing_block_boundaries_at_different_steps_still_overlap(defa
     assert backend.num_steps - steps_before == 11
     assert backend.num_overlapped_steps - overlapped_before == 11
     machine.teardown()
+
+
+def test_the_step_loop_hands_outputs_over_once_the_next_execute_is_out(default_model_dir):
+    """In the running engine (each backend's own step loop) a step's outputs reach the request
+    streams after the next step's Execute has gone out, so that this bookkeeping overlaps the
+    executor's work instead of delaying the next step; every stream still gets its reference
+    tokens, in order, and ends once."""
+    GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
+    machine = GatewayKVMachine()
+    machine.setup(block_size=4, num_blocks=40, max_num_seqs=4, max_batched=40, num_executors=1, routing="kv")
+    backend = next(iter(machine.engine.backends.values()))
+    events = []
+    execute, deliver = machine.executor.execute, backend.hooks.deliver
+
+    async def recording_execute(ready, timeout=None):
+        events.append("execute")
+        return await execute(ready, timeout)
+
+    def recording_deliver(outputs):
+        if any(choice.token_ids for output in outputs for choice in output.choices):
+            events.append("tokens delivered")
+        deliver(outputs)
+
+    machine.executor.execute, backend.hooks.deliver = recording_execute, recording_deliver
+    prompts = [[400] * 8 + [500], [410, 411, 501]]
+
+    async def scenario():
+        # The engine's dispatch loop and the backend's step loop, without the connection watchers
+        # (the in-process fakes have no channel)
+        loops = [asyncio.create_task(machine.engine._dispatch_loop()), asyncio.create_task(backend._loop())]
+        options = SamplingOptions(max_tokens=5, ignore_eos=True)
+        streams = [await machine.engine.submit(prompt, options, f"r{i}") for i, prompt in enumerate(prompts)]
+        got = [[token for output in [o async for o in stream] for choice in output.choices
+                for token in choice.token_ids] for stream in streams]
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        return got
+
+    try:
+        got = machine.run(scenario())
+    finally:
+        machine.loop.close()
+    assert got == [reference_output(prompt, 5, 0) for prompt in prompts]
+    executes = events.count("execute")
+    deliveries = [events[:i].count("execute") for i, event in enumerate(events) if event == "tokens delivered"]
+    assert executes >= 5 and len(deliveries) >= 5, events
+    # The i-th step's tokens went out after the (i+1)-th Execute; the last step's, after the last.
+    assert all(seen >= min(i + 2, executes) for i, seen in enumerate(deliveries)), events
