@@ -22,10 +22,10 @@ from pathlib import Path
 from kvserve.paths import default_model_dir
 
 from bench import report
-from bench.targets import representative_rows, round_lines, target_lines
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
 from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES
+from bench.targets import representative_rows, round_lines, target_lines
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's

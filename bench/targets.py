@@ -80,7 +80,6 @@ def peer_checks(rows: list[Row], concurrency: int | None) -> list[Check]:
     """kvserve's fastest row of each weight precision against each peer row of that precision: throughput
     and TTFT P99 under load, TTFT P99 and ITL for a single stream (``concurrency`` 1)."""
     checks = Checks()
-
     for round_rows in rounds_of(rows):
         for peer in round_rows:
             family = peer_family(peer)
@@ -93,11 +92,12 @@ def peer_checks(rows: list[Row], concurrency: int | None) -> list[Check]:
             target = THROUGHPUT_TARGETS.get(family)
             if target is not None and concurrency != 1:  # a throughput target under load; one stream has ITL's
                 ratio = ours.output_throughput / peer.output_throughput if peer.output_throughput else float("inf")
-                checks.record(f"{bits}: output throughput >= {target:g}x {peer.name}'s", f"{ratio:.2f}x", ratio >= target)
+                checks.record(f"{bits}: output throughput >= {target:g}x {peer.name}'s", f"{ratio:.2f}x",
+                              ratio >= target)
             ours_p99, peer_p99 = ours.ttft_ms.get("p99"), peer.ttft_ms.get("p99")
             if family in TTFT_PEERS and ours_p99 is not None and peer_p99 is not None:
                 checks.record(f"{bits}: TTFT P99 <= {peer.name}'s", f"{_ms(ours_p99)} vs {_ms(peer_p99)}",
-                       ours_p99 <= peer_p99)
+                              ours_p99 <= peer_p99)
         if concurrency == 1:
             for bits in sorted({r.weight_bits for r in round_rows if peer_family(r) and r.weight_bits}, reverse=True):
                 ours = _best_kvserve(round_rows, bits)
@@ -107,15 +107,14 @@ def peer_checks(rows: list[Row], concurrency: int | None) -> list[Check]:
                     continue
                 best = min(peers, key=lambda r: r.itl_ms["mean"])
                 checks.record(f"{bits}-bit: single-stream ITL mean <= the best peer's",
-                       f"{_ms(ours.itl_ms['mean'])} vs {_ms(best.itl_ms['mean'])} ({best.name})",
-                       ours.itl_ms["mean"] <= best.itl_ms["mean"])
+                              f"{_ms(ours.itl_ms['mean'])} vs {_ms(best.itl_ms['mean'])} ({best.name})",
+                              ours.itl_ms["mean"] <= best.itl_ms["mean"])
     return list(checks.values())
 
 
 def own_checks(rows: list[Row]) -> list[Check]:
     """Per kvserve row: the split's cost, and for paged rows the KV memory targets."""
     checks = Checks()
-
     for round_rows in rounds_of(rows):
         for row in round_rows:
             if row.system != "kvserve" or not row.completed:
@@ -123,12 +122,12 @@ def own_checks(rows: list[Row]) -> list[Check]:
             split = split_fraction(row)
             if split is not None:
                 checks.record(f"{row.name}: split (scheduler + both RPCs) <= {SPLIT_TARGET:.0%} of a step",
-                       f"{split:.2%}", split <= SPLIT_TARGET)
-            if row.internal_fragmentation is not None and row.kv_utilization is not None:
+                              f"{split:.2%}", split <= SPLIT_TARGET)
+            utilization, fragmentation = row.kv_utilization, row.internal_fragmentation
+            if fragmentation is not None and utilization is not None:
                 checks.record(f"{row.name}: KV utilization > {UTILIZATION_TARGET:.0%}, internal fragmentation < "
-                       f"{FRAGMENTATION_TARGET:.0%}",
-                       f"{row.kv_utilization:.1%}, {row.internal_fragmentation:.1%}",
-                       row.kv_utilization > UTILIZATION_TARGET and row.internal_fragmentation < FRAGMENTATION_TARGET)
+                              f"{FRAGMENTATION_TARGET:.0%}", f"{utilization:.1%}, {fragmentation:.1%}",
+                              utilization > UTILIZATION_TARGET and fragmentation < FRAGMENTATION_TARGET)
     return list(checks.values())
 
 
