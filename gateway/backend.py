@@ -229,8 +229,7 @@ class Backend:
         """Hands every request back to the engine (to be recomputed) and forgets the session."""
         self._take_inbox()
         self._apply_aborts()
-        self.publish()
-        self.hooks.deliver(self.scheduler.take_outputs())
+        self._deliver(self.scheduler.take_outputs())
         requests = self.scheduler.evacuate()
         self.hooks.publish_counters()
         session_id, self._session_id = self._session_id, None
@@ -324,8 +323,7 @@ class Backend:
         self._take_inbox()
         self._apply_aborts()
         if not scheduler.has_work():
-            self.publish()
-            self.hooks.deliver(scheduler.take_outputs())
+            self._deliver(scheduler.take_outputs())
             return
         if self._session_id is None:
             raise Unavailable(f"executor at {self.address}: no session")
@@ -385,6 +383,11 @@ class Backend:
         if not self._publish_scheduled:
             self._publish_scheduled = True
             asyncio.get_running_loop().call_soon(self.publish)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hands ``outputs`` to the engine now, after whatever earlier steps left unpublished."""
+        self.publish()
+        self.hooks.deliver(outputs)
 
     def publish(self) -> None:
         """Hands the engine what the steps so far left unpublished, in order."""
