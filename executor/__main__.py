@@ -12,7 +12,9 @@ from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
 from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions
-from executor.service import ExecutorServicer, TorchThread
+from executor.service import ExecutorServicer
+from executor.step_socket import StepSocketListener
+from executor.torch_thread import TorchThread
 from kvserve.auth import token_or_none
 from kvserve.config import (
     EnvArgumentParser, add_server_flags, add_service_token_flag, check_server_flags, config_from_args,
@@ -62,6 +64,10 @@ def build_parser() -> EnvArgumentParser:
                         help="longest sequence (default and cap: the model's max_position_embeddings)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator unseeded sampling uses")
+    parser.add_argument("--step-socket", default="auto", metavar="auto|off|PATH",
+                        help="a Unix socket that takes ExecuteStream's steps without gRPC's cost per message, "
+                             "for a gateway on this host (Describe names it; docs/executor-contract.md): "
+                             "auto: in a fresh private directory under the temp directory; off: none")
     return parser
 
 
@@ -96,19 +102,27 @@ def main(argv: list[str] | None = None) -> int:
         if runner.device.type == "cpu":
             collapsed = await torch_thread.run(back_large_allocations_with_huge_pages)
             log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
-        servicer = ExecutorServicer(runner, torch_thread)
+        token = token_or_none(args.service_token)
+        step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token)
+        if step_socket is not None:
+            await step_socket.start()
+        servicer = ExecutorServicer(runner, torch_thread, str(step_socket.path) if step_socket else "")
         server = GrpcServer("executor", args.host, args.port,
                             [Service(SERVICE_NAME, servicer, executor_pb2_grpc.add_ExecutorServicer_to_server)],
-                            auth=token_or_none(args.service_token), auth_what="service token",
+                            auth=token, auth_what="service token",
                             tls=TlsFiles.from_args(args))
-        await server.start()
-        log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
-                 attention_backend=runner.info.attention_backend,
-                 torch_threads=await torch_thread.run(torch.get_num_threads))
-        sig = await wait_for_shutdown_signal()
-        log.info("shutting_down", signal=sig.name)
-        await server.stop(args.shutdown_grace)
-        torch_thread.close()
+        try:
+            await server.start()
+            log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
+                     attention_backend=runner.info.attention_backend,
+                     torch_threads=await torch_thread.run(torch.get_num_threads))
+            sig = await wait_for_shutdown_signal()
+            log.info("shutting_down", signal=sig.name)
+            await server.stop(args.shutdown_grace)
+        finally:
+            if step_socket is not None:
+                await step_socket.stop()
+            torch_thread.close()
 
     return run_service("executor", serve)
 

@@ -1,23 +1,18 @@
 """The ``kvserve.v1.Executor`` servicer: protobuf ⇄ domain, nothing else.
 
-All torch work — loading the model and every step — runs in one worker thread
-(``TorchThread``), so the event loop keeps answering health checks during a long
-forward pass and two steps never run at once. One thread, not merely one at a
-time: each thread that runs parallel torch ops gets its own OpenMP team, and with
-two teams on a small machine libgomp stops spinning between parallel regions (its
-"throttled" mode), which slows every step (docs/executor.md has the numbers).
+All torch work — loading the model and every step — runs in one thread
+(``executor.torch_thread.TorchThread``), so the event loop keeps answering health
+checks during a long forward pass and two steps never run at once. ``run_step`` is a
+step from request to reply, the same whether it came over gRPC or the step socket.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
-
-import torch
 
 from executor.runner import ModelRunner, SequenceInput, StepOutput
 from executor.sampling import SamplingParams
+from executor.torch_thread import TorchThread
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
 
@@ -57,27 +52,21 @@ def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> ex
     return reply
 
 
-class TorchThread:
-    """The one thread that runs torch: the model load and then every step."""
-
-    def __init__(self, num_threads: int | None = None):
-        initializer = (lambda: torch.set_num_threads(num_threads)) if num_threads else None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor-torch", initializer=initializer)
-
-    async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+def run_step(runner: ModelRunner, request: executor_pb2.ExecuteRequest, started: float) -> executor_pb2.ExecuteResponse:
+    """One step in the torch thread; ``started`` (``time.perf_counter()``) is when the request arrived."""
+    sequences = [sequence_from_proto(s) for s in request.sequences]
+    out = runner.execute(sequences, list(request.copy_src), list(request.copy_dst))
+    return response_from_step(out, (time.perf_counter() - started) * 1e3, runner.info.instance_id)
 
 
 class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
-    def __init__(self, runner: ModelRunner, torch_thread: TorchThread):
+    def __init__(self, runner: ModelRunner, torch_thread: TorchThread, step_socket: str = ""):
         self.runner = runner
         self._torch_thread = torch_thread
+        self._step_socket = step_socket
 
     async def Describe(self, request, context):
-        return executor_pb2.DescribeResponse(**dataclasses.asdict(self.runner.info))
+        return executor_pb2.DescribeResponse(**dataclasses.asdict(self.runner.info), step_socket=self._step_socket)
 
     async def Execute(self, request, context):
         return await self._step(request)
@@ -88,8 +77,4 @@ class ExecutorServicer(executor_pb2_grpc.ExecutorServicer):
             yield await self._step(request)
 
     async def _step(self, request: executor_pb2.ExecuteRequest) -> executor_pb2.ExecuteResponse:
-        start = time.perf_counter()
-        sequences = [sequence_from_proto(s) for s in request.sequences]
-        copy_src, copy_dst = list(request.copy_src), list(request.copy_dst)
-        out = await self._torch_thread.run(self.runner.execute, sequences, copy_src, copy_dst)
-        return response_from_step(out, (time.perf_counter() - start) * 1e3, self.runner.info.instance_id)
+        return await self._torch_thread.run(run_step, self.runner, request, time.perf_counter())

@@ -72,6 +72,9 @@ def build_parser() -> EnvArgumentParser:
                              "and its requests move to another executor (or wait for this one); default: derived "
                              "per executor, 10x the expected time of the step from its last 64 steps, between 5 "
                              "and 120 s (120 s until it ran 8 steps)")
+    parser.add_argument("--executor-step-socket", action=argparse.BooleanOptionalAction, default=True,
+                        help="step an executor over the Unix socket its Describe offers when it is on this host "
+                             "(no gRPC cost per step, docs/gateway.md); --no-executor-step-socket: always gRPC")
     parser.add_argument("--unavailable-timeout", dest="unavailable_timeout_s", type=float, default=30.0,
                         help="seconds requests in flight wait (to be recomputed) while no executor can serve "
                              "(all unreachable, or kvmanager) before they fail with 503")

@@ -106,7 +106,8 @@ class Backend:
         self.config = engine_config
         self.kvmanager = kvmanager
         self.executor = ExecutorClient(address, execute_timeout=MAX_STEP_DEADLINE_S,
-                                       security=engine_config.channel_security)
+                                       security=engine_config.channel_security,
+                                       use_step_socket=engine_config.executor_step_socket)
         self.hooks = hooks
         self.scheduler = Scheduler(engine_config.scheduler, new_seq_id)
         self.info: ExecutorInfo | None = None

@@ -16,14 +16,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
+from gateway.step_socket import StepSocket, StepSocketRefused
 from gateway.stopping import suppressed_token_ids
 from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
 from kvserve.kv_medium import medium_for_device
+from kvserve.logs import get_logger
 from kvserve.server import MAX_MESSAGE_BYTES
+from kvserve.step_frames import FrameTooLarge
 from kvserve.v1 import executor_pb2, executor_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
 CHANNEL_OPTIONS = [
@@ -34,8 +38,10 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+STEP_SOCKET_OPEN_TIMEOUT_S = 3.0
 OK = kvmanager_pb2.ALLOCATION_STATUS_OK
 POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
+log = get_logger("gateway.clients")
 
 
 # Status codes with which a dependency that is up refuses what it was sent: the
@@ -83,6 +89,7 @@ class ExecutorInfo:
     eos_token_ids: tuple[int, ...]
     instance_id: str = ""
     tokenizer_fingerprint: str = ""
+    step_socket: str = ""
 
     @classmethod
     def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:
@@ -137,7 +144,8 @@ class _Client:
 class ExecutorClient(_Client):
     service = "executor"
 
-    def __init__(self, address: str, execute_timeout: float = 300.0, security: ChannelSecurity | None = None):
+    def __init__(self, address: str, execute_timeout: float = 300.0, security: ChannelSecurity | None = None,
+                 use_step_socket: bool = True):
         super().__init__(address, security)
         self._stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._execute_timeout = execute_timeout
@@ -145,11 +153,24 @@ class ExecutorClient(_Client):
         self._steps: grpc.aio.StreamStreamCall | None = None  # the open ExecuteStream
         self._steps_lock = asyncio.Lock()
         self._streaming = True  # False once the executor answers ExecuteStream with UNIMPLEMENTED
+        self._service_token = (security or ChannelSecurity()).service_token
+        self._use_step_socket = use_step_socket
+        self._step_socket_offer: tuple[str, str] | None = None  # (path, instance id) from the last Describe
+        self._step_socket: StepSocket | None = None
+        self.steps_over_step_socket = 0
 
     async def describe(self, timeout: float = 3.0) -> ExecutorInfo:
         reply = await self._call(self._stub.Describe, executor_pb2.DescribeRequest(), timeout)
         self.block_size = reply.block_size
+        offer = (reply.step_socket, reply.instance_id) if reply.step_socket and self._use_step_socket else None
+        if offer != self._step_socket_offer:
+            self._drop_step_socket()
+            self._step_socket_offer = offer
         return ExecutorInfo.from_proto(reply)
+
+    async def close(self) -> None:
+        self._drop_step_socket()
+        await super().close()
 
     async def execute(self, ready: list[ScheduledSeq], timeout: float | None = None) -> ExecuteOutput:
         copy_src: list[int] = []
@@ -185,8 +206,14 @@ class ExecutorClient(_Client):
         return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id)
 
     async def _step(self, request: executor_pb2.ExecuteRequest, timeout: float) -> executor_pb2.ExecuteResponse:
-        """One step on the open ExecuteStream (half the round trip of a unary Execute on a
-        loopback channel, docs/gateway.md), or through Execute where the executor has no stream."""
+        """One step: on the executor's step socket where it offers one this gateway can open, else
+        on the open ExecuteStream (half the round trip of a unary Execute on a loopback channel,
+        docs/gateway.md), or through Execute where the executor has no stream."""
+        if self._step_socket_offer is not None:
+            async with self._steps_lock:
+                step_socket = await self._open_step_socket()
+                if step_socket is not None:
+                    return await self._step_on_socket(step_socket, request, timeout)
         if not self._streaming:
             return await self._call(self._stub.Execute, request, timeout)
         async with self._steps_lock:
@@ -197,9 +224,8 @@ class ExecutorClient(_Client):
                 return await self._write_and_read(call, request, timeout)
             except asyncio.TimeoutError as exc:
                 self._drop(call)
-                raise DependencyError(self.service, self.address, grpc.aio.AioRpcError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                    f"no reply to the step within {timeout:.1f} s")) from exc
+                raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"no reply to the step within {timeout:.1f} s") from exc
             except grpc.aio.AioRpcError as exc:
                 self._drop(call)
                 if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
@@ -209,6 +235,55 @@ class ExecutorClient(_Client):
                 self._drop(call)
                 raise
         return await self._call(self._stub.Execute, request, timeout)
+
+    async def _open_step_socket(self) -> StepSocket | None:
+        """The open step socket, opening it if need be; None (and gRPC until the next Describe)
+        when the offered one cannot be opened here: another host's path, another executor, no token."""
+        if self._step_socket is not None or self._step_socket_offer is None:
+            return self._step_socket
+        path, instance_id = self._step_socket_offer
+        try:
+            self._step_socket = await StepSocket.open(path, self._service_token, instance_id,
+                                                      STEP_SOCKET_OPEN_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, FrameTooLarge, StepSocketRefused) as exc:
+            self._step_socket_offer = None
+            log.info("step_socket_not_used", executor=self.address, path=path,
+                     reason=str(exc) or type(exc).__name__)
+            return None
+        log.info("step_socket_open", executor=self.address, path=path)
+        return self._step_socket
+
+    async def _step_on_socket(self, step_socket: StepSocket, request: executor_pb2.ExecuteRequest,
+                              timeout: float) -> executor_pb2.ExecuteResponse:
+        step_socket.send(request.SerializeToString())  # on its way before anything queued on the loop runs
+        try:
+            status, payload = await asyncio.wait_for(step_socket.read_reply(), timeout)
+        except asyncio.TimeoutError as exc:
+            self._drop_step_socket()
+            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply to the step within {timeout:.1f} s") from exc
+        except (OSError, asyncio.IncompleteReadError, FrameTooLarge) as exc:
+            self._drop_step_socket()
+            raise self._error(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc!r}") from exc
+        except BaseException:
+            self._drop_step_socket()  # cancelled: its reply may still come, and would be read as the next step's
+            raise
+        if status is not grpc.StatusCode.OK:
+            raise self._error(status, payload.decode(errors="replace"))
+        self.steps_over_step_socket += 1
+        try:
+            return executor_pb2.ExecuteResponse.FromString(payload)
+        except DecodeError as exc:
+            self._drop_step_socket()
+            raise self._error(grpc.StatusCode.UNAVAILABLE, f"an unreadable reply on the step socket: {exc}") from exc
+
+    def _drop_step_socket(self) -> None:
+        if self._step_socket is not None:
+            self._step_socket.close()
+            self._step_socket = None
+
+    def _error(self, status: grpc.StatusCode, details: str) -> DependencyError:
+        return DependencyError(self.service, self.address, grpc.aio.AioRpcError(
+            status, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
 
     def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
         """A step that did not complete may still be answered, and its reply would be read as the

@@ -76,6 +76,8 @@ class EngineConfig:
     step_timeout_s: float | None = None
     # Credentials of the channels to kvmanager and executor (service token, TLS CA).
     channel_security: ChannelSecurity = field(default_factory=ChannelSecurity)
+    # Step an executor over the Unix socket its Describe offers, when it opens from here (gateway.step_socket).
+    executor_step_socket: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:

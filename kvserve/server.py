@@ -46,7 +46,7 @@ class Service:
     add_to_server: Callable[[object, grpc.aio.Server], None]
 
 
-def _status_for(exc: KVServeError) -> grpc.StatusCode:
+def status_for(exc: KVServeError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
 
 
@@ -106,7 +106,7 @@ class DomainErrorInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
         if isinstance(exc, KVServeError):
-            await context.abort(_status_for(exc), str(exc))
+            await context.abort(status_for(exc), str(exc))
         log.error("rpc_failed", method=method, error=repr(exc), exc_info=exc)
         await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 

@@ -1,6 +1,7 @@
 """A test proxy in front of an executor: forwards Describe, Execute and ExecuteStream (each step of
 a stream as one Execute; with ``streaming=False`` it answers ExecuteStream UNIMPLEMENTED, as an
-executor with only Execute does), serves grpc.health.v1.
+executor with only Execute does), serves grpc.health.v1. It offers no step socket (it does not
+pass the executor's on), so every step comes through it.
 
 It lets a test put a step "on hold" (``pause``/``resume``: after a given number of
 Executes, the next one waits at the proxy before it is forwarded), refuse any Execute that carries a marker token
@@ -88,7 +89,9 @@ class ExecutorProxy(executor_pb2_grpc.ExecutorServicer):
             context.abort(exc.code(), exc.details() or "")
 
     def Describe(self, request, context):
-        return self._forward(self._stub.Describe, request, context)
+        reply = self._forward(self._stub.Describe, request, context)
+        reply.ClearField("step_socket")  # the steps come through here, as to an executor with gRPC only
+        return reply
 
     def Execute(self, request, context):
         reply = self._step(request, context)

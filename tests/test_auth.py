@@ -174,6 +174,13 @@ def test_http_v1_needs_the_api_key(secured_stack):
     assert _completion(secured_stack, {"authorization": f"bearer {API_KEY}"}).status_code == 200
 
 
+def test_the_gateway_steps_over_the_executors_socket_with_the_service_token(secured_stack):
+    assert _completion(secured_stack, {"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    logs = secured_stack.gateway.logs()
+    assert '"step_socket_open"' in logs and "step_socket_not_used" not in logs
+    assert SERVICE_TOKEN not in logs + secured_stack.executor.logs()
+
+
 def test_openai_client_with_the_key_works_and_without_it_gets_authentication_error(secured_stack):
     import openai
 
