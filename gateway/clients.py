@@ -256,25 +256,35 @@ class ExecutorClient(_Client):
     async def _step_on_socket(self, step_socket: StepSocket, request: executor_pb2.ExecuteRequest,
                               timeout: float) -> executor_pb2.ExecuteResponse:
         step_socket.send(request.SerializeToString())  # on its way before anything queued on the loop runs
+        expired = []
+
+        def expire() -> None:  # closing the socket ends the read below
+            expired.append(True)
+            step_socket.close()
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            status, payload = await asyncio.wait_for(step_socket.read_reply(), timeout)
-        except asyncio.TimeoutError as exc:
-            self._drop_step_socket()
-            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, f"no reply to the step within {timeout:.1f} s") from exc
+            status, payload = await step_socket.read_reply()
         except (OSError, asyncio.IncompleteReadError, FrameTooLarge) as exc:
             self._drop_step_socket()
+            if expired:
+                raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"no reply to the step within {timeout:.1f} s") from exc
             raise self._error(grpc.StatusCode.UNAVAILABLE, f"the step socket failed: {exc!r}") from exc
         except BaseException:
             self._drop_step_socket()  # cancelled: its reply may still come, and would be read as the next step's
             raise
+        finally:
+            timer.cancel()
         if status is not grpc.StatusCode.OK:
             raise self._error(status, payload.decode(errors="replace"))
-        self.steps_over_step_socket += 1
         try:
-            return executor_pb2.ExecuteResponse.FromString(payload)
+            reply = executor_pb2.ExecuteResponse.FromString(payload)
         except DecodeError as exc:
             self._drop_step_socket()
             raise self._error(grpc.StatusCode.UNAVAILABLE, f"an unreadable reply on the step socket: {exc}") from exc
+        self.steps_over_step_socket += 1
+        return reply
 
     def _drop_step_socket(self) -> None:
         if self._step_socket is not None:
