@@ -5,7 +5,7 @@ Execute and ExecuteStream, through ``run``) and those it reads itself from the
 step-socket connections it watches (``watch``, executor/step_socket.py). It waits on
 one selector for both, so a step that arrives on a step socket runs in the thread
 that read it and its reply leaves from there: no wake-up of another thread on its way
-in or out (on a small VM each such wake-up costs 0.1-0.3 ms, docs/executor.md).
+in or out (on a small VM each such wake-up costs ~0.07-0.2 ms, docs/executor.md).
 
 One thread, not merely one at a time: each thread that runs parallel torch ops gets
 its own OpenMP team, and with two teams on a small machine libgomp stops spinning

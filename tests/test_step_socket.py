@@ -13,6 +13,8 @@ import os
 import socket
 import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -24,6 +26,7 @@ from gateway.sequence import GenerationRequest, SamplingOptions, Sequence
 from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
+from tests.conftest import REPO_ROOT, free_port, service_env
 from tests.test_executor_service import BAD_REQUESTS, MAX_MODEL_LEN, NUM_BLOCKS, seq
 from tests.test_gateway_executor_client import Decoder, decode_entry
 
@@ -105,6 +108,30 @@ def test_describe_offers_a_private_socket_that_goes_with_the_executor(tiny_execu
     off = start_service("executor", *tiny_executor_args(tiny_model_dir, "--step-socket", "off"))
     with grpc.insecure_channel(off.address) as channel:
         assert executor_pb2_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest(), timeout=10).step_socket == ""
+
+
+def test_a_step_socket_path_taken_or_unusable_is_a_one_line_error_and_a_stale_one_is_replaced(
+        start_service, tiny_model_dir, tmp_path):
+    path = tmp_path / "steps.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))  # what an executor killed with SIGKILL leaves: a socket file nobody listens on
+    stale.close()
+    first = start_service("executor", *tiny_executor_args(tiny_model_dir, "--step-socket", str(path)))
+    with grpc.insecure_channel(first.address) as channel:
+        info = executor_pb2_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest(), timeout=10)
+    client = RawStepClient(str(path))
+    assert info.step_socket == str(path) and client.greeting == (0, info.instance_id.encode())
+    client.close()
+    not_a_socket = tmp_path / "plain-file"
+    not_a_socket.write_text("keep me")
+    for where, reason in ((path, "another process listens there"), (tmp_path / "no-dir" / "s.sock", "No such file"),
+                          (not_a_socket, "not a socket")):
+        proc = subprocess.run([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
+                               "--port", str(free_port()), "--step-socket", str(where)],
+                              cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert "step socket" in proc.stderr and reason in proc.stderr and "Traceback" not in proc.stderr
+    assert not_a_socket.read_text() == "keep me" and first.alive()
 
 
 def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor):
