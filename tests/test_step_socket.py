@@ -4,8 +4,8 @@ sequence stepped over gRPC), refusals with their status and no KV written, a cli
 or sends garbage costs nobody else anything, the service token, and the gateway's client using
 it only when the socket is the described executor's.
 
-The frames are written here by hand from the documented layout (4-byte big-endian length;
-replies start with a gRPC status byte), not with kvserve's own helpers."""
+The frames go through the conformance kit's client, written from the documented layout alone
+(4-byte big-endian length; replies start with a gRPC status byte), not kvserve's own helpers."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +23,7 @@ import pytest
 from gateway.clients import DependencyError, ExecutorClient
 from gateway.scheduler import ScheduledSeq
 from gateway.sequence import GenerationRequest, SamplingOptions, Sequence
+from kvserve.conformance.step_socket_client import StepSocketClient
 from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
@@ -47,52 +48,23 @@ def tiny_executor(start_service, tiny_model_dir):
     channel.close()
 
 
-class RawStepClient:
-    """A step-socket client written from the frame layout alone."""
-
-    def __init__(self, path: str, token: str = "", timeout: float = 60.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-        self.greeting = self.exchange(token.encode())
+class RawStepClient(StepSocketClient):
+    """The conformance kit's client (standard library only, from the documented frame layout),
+    plus what these tests do that a well-behaved client does not."""
 
     def send_raw(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        self._sock.sendall(data)
 
-    def send(self, payload: bytes) -> None:
-        self.send_raw(struct.pack(">I", len(payload)) + payload)
-
-    def read(self) -> tuple[int, bytes]:
-        (length,) = struct.unpack(">I", self._read_exactly(4))
-        body = self._read_exactly(length)
-        return body[0], body[1:]
-
-    def exchange(self, payload: bytes) -> tuple[int, bytes]:
-        self.send(payload)
-        return self.read()
-
-    def step(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
-        status, body = self.exchange(request.SerializeToString())
+    def answered(self, request: pb.ExecuteRequest) -> pb.ExecuteResponse:
+        status, body = self.step(request)
         assert status == 0, body.decode()
         return pb.ExecuteResponse.FromString(body)
 
     def closed_by_peer(self) -> bool:
         try:
-            return self.sock.recv(1) == b""
+            return self._sock.recv(1) == b""
         except ConnectionResetError:
             return True
-
-    def _read_exactly(self, size: int) -> bytes:
-        data = b""
-        while len(data) < size:
-            chunk = self.sock.recv(size - len(data))
-            if not chunk:
-                raise EOFError("closed")
-            data += chunk
-        return data
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_describe_offers_a_private_socket_that_goes_with_the_executor(tiny_executor, start_service, tiny_model_dir):
@@ -142,7 +114,7 @@ def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor)
     prompt = list(range(300, 340))
     chunks = [(prompt[:24], 0), (prompt[24:], 24)]
     for tokens, start in chunks:
-        over_socket = client.step(pb.ExecuteRequest(sequences=[seq(tokens, start, [1, 2, 3], top_logprobs=3)]))
+        over_socket = client.answered(pb.ExecuteRequest(sequences=[seq(tokens, start, [1, 2, 3], top_logprobs=3)]))
         over_grpc = stub.Execute(pb.ExecuteRequest(sequences=[seq(tokens, start, [4, 5, 6], top_logprobs=3)]))
     position = 40
     for _ in range(6):
@@ -151,7 +123,7 @@ def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor)
         assert over_socket.top_logprobs == over_grpc.top_logprobs
         assert over_socket.instance_id == info.instance_id and over_socket.timings.total_ms > 0
         token = over_grpc.sampled_token_ids[0]
-        over_socket = client.step(pb.ExecuteRequest(sequences=[seq([token], position, [1, 2, 3], top_logprobs=3)]))
+        over_socket = client.answered(pb.ExecuteRequest(sequences=[seq([token], position, [1, 2, 3], top_logprobs=3)]))
         over_grpc = stub.Execute(pb.ExecuteRequest(sequences=[seq([token], position, [4, 5, 6], top_logprobs=3)]))
         position += 1
     client.close()
@@ -161,7 +133,7 @@ def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the
     _, stub, info = tiny_executor
     client = RawStepClient(info.step_socket)
     prompt = list(range(300, 340))
-    first = client.step(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
+    first = client.answered(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
     garbage = seq(list(range(1000, 1040)), 0, [1, 2, 3])  # would overwrite A's KV if it ran
     for name, (request, field) in BAD_REQUESTS.items():
         status, message = client.exchange(request.SerializeToString())
@@ -173,12 +145,12 @@ def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the
     status, message = client.exchange(b"\xff\xff")
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"malformed" in message
     token = first.sampled_token_ids[0]
-    after = client.step(pb.ExecuteRequest(sequences=[seq([token], 40, [1, 2, 3], top_logprobs=5)]))
+    after = client.answered(pb.ExecuteRequest(sequences=[seq([token], 40, [1, 2, 3], top_logprobs=5)]))
     twin = stub.Execute(pb.ExecuteRequest(sequences=[seq([token], 40, [4, 5, 6], top_logprobs=5)]))
     assert after.sampled_token_ids == twin.sampled_token_ids and after.top_logprobs == twin.top_logprobs
     # A length past the limit cannot be skipped: refused, and that connection closed.
     client.send_raw(struct.pack(">I", 0xFFFFFFFF))
-    status, message = client.read()
+    status, message = client.read_reply()
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"limit" in message
     assert client.closed_by_peer()
     client.close()
@@ -192,12 +164,12 @@ def test_a_stalled_or_silent_client_holds_up_nobody(tiny_executor):
     silent.connect(info.step_socket)  # never greets
     other = RawStepClient(info.step_socket, timeout=5.0)  # a thread stuck on the half frame would wait 10 s
     request = pb.ExecuteRequest(sequences=[seq(list(range(300, 310)), 0, [1])])
-    assert other.step(request).sampled_token_ids == stub.Execute(request, timeout=30).sampled_token_ids
+    assert other.answered(request).sampled_token_ids == stub.Execute(request, timeout=30).sampled_token_ids
     assert check(service.address, timeout=5)
     for client in (half, other):
         client.close()
     silent.close()
-    assert other.sock.fileno() == -1 and service.alive()
+    assert service.alive()
 
 
 def test_the_service_token_guards_the_socket(start_service, tiny_model_dir):
@@ -215,7 +187,7 @@ def test_the_service_token_guards_the_socket(start_service, tiny_model_dir):
         client.close()
     client = RawStepClient(path, TOKEN)
     assert client.greeting == (0, info.instance_id.encode())
-    assert client.step(pb.ExecuteRequest(sequences=[seq([5, 6, 7], 0, [1])])).sampled_token_ids
+    assert client.answered(pb.ExecuteRequest(sequences=[seq([5, 6, 7], 0, [1])])).sampled_token_ids
     client.close()
 
 

@@ -23,7 +23,13 @@ class StepSocketClient:
 
     def exchange(self, payload: bytes) -> tuple[int, bytes]:
         """Sends one frame; the reply's status byte and the rest."""
+        self.send(payload)
+        return self.read_reply()
+
+    def send(self, payload: bytes) -> None:
         self._sock.sendall(HEADER.pack(len(payload)) + payload)
+
+    def read_reply(self) -> tuple[int, bytes]:
         (length,) = HEADER.unpack(self._read_exactly(HEADER.size))
         body = self._read_exactly(length)
         if not body:
