@@ -1,0 +1,57 @@
+"""Times prompt prefills on OpenVINO GenAI's ``ContinuousBatchingPipeline``, one per request line.
+
+Executed by the OpenVINO peer's own venv python (never imported by kvserve or its tests, so it
+uses nothing but the standard library, numpy and ``openvino_genai``), driven by
+bench/prefill_vs_openvino.py over its stdin and stdout:
+
+    python openvino_prefill_worker.py IR_DIR THREADS NUM_KV_BLOCKS [PRECISION]
+
+prints ``{"ready": true, ...facts}`` once the pipeline is compiled, then reads one JSON list of
+token ids a line and answers each with ``{"ms": wall milliseconds, "first_token": id}``: the
+prompt prefilled and its first token picked (greedy, one new token), as a request's TTFT in the
+same process. Prefix caching is on, as in the served peer: a prefix sent before stays cached.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    import numpy as np
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    ir_dir, threads, num_kv_blocks = argv[0], int(argv[1]), int(argv[2])
+    properties = {"INFERENCE_NUM_THREADS": threads}
+    if len(argv) > 3 and argv[3]:
+        properties["INFERENCE_PRECISION_HINT"] = argv[3]
+    config = ov_genai.SchedulerConfig()
+    config.enable_prefix_caching = True
+    config.max_num_batched_tokens = 4096
+    config.max_num_seqs = 1
+    config.num_kv_blocks = num_kv_blocks
+    pipe = ov_genai.ContinuousBatchingPipeline(ir_dir, config, "CPU", properties)
+    generation = ov_genai.GenerationConfig()
+    generation.max_new_tokens = generation.min_new_tokens = 1
+    generation.ignore_eos = True
+    generation.do_sample = False
+    facts = {"openvino_genai": getattr(ov_genai, "__version__", "?")}
+    try:
+        facts["INFERENCE_PRECISION_HINT"] = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+    except Exception:  # noqa: BLE001 — a fact for the report only
+        pass
+    print(json.dumps({"ready": True, **facts}), flush=True)
+    for line in sys.stdin:
+        token_ids = json.loads(line)
+        input_ids = ov.Tensor(np.array([token_ids], dtype=np.int64))
+        started = time.perf_counter()
+        result = pipe.generate([input_ids], [generation])[0]
+        elapsed = (time.perf_counter() - started) * 1e3
+        print(json.dumps({"ms": elapsed, "first_token": int(result.m_generation_ids[0][0])}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
