@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.peers.common import PeerUnavailable, exit_status, lscpu_text
 from kvserve.paths import default_model_dir
 
 # --quantization of kvserve → the OpenVINO IR with the same weight precision (bench/peers).
@@ -155,6 +157,12 @@ def serve_worker(args) -> int:
 
 
 # ---- the driver ----------------------------------------------------------------------------------
+class WorkerExited(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
 class LineWorker:
     """A worker process spoken to in JSON lines (one request, one answer)."""
 
@@ -170,7 +178,8 @@ class LineWorker:
         if not line:
             code = self.proc.wait()
             tail = " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-4:])
-            raise RuntimeError(f"{self.name} worker exited with {code} (log: {self.log_path}): {tail[-600:]}")
+            raise WorkerExited(f"{self.name} worker exited with {exit_status(code)} (log: {self.log_path}): "
+                               f"{tail[-600:]}", code)
         return json.loads(line)
 
     def ask(self, request) -> dict:
@@ -200,9 +209,28 @@ def start_workers(args, log_dir: Path) -> tuple[LineWorker, LineWorker, dict]:
                                      "--kv-cache-dtype", args.kv_cache_dtype, "--threads", str(args.threads),
                                      "--tokens", str(args.tokens), "--cached", str(args.cached)],
                          log_dir / "kvserve-worker.log", env=env)
-    openvino = LineWorker("openvino", [str(python), str(OPENVINO_WORKER), str(ir_dir), str(args.threads),
-                                       str(kv_blocks), args.openvino_precision], log_dir / "openvino-worker.log", env=env)
-    facts = {"kvserve": kvserve.read(), "openvino": openvino.read(), "openvino_ir": str(ir_dir)}
+    facts = {"kvserve": kvserve.read(), "openvino_ir": str(ir_dir)}
+
+    def start_openvino(precision: str) -> LineWorker:
+        worker = LineWorker("openvino", [str(python), str(OPENVINO_WORKER), str(ir_dir), str(args.threads),
+                                         str(kv_blocks), precision], log_dir / "openvino-worker.log", env=env)
+        facts["openvino"] = worker.read()
+        return worker
+
+    try:
+        try:
+            openvino = start_openvino(args.openvino_precision)
+        except WorkerExited as exc:
+            # As the served peer (bench/peers/openvino_peer.py): OpenVINO 2026.4 dies with SIGFPE compiling
+            # an fp16 IR in bf16 on some AMX Xeons; in f32 it runs, and the report says so.
+            if args.openvino_precision or exc.code != -signal.SIGFPE:
+                raise
+            print("   OpenVINO died with SIGFPE in its default precision: running it in f32", flush=True)
+            openvino = start_openvino("f32")
+            facts["openvino_note"] = "run in f32: in the CPU plugin's default precision it died with SIGFPE"
+    except BaseException:
+        kvserve.close()
+        raise
     return kvserve, openvino, facts
 
 
@@ -274,8 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return serve_worker(args)
 
-    from bench.peers.common import PeerUnavailable, lscpu_text
-
     log_dir = (args.out.parent if args.out else Path.cwd()) / "prefill-vs-openvino-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"prefill of {args.tokens} tokens after {args.cached} cached, kvserve --quantization {args.quantization} "
@@ -296,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         openvino.close()
     summary = summarize(rounds)
     print_summary(summary)
-    print(f"(OpenVINO: {facts['openvino']}; kvserve: {facts['kvserve']})")
+    print(f"(OpenVINO: {facts['openvino']}{'; ' + facts['openvino_note'] if 'openvino_note' in facts else ''}; "
+          f"kvserve: {facts['kvserve']})")
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "facts": facts,
                                         "lscpu": lscpu_text(), "rounds": [asdict(r) for r in rounds],

@@ -14,7 +14,9 @@ from bench.peers import openvino_peer
 # Answers as the OpenVINO worker does, "taking" 1 ms a prompt token, so the test can read back
 # which tokens it was sent.
 _FAKE_OPENVINO_WORKER = """
-import json, sys
+import json, os, signal, sys
+if sys.argv[1].endswith("fp16") and sys.argv[4] != "f32":  # as OpenVINO 2026.4 on some AMX Xeons
+    os.kill(os.getpid(), signal.SIGFPE)
 print(json.dumps({"ready": True, "argv": sys.argv[1:]}), flush=True)
 for line in sys.stdin:
     ids = json.loads(line)
@@ -69,16 +71,32 @@ def test_both_systems_take_turns_on_the_same_tokens(tmp_path, monkeypatch, defau
     monkeypatch.setattr(openvino_peer, "setup_venv", lambda log: (sys.executable, None))
     monkeypatch.setattr(openvino_peer, "export", lambda python, model_dir, fmt, log: (tmp_path / f"ir-{fmt}", None))
     out = tmp_path / "prefill.json"
-    code = pvo.main(["--model", str(default_model_dir), "--quantization", "int8", "--tokens", "24", "--cached", "16",
+    code = pvo.main(["--model", str(default_model_dir), "--quantization", "none", "--tokens", "24", "--cached", "16",
                      "--rounds", "3", "--warmup", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     result = json.loads(out.read_text())
-    # OpenVINO got the int8 IR and, every round, the prefix and the prompt (16 + 24 tokens).
-    assert result["facts"]["openvino"]["argv"][0].endswith("ir-int8")
+    # OpenVINO got the FP16 IR (after dying with SIGFPE in its default precision, in f32, and the
+    # report says so) and, every round, the prefix and the prompt (16 + 24 tokens).
+    assert result["facts"]["openvino"]["argv"][0].endswith("ir-fp16")
+    assert result["facts"]["openvino"]["argv"][3] == "f32" and "SIGFPE" in result["facts"]["openvino_note"]
     assert [r["openvino_ms"] for r in result["rounds"]] == [40.0, 40.0, 40.0]
     assert all(r["kvserve_ms"] > 0 and all(p > 0 for p in r["probe_ms"]) for r in result["rounds"])
     assert [r["kvserve_first"] for r in result["rounds"]] == [False, True, False]  # after one warm-up round
     assert result["summary"]["all"]["rounds"] == 3
     assert "| all | 3 |" in printed
     assert (tmp_path / "prefill-vs-openvino-logs" / "kvserve-worker.log").exists()
+
+
+def test_a_peer_that_cannot_start_is_one_line_and_leaves_no_worker(tmp_path, monkeypatch, default_model_dir, capsys):
+    fake = tmp_path / "fake_openvino_worker.py"
+    fake.write_text("import sys; print('no such IR', file=sys.stderr); sys.exit(3)")
+    monkeypatch.setattr(pvo, "OPENVINO_WORKER", fake)
+    monkeypatch.setattr(openvino_peer, "setup_venv", lambda log: (sys.executable, None))
+    monkeypatch.setattr(openvino_peer, "export", lambda python, model_dir, fmt, log: (tmp_path / fmt, None))
+    closed = []
+    monkeypatch.setattr(pvo.LineWorker, "close", lambda self: closed.append(self.name) or self.proc.kill())
+    assert pvo.main(["--model", str(default_model_dir), "--out", str(tmp_path / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot run: openvino worker exited with 3" in err and "no such IR" in err
+    assert closed == ["kvserve"] and not (tmp_path / "x.json").exists()
