@@ -38,10 +38,13 @@ def main(argv: list[str]) -> int:
     generation.ignore_eos = True
     generation.do_sample = False
     facts = {"openvino_genai": getattr(ov_genai, "__version__", "?")}
-    try:
-        facts["INFERENCE_PRECISION_HINT"] = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
-    except Exception:  # noqa: BLE001 — a fact for the report only
-        pass
+    if "INFERENCE_PRECISION_HINT" in properties:
+        facts["INFERENCE_PRECISION_HINT"] = properties["INFERENCE_PRECISION_HINT"]
+    else:
+        try:
+            facts["INFERENCE_PRECISION_HINT"] = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+        except Exception:  # noqa: BLE001 — a fact for the report only
+            pass
     print(json.dumps({"ready": True, **facts}), flush=True)
     for line in sys.stdin:
         token_ids = json.loads(line)
