@@ -67,7 +67,11 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument("--step-socket", default="auto", metavar="auto|off|PATH",
                         help="a Unix socket that takes ExecuteStream's steps without gRPC's cost per message, "
                              "for a gateway on this host (Describe names it; docs/executor-contract.md): "
-                             "auto: in a fresh private directory under the temp directory; off: none")
+                             "auto: in a fresh private directory under --step-socket-dir; off: none")
+    parser.add_argument("--step-socket-dir", type=Path, default=None, metavar="DIR",
+                        help="where --step-socket auto makes its directory (default: the temp directory); "
+                             "a directory the gateway's host or container sees at the same path, such as a "
+                             "volume both containers mount")
     return parser
 
 
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             collapsed = await torch_thread.run(back_large_allocations_with_huge_pages)
             log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
         token = token_or_none(args.service_token)
-        step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token)
+        step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token,
+                                                  args.step_socket_dir)
         if step_socket is not None:
             await step_socket.start()
         servicer = ExecutorServicer(runner, torch_thread, str(step_socket.path) if step_socket else "")

@@ -8,7 +8,9 @@ has one); then the torch thread watches the connection itself (``TorchThread.wat
 reads each step, runs it and writes the reply. The frames are in kvserve/step_frames.py.
 
 The socket lives in a directory only this user can enter (``auto``: a fresh one under
-the temp directory), is mode 0600, and goes when the executor stops.
+``--step-socket-dir``, by default the temp directory), is mode 0600, and goes when the
+executor stops; the directories of executors killed before they could remove theirs go at
+the next ``auto`` start in the same parent.
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ from kvserve.v1 import executor_pb2
 log = get_logger("executor.step_socket")
 
 GREETING_TIMEOUT_S = 5.0
+# ``auto``: <parent>/kvserve-executor-XXXXXXXX/steps.sock
+OWNED_DIR_PREFIX = "kvserve-executor-"
+SOCKET_NAME = "steps.sock"
+# A directory of ``auto``'s this old with no listener is a dead executor's: a live one binds its
+# socket right after making the directory.
+DEAD_DIR_AGE_S = 60.0
 SEND_TIMEOUT_S = 10.0  # a client that reads no reply for this long is dropped
 RECV_BYTES = 64 * 1024
 
@@ -122,14 +130,23 @@ class StepSocketListener:
         self._tasks: set[asyncio.Task] = set()
 
     @classmethod
-    def create(cls, where: str, runner: ModelRunner, torch_thread: TorchThread,
-               token: BearerToken | None) -> StepSocketListener | None:
-        """``where``: ``off`` (None), ``auto`` (a private directory under the temp directory) or a path."""
+    def create(cls, where: str, runner: ModelRunner, torch_thread: TorchThread, token: BearerToken | None,
+               parent: Path | None = None) -> StepSocketListener | None:
+        """``where``: ``off`` (None), ``auto`` (a private directory under ``parent``, by default the
+        temp directory) or a path."""
         if where == "off":
             return None
         if where == "auto":
-            owned = Path(tempfile.mkdtemp(prefix="kvserve-executor-"))  # mode 0700
-            return cls(owned / "steps.sock", owned, runner.info.instance_id, runner, torch_thread, token)
+            parent = Path(parent or tempfile.gettempdir())
+            removed = remove_dead_socket_dirs(parent)
+            if removed:
+                log.info("step_socket_dirs_removed", parent=str(parent), count=removed)
+            try:
+                owned = Path(tempfile.mkdtemp(prefix=OWNED_DIR_PREFIX, dir=parent))  # mode 0700
+            except OSError as exc:
+                raise StartupError(f"cannot make the step socket's directory under {parent}: "
+                                   f"{exc.strerror or exc}") from exc
+            return cls(owned / SOCKET_NAME, owned, runner.info.instance_id, runner, torch_thread, token)
         return cls(Path(where), None, runner.info.instance_id, runner, torch_thread, token)
 
     async def start(self) -> None:
@@ -218,12 +235,42 @@ def _clear_stale_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(mode):
         raise StartupError(f"cannot listen on the step socket {path}: a file that is not a socket is there")
+    if someone_listens(path):
+        raise StartupError(f"cannot listen on the step socket {path}: another process listens there")
+    path.unlink(missing_ok=True)
+
+
+def someone_listens(path: Path) -> bool:
+    """Whether a process accepts connections on the socket at ``path``. Only "no such socket" and
+    "refused" say no: a listener too busy to answer within a second still counts as there."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
     try:
         probe.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+        return False
     except OSError:
-        path.unlink(missing_ok=True)
-        return
+        return True
     finally:
         probe.close()
-    raise StartupError(f"cannot listen on the step socket {path}: another process listens there")
+    return True
+
+
+def remove_dead_socket_dirs(parent: Path, now: float | None = None) -> int:
+    """Removes the directories ``auto`` made under ``parent`` for executors that are gone without
+    removing theirs (SIGKILL, OOM; in a volume shared by several executors they would pile up):
+    this user's, older than DEAD_DIR_AGE_S (never one an executor is starting in), whose socket
+    is missing or refused. Another executor's live directory stays. Returns how many went."""
+    now = time.time() if now is None else now
+    removed = 0
+    for entry in parent.glob(OWNED_DIR_PREFIX + "*"):
+        try:
+            info = entry.lstat()
+        except OSError:
+            continue
+        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+                or now - info.st_mtime < DEAD_DIR_AGE_S or someone_listens(entry / SOCKET_NAME)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += not entry.exists()
+    return removed

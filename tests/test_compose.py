@@ -147,6 +147,25 @@ def test_kernel_cache_outlives_the_container():
     assert f"KVSERVE_EXTENSIONS_DIR={cache_dir}" in re.sub(r"\s+", " ", DOCKERFILE.read_text())
 
 
+def test_the_gateway_sees_the_executors_step_sockets():
+    """Each executor replica's step socket is made in a volume the gateway mounts at the same path,
+    so the gateway's steps skip gRPC (Describe names the path; Unix sockets work across containers
+    of one host)."""
+    from kvserve.config import env_name
+
+    spec = _load(COMPOSE)
+    executor, gateway = spec["services"]["executor"], spec["services"]["gateway"]
+    steps_dir = executor["environment"][env_name("--step-socket-dir")]
+    executor_mounts = {v.split(":")[1]: v.split(":")[0] for v in executor["volumes"]}
+    gateway_mounts = {v.split(":")[1]: v.split(":")[0] for v in gateway["volumes"]}
+    assert executor_mounts[steps_dir] == gateway_mounts[steps_dir] and executor_mounts[steps_dir] in spec["volumes"]
+    assert steps_dir not in executor.get("command", [])  # `auto` (the default) makes each replica's own directory
+    # The image owns the directory, so Docker seeds the volume writable by the kvserve user.
+    dockerfile = re.sub(r"\s+", " ", DOCKERFILE.read_text())
+    assert re.search(rf"mkdir -p [^&]*{re.escape(steps_dir)}", dockerfile)
+    assert re.search(rf"chown kvserve:kvserve [^&]*{re.escape(steps_dir)}", dockerfile)
+
+
 def test_gpu_overrides_request_devices_the_vendor_way():
     cuda = _load(OVERRIDES["cuda"])["services"]
     devices = cuda["executor"]["deploy"]["resources"]["reservations"]["devices"]
@@ -394,6 +413,11 @@ def test_compose_up_answers_a_question(tmp_path):
                 break
             time.sleep(2)
         assert status == "healthy", f"gateway container is {status!r}"
+
+        # ... and steps over each replica's step socket in the shared volume, not gRPC.
+        gateway_logs = run("logs", "--no-color", "gateway").stdout
+        opened = [line for line in gateway_logs.splitlines() if "step_socket_open" in line]
+        assert len(opened) >= 2 and "step_socket_not_used" not in gateway_logs, gateway_logs[-3000:]
 
         executor_logs = run("logs", "--no-color", "executor").stdout
         assert "kernel_ready" in executor_logs or "kernel_compile_finished" in executor_logs, executor_logs[-3000:]

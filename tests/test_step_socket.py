@@ -106,6 +106,59 @@ def test_a_step_socket_path_taken_or_unusable_is_a_one_line_error_and_a_stale_on
     assert not_a_socket.read_text() == "keep me" and first.alive()
 
 
+def _socket_dir(parent: Path, name: str, *, listening: bool | None, age_s: float) -> tuple[Path, socket.socket | None]:
+    """A directory as ``auto`` makes them: with a live socket (``listening``), a dead one (False:
+    bound, nobody listens: its executor was killed) or none (None); ``age_s`` old."""
+    directory = parent / f"kvserve-executor-{name}"
+    directory.mkdir(mode=0o700)
+    sock = None
+    if listening is not None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(directory / "steps.sock"))
+        if listening:
+            sock.listen(1)
+        else:
+            sock.close()
+            sock = None
+    old = os.stat(directory).st_mtime - age_s
+    os.utime(directory, (old, old))
+    return directory, sock
+
+
+def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executors_ones(
+        start_service, tiny_model_dir, tmp_path):
+    """Several executors sharing one --step-socket-dir (compose: a volume the gateway mounts too):
+    each gets its own directory, and what executors killed before they could clean up left there
+    goes at the next start; a live executor's directory, or one made a moment ago, stays."""
+    parent = tmp_path / "steps"
+    parent.mkdir()
+    dead, _ = _socket_dir(parent, "dead", listening=False, age_s=600)
+    empty, _ = _socket_dir(parent, "empty", listening=None, age_s=600)
+    young, _ = _socket_dir(parent, "young", listening=False, age_s=0)
+    live, listener = _socket_dir(parent, "live", listening=True, age_s=600)
+    unrelated = parent / "not-an-executors"
+    unrelated.mkdir()
+    try:
+        service = start_service("executor", *tiny_executor_args(tiny_model_dir, "--step-socket-dir", str(parent)))
+        with grpc.insecure_channel(service.address) as channel:
+            info = executor_pb2_grpc.ExecutorStub(channel).Describe(pb.DescribeRequest(), timeout=10)
+        path = Path(info.step_socket)
+        assert path.parent.parent == parent and path.parent.name.startswith("kvserve-executor-")
+        client = RawStepClient(str(path))
+        assert client.greeting == (0, info.instance_id.encode())
+        client.close()
+        assert not dead.exists() and not empty.exists()
+        assert young.exists() and live.exists() and unrelated.exists()
+        assert service.stop() == 0 and not path.parent.exists()
+    finally:
+        listener.close()
+    proc = subprocess.run([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
+                           "--port", str(free_port()), "--step-socket-dir", str(tmp_path / "missing")],
+                          cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "step socket's directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor):
     """Sequence A steps over the socket, its twin B over gRPC: same tokens, log-probabilities and
     alternatives at every step, prefill in two chunks and decodes, with the executor's instance id."""
