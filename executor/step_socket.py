@@ -256,12 +256,12 @@ def someone_listens(path: Path) -> bool:
     return True
 
 
-def remove_dead_socket_dirs(parent: Path, now: float | None = None) -> int:
+def remove_dead_socket_dirs(parent: Path) -> int:
     """Removes the directories ``auto`` made under ``parent`` for executors that are gone without
     removing theirs (SIGKILL, OOM; in a volume shared by several executors they would pile up):
     this user's, older than DEAD_DIR_AGE_S (never one an executor is starting in), whose socket
     is missing or refused. Another executor's live directory stays. Returns how many went."""
-    now = time.time() if now is None else now
+    now = time.time()
     removed = 0
     for entry in parent.glob(OWNED_DIR_PREFIX + "*"):
         try:
