@@ -42,7 +42,6 @@ OPENVINO_WEIGHTS = {"none": "fp16", "int8": "int8", "int4": "int4"}
 OPENVINO_WORKER = Path(__file__).with_name("peers") / "openvino_prefill_worker.py"
 CONTENDED_FACTOR = 1.5
 BLOCK_SIZE = 16
-READY_TIMEOUT_S = 900
 
 
 @dataclass
@@ -235,8 +234,10 @@ def start_workers(args, log_dir: Path) -> tuple[LineWorker, LineWorker, dict]:
 
 
 def run_rounds(kvserve: LineWorker, openvino: LineWorker, args) -> list[Round]:
+    from executor.model import ModelConfig
+
     rng = random.Random(args.seed)
-    vocab = range(100, 40000)
+    vocab = range(100, ModelConfig.from_dir(args.model_dir).vocab_size)  # past the special tokens
     prefix = [rng.choice(vocab) for _ in range(args.cached)]
     if prefix:
         kvserve.ask({"prefix": prefix})
