@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import select
 import signal
 import statistics
 import subprocess
@@ -42,6 +43,8 @@ OPENVINO_WEIGHTS = {"none": "fp16", "int8": "int8", "int4": "int4"}
 OPENVINO_WORKER = Path(__file__).with_name("peers") / "openvino_prefill_worker.py"
 CONTENDED_FACTOR = 1.5
 BLOCK_SIZE = 16
+READY_TIMEOUT_S = 900.0  # a worker's start: model load, kernel build, OpenVINO's compile
+ANSWER_TIMEOUT_S = 300.0  # one prefill or probe
 
 
 @dataclass
@@ -172,7 +175,14 @@ class LineWorker:
                                      text=True, env=env)
         self.log_path = log_path
 
-    def read(self) -> dict:
+    def read(self, timeout: float = ANSWER_TIMEOUT_S) -> dict:
+        # The worker writes one line per request and then waits, so nothing is left buffered
+        # between lines and the pipe's readiness is the answer's.
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.proc.kill()
+            self.proc.wait()
+            raise WorkerExited(f"{self.name} worker gave no answer within {timeout:g} s (log: {self.log_path})",
+                               self.proc.returncode)
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
@@ -180,6 +190,10 @@ class LineWorker:
             raise WorkerExited(f"{self.name} worker exited with {exit_status(code)} (log: {self.log_path}): "
                                f"{tail[-600:]}", code)
         return json.loads(line)
+
+    def ready(self) -> dict:
+        """The worker's first line, once it has loaded (a model load, an OpenVINO compile)."""
+        return self.read(READY_TIMEOUT_S)
 
     def ask(self, request) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -208,12 +222,12 @@ def start_workers(args, log_dir: Path) -> tuple[LineWorker, LineWorker, dict]:
                                      "--kv-cache-dtype", args.kv_cache_dtype, "--threads", str(args.threads),
                                      "--tokens", str(args.tokens), "--cached", str(args.cached)],
                          log_dir / "kvserve-worker.log", env=env)
-    facts = {"kvserve": kvserve.read(), "openvino_ir": str(ir_dir)}
+    facts = {"kvserve": kvserve.ready(), "openvino_ir": str(ir_dir)}
 
     def start_openvino(precision: str) -> LineWorker:
         worker = LineWorker("openvino", [str(python), str(OPENVINO_WORKER), str(ir_dir), str(args.threads),
                                          str(kv_blocks), precision], log_dir / "openvino-worker.log", env=env)
-        facts["openvino"] = worker.read()
+        facts["openvino"] = worker.ready()
         return worker
 
     try:

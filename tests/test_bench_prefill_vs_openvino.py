@@ -100,3 +100,15 @@ def test_a_peer_that_cannot_start_is_one_line_and_leaves_no_worker(tmp_path, mon
     err = capsys.readouterr().err
     assert "cannot run: openvino worker exited with 3" in err and "no such IR" in err
     assert closed == ["kvserve"] and not (tmp_path / "x.json").exists()
+
+
+def test_a_worker_that_stops_answering_is_killed_and_named(tmp_path, monkeypatch):
+    """A wedged peer (say, a compile that never ends) stops the bench with its name, not forever."""
+    monkeypatch.setattr(pvo, "READY_TIMEOUT_S", 0.5)
+    hung = tmp_path / "hung.py"
+    hung.write_text("import time\nwhile True: time.sleep(1)\n")
+    worker = pvo.LineWorker("openvino", [sys.executable, str(hung)], tmp_path / "hung.log")
+    with pytest.raises(pvo.WorkerExited, match="openvino worker gave no answer within 0.5 s"):
+        worker.ready()
+    assert worker.proc.poll() is not None
+    worker.close()
