@@ -64,14 +64,14 @@ def test_a_prefill_after_the_cached_prefix_picks_what_the_whole_prompt_does(defa
         worker.prefix(prefix[:20])
 
 
-def test_both_systems_take_turns_on_the_same_tokens(tmp_path, monkeypatch, default_model_dir, capsys):
+def test_both_systems_take_turns_on_the_same_tokens(tmp_path, monkeypatch, tiny_model_dir, capsys):
     fake = tmp_path / "fake_openvino_worker.py"
     fake.write_text(_FAKE_OPENVINO_WORKER)
     monkeypatch.setattr(pvo, "OPENVINO_WORKER", fake)
     monkeypatch.setattr(openvino_peer, "setup_venv", lambda log: (sys.executable, None))
     monkeypatch.setattr(openvino_peer, "export", lambda python, model_dir, fmt, log: (tmp_path / f"ir-{fmt}", None))
     out = tmp_path / "prefill.json"
-    code = pvo.main(["--model", str(default_model_dir), "--quantization", "none", "--tokens", "24", "--cached", "16",
+    code = pvo.main(["--model", str(tiny_model_dir), "--quantization", "none", "--tokens", "24", "--cached", "16",
                      "--rounds", "3", "--warmup", "1", "--out", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -88,7 +88,7 @@ def test_both_systems_take_turns_on_the_same_tokens(tmp_path, monkeypatch, defau
     assert (tmp_path / "prefill-vs-openvino-logs" / "kvserve-worker.log").exists()
 
 
-def test_a_peer_that_cannot_start_is_one_line_and_leaves_no_worker(tmp_path, monkeypatch, default_model_dir, capsys):
+def test_a_peer_that_cannot_start_is_one_line_and_leaves_no_worker(tmp_path, monkeypatch, tiny_model_dir, capsys):
     fake = tmp_path / "fake_openvino_worker.py"
     fake.write_text("import sys; print('no such IR', file=sys.stderr); sys.exit(3)")
     monkeypatch.setattr(pvo, "OPENVINO_WORKER", fake)
@@ -96,7 +96,7 @@ def test_a_peer_that_cannot_start_is_one_line_and_leaves_no_worker(tmp_path, mon
     monkeypatch.setattr(openvino_peer, "export", lambda python, model_dir, fmt, log: (tmp_path / fmt, None))
     closed = []
     monkeypatch.setattr(pvo.LineWorker, "close", lambda self: closed.append(self.name) or self.proc.kill())
-    assert pvo.main(["--model", str(default_model_dir), "--out", str(tmp_path / "x.json")]) == 1
+    assert pvo.main(["--model", str(tiny_model_dir), "--quantization", "none", "--out", str(tmp_path / "x.json")]) == 1
     err = capsys.readouterr().err
     assert "cannot run: openvino worker exited with 3" in err and "no such IR" in err
     assert closed == ["kvserve"] and not (tmp_path / "x.json").exists()
