@@ -145,13 +145,15 @@ def serve_worker(args) -> int:
 
     import torch
 
-    from executor.devices import tune_host_allocator
+    from executor.devices import back_large_allocations_with_huge_pages, tune_host_allocator
 
-    tune_host_allocator()  # as the executor's entry point does
+    tune_host_allocator()  # as the executor's entry point does, and its huge pages below
     torch.set_num_threads(args.threads)
     worker = KvserveWorker(args.model_dir, args.quantization, args.kv_cache_dtype,
                            args.cached + args.tokens + BLOCK_SIZE)
-    print(json.dumps({"ready": True, "torch_threads": torch.get_num_threads()}), file=answers)
+    huge_pages = back_large_allocations_with_huge_pages() if worker.runner.device.type == "cpu" else 0
+    print(json.dumps({"ready": True, "torch_threads": torch.get_num_threads(), "huge_page_mib": huge_pages >> 20}),
+          file=answers)
     with torch.inference_mode():
         for line in sys.stdin:
             print(json.dumps(worker.answer(json.loads(line))), file=answers)
