@@ -138,6 +138,7 @@ def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executor
     live, listener = _socket_dir(parent, "live", listening=True, age_s=600)
     unrelated = parent / "not-an-executors"
     unrelated.mkdir()
+    os.utime(unrelated, (0, 0))  # old, and nobody listens in it either: only the name keeps it
     try:
         service = start_service("executor", *tiny_executor_args(tiny_model_dir, "--step-socket-dir", str(parent)))
         with grpc.insecure_channel(service.address) as channel:
