@@ -6,7 +6,8 @@ bench/prefill_vs_openvino.py over its stdin and stdout:
 
     python openvino_prefill_worker.py IR_DIR THREADS NUM_KV_BLOCKS [PRECISION]
 
-prints ``{"ready": true, ...facts}`` once the pipeline is compiled, then reads one JSON list of
+prints ``{"ready": true, ...facts}`` once the pipeline is compiled (by openvino_runner.py's
+``open_pipeline``: the served peer's scheduler, threads and precision hint), then reads one JSON list of
 token ids a line and answers each with ``{"ms": wall milliseconds, "first_token": id}``: the
 prompt prefilled and its first token picked (greedy, one new token), as a request's TTFT in the
 same process. Prefix caching is on, as in the served peer: a prefix sent before stays cached.
@@ -23,28 +24,15 @@ def main(argv: list[str]) -> int:
     import openvino as ov
     import openvino_genai as ov_genai
 
-    ir_dir, threads, num_kv_blocks = argv[0], int(argv[1]), int(argv[2])
-    properties = {"INFERENCE_NUM_THREADS": threads}
-    if len(argv) > 3 and argv[3]:
-        properties["INFERENCE_PRECISION_HINT"] = argv[3]
-    config = ov_genai.SchedulerConfig()
-    config.enable_prefix_caching = True
-    config.max_num_batched_tokens = 4096
-    config.max_num_seqs = 1
-    config.num_kv_blocks = num_kv_blocks
-    pipe = ov_genai.ContinuousBatchingPipeline(ir_dir, config, "CPU", properties)
+    from openvino_runner import open_pipeline  # beside this file: the served peer's set-up
+
+    pipe, facts = open_pipeline({"model_dir": argv[0], "threads": int(argv[1]), "num_kv_blocks": int(argv[2]),
+                                 "inference_precision": argv[3] if len(argv) > 3 else "",
+                                 "max_num_batched_tokens": 4096, "max_num_seqs": 1})
     generation = ov_genai.GenerationConfig()
     generation.max_new_tokens = generation.min_new_tokens = 1
     generation.ignore_eos = True
     generation.do_sample = False
-    facts = {"openvino_genai": getattr(ov_genai, "__version__", "?")}
-    if "INFERENCE_PRECISION_HINT" in properties:
-        facts["INFERENCE_PRECISION_HINT"] = properties["INFERENCE_PRECISION_HINT"]
-    else:
-        try:
-            facts["INFERENCE_PRECISION_HINT"] = str(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
-        except Exception:  # noqa: BLE001 — a fact for the report only
-            pass
     print(json.dumps({"ready": True, **facts}), flush=True)
     for line in sys.stdin:
         token_ids = json.loads(line)

@@ -45,7 +45,9 @@ def generation_config(ov_genai, output_len: int):
     return config
 
 
-def run(job: dict) -> dict:
+def open_pipeline(job: dict):
+    """(the ContinuousBatchingPipeline for ``job``, facts for the report): its threads, precision
+    hint and scheduler as the job says, and what the CPU plugin reports of its precisions."""
     import openvino_genai as ov_genai
 
     properties = {"INFERENCE_NUM_THREADS": int(job["threads"])} if job.get("threads") else {}
@@ -71,6 +73,13 @@ def run(job: dict) -> dict:
         pass
     if job.get("inference_precision"):  # what this pipeline was given, not the plugin's default
         facts["INFERENCE_PRECISION_HINT"] = job["inference_precision"]
+    return pipe, facts
+
+
+def run(job: dict) -> dict:
+    import openvino_genai as ov_genai
+
+    pipe, facts = open_pipeline(job)
 
     def drive(requests: list[dict], concurrency: int) -> tuple[list[dict], float, dict]:
         results = [None] * len(requests)
