@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from executor.attention import KV_CACHE_DTYPES
+from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES
 from executor.devices import back_large_allocations_with_huge_pages, tune_host_allocator
 from executor.model import UnsupportedModel
 from executor.prepare_model import is_complete
@@ -64,6 +65,15 @@ def build_parser() -> EnvArgumentParser:
                         help="longest sequence (default and cap: the model's max_position_embeddings)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator unseeded sampling uses")
+    parser.add_argument("--kv-store", default="", metavar="DIR|URL",
+                        help="the KV store tier: a directory (a path or file:///dir; local disk, or a volume "
+                             "the executors share) or redis://host:port/db. kvmanager decides what is saved "
+                             "there and loaded from there; entries survive restarts of every service and are "
+                             "shared by every executor of the same model, precision and KV layout "
+                             "(docs/kvmanager.md, 'The store tier'). Empty: none")
+    parser.add_argument("--kv-store-capacity", type=int, default=DEFAULT_STORE_CAPACITY_BYTES, metavar="BYTES",
+                        help="bytes of this executor's blocks the store keeps; kvmanager evicts the least "
+                             "recently used entries beyond it")
     parser.add_argument("--step-socket", default="auto", metavar="auto|off|PATH",
                         help="a Unix socket that takes ExecuteStream's steps without gRPC's cost per message, "
                              "for a gateway on this host (Describe names it; docs/executor-contract.md): "

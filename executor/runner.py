@@ -17,11 +17,13 @@ import torch
 from executor.attention import AttentionMetadata, create_backend
 from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
+from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, StoreOps, store_namespace
 from executor.loader import eos_token_ids, load_model, model_fingerprint
 from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
 from executor.sampling import SamplingParams, sample
 from kvserve.errors import InvalidArgument
+from kvserve.kv_store import describe_url, open_store
 from kvserve.logs import get_logger
 
 log = get_logger("executor.runner")
@@ -43,6 +45,8 @@ class RunnerOptions:
     served_model_name: str | None = None
     seed: int = 0
     profile_tokens: int = 2048  # tokens of the activation-profiling forward on a device
+    kv_store: str = ""  # the store tier's URL (kvserve.kv_store.open_store); empty: none
+    kv_store_capacity: int = DEFAULT_STORE_CAPACITY_BYTES  # bytes of this namespace's entries kvmanager keeps
 
 
 @dataclass
@@ -53,6 +57,8 @@ class SequenceInput:
     block_table: list[int]
     sample: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    store_load_block_ids: list[int] = field(default_factory=list)
+    store_load_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +71,10 @@ class StepOutput:
     forward_ms: float
     sample_ms: float
     total_ms: float
+    store_ms: float = 0.0
+    dropped_seq_ids: list[int] = field(default_factory=list)  # a store load missed: not run
+    store_missing_hashes: list[bytes] = field(default_factory=list)
+    store_saves_ok: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,9 @@ class RunnerDescription:
     model_path: str
     instance_id: str
     tokenizer_fingerprint: str
+    kv_store: str = ""
+    kv_store_namespace: str = ""
+    kv_store_capacity_blocks: int = 0
 
 
 class ModelRunner:
@@ -127,14 +140,16 @@ class ModelRunner:
         log.info("max_concurrency", max_model_len=self.max_model_len, concurrency=round(concurrency, 2),
                  vllm=f"Maximum concurrency for {self.max_model_len} tokens per request: {concurrency:.2f}x")
         self.generator = torch.Generator().manual_seed(options.seed)
+        precision = dtype_name(self.dtype) + ("" if self.quantization == "none" else f"+{self.quantization}") \
+            + ("" if self.kv_cache_dtype == "auto" else f"+kv-{self.kv_cache_dtype}")
+        self.store_mover = self._open_store(options, model_fingerprint(model_dir), precision, sizing.bytes_per_block)
         self.info = RunnerDescription(
             model_name=options.served_model_name or model_dir.resolve().name,
             model_fingerprint=model_fingerprint(model_dir),
             architecture=config.architecture,
             # Free-form in the proto: "bfloat16", "bfloat16+int8" with quantized projections,
             # "+kv-int8" with the int8 KV cache.
-            dtype=dtype_name(self.dtype) + ("" if self.quantization == "none" else f"+{self.quantization}")
-            + ("" if self.kv_cache_dtype == "auto" else f"+kv-{self.kv_cache_dtype}"),
+            dtype=precision,
             device=str(self.device),
             attention_backend=self.backend.name,
             block_size=self.block_size,
@@ -147,7 +162,26 @@ class ModelRunner:
             model_path=str(model_dir.resolve()),
             instance_id=new_instance_id(),
             tokenizer_fingerprint=tokenizer_fingerprint(model_dir),
+            kv_store=options.kv_store if self.store_mover else "",
+            kv_store_namespace=self.store_mover.namespace if self.store_mover else "",
+            kv_store_capacity_blocks=min(options.kv_store_capacity // sizing.bytes_per_block, (1 << 32) - 1)
+            if self.store_mover else 0,
         )
+
+    def _open_store(self, options: RunnerOptions, fingerprint: str, precision: str,
+                    bytes_per_block: int) -> BlockMover | None:
+        """The store tier, when ``--kv-store`` names one (a bad URL is a ValueError: a start-up error)."""
+        if not options.kv_store:
+            return None
+        if options.kv_store_capacity < bytes_per_block:
+            raise ValueError(f"kv_store_capacity: {options.kv_store_capacity} bytes hold no block of "
+                             f"{bytes_per_block} bytes")
+        store = open_store(options.kv_store)
+        namespace = store_namespace(fingerprint, precision, self.backend.name, self.device.type, self.kv_caches,
+                                    self.block_size)
+        log.info("kv_store_opened", store=describe_url(options.kv_store), medium=store.medium, namespace=namespace,
+                 capacity_bytes=options.kv_store_capacity)
+        return BlockMover(store, namespace, self.kv_caches)
 
     # ---- KV sizing -------------------------------------------------------------------------
     def _size_kv_cache(self, options: RunnerOptions) -> KVSizing:
@@ -182,11 +216,15 @@ class ModelRunner:
         return free, total, peak
 
     # ---- validation ------------------------------------------------------------------------
-    def validate(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int]) -> None:
+    def validate(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int],
+                 store_ops: StoreOps | None = None) -> None:
         """Raises InvalidArgument naming the first bad field; touches no tensor."""
-        if not sequences:
-            raise InvalidArgument("sequences: empty batch (at least one sequence is required)")
+        if not sequences and not store_ops:
+            raise InvalidArgument("sequences: empty batch (at least one sequence is required, "
+                                  "unless the step carries store saves or deletes)")
         nb, bs, vocab = self.num_blocks, self.block_size, self.config.vocab_size
+        if store_ops:
+            self._validate_store_ops(store_ops)
         if len(copy_src) != len(copy_dst):
             raise InvalidArgument(f"copy_dst: {len(copy_dst)} entries but copy_src has {len(copy_src)}")
         for name, ids in (("copy_src", copy_src), ("copy_dst", copy_dst)):
@@ -220,12 +258,81 @@ class ModelRunner:
                 raise InvalidArgument(f"{where}.block_table[{j}]: block {block} outside [0, {nb})")
             if seq.sample:
                 seq.sampling.validate(f"{where}.sampling", vocab)
+            if seq.store_load_block_ids or seq.store_load_hashes:
+                self._validate_loads(where, seq)
+
+    def _validate_store_ops(self, ops: StoreOps) -> None:
+        if self.store_mover is None:
+            raise InvalidArgument("store_save_block_ids: this executor has no KV store (start it with --kv-store)")
+        if not len(ops.save_block_ids) == len(ops.save_hashes) == len(ops.save_keys):
+            raise InvalidArgument(f"store_save_hashes: {len(ops.save_block_ids)} block ids, {len(ops.save_hashes)} "
+                                  f"hashes and {len(ops.save_keys)} keys; they are index-aligned")
+        for i, block in enumerate(ops.save_block_ids):
+            if not 0 < block < self.num_blocks:
+                raise InvalidArgument(f"store_save_block_ids[{i}]: block {block} outside [1, {self.num_blocks})")
+        for name, hashes in (("store_save_hashes", ops.save_hashes), ("store_delete_hashes", ops.delete_hashes)):
+            check_hashes(name, hashes)
+
+    def _validate_loads(self, where: str, seq: SequenceInput) -> None:
+        if self.store_mover is None:
+            raise InvalidArgument(f"{where}.store_load_block_ids: this executor has no KV store (start it with "
+                                  "--kv-store)")
+        if len(seq.store_load_block_ids) != len(seq.store_load_hashes):
+            raise InvalidArgument(f"{where}.store_load_hashes: {len(seq.store_load_hashes)} hashes for "
+                                  f"{len(seq.store_load_block_ids)} blocks")
+        before = set(seq.block_table[:seq.start_position // self.block_size])
+        for j, block in enumerate(seq.store_load_block_ids):
+            if block == 0 or block not in before:
+                raise InvalidArgument(f"{where}.store_load_block_ids[{j}]: block {block} is not one of the "
+                                      "sequence's blocks before start_position")
+        check_hashes(f"{where}.store_load_hashes", seq.store_load_hashes)
 
     # ---- one step --------------------------------------------------------------------------
-    def execute(self, sequences: list[SequenceInput], copy_src: list[int] = (), copy_dst: list[int] = ()) -> StepOutput:
+    def execute(self, sequences: list[SequenceInput], copy_src: list[int] = (), copy_dst: list[int] = (),
+                store_ops: StoreOps | None = None) -> StepOutput:
         start = time.perf_counter()
-        self.validate(sequences, list(copy_src), list(copy_dst))
-        return self._run(sequences, list(copy_src), list(copy_dst), self.kv_caches, start)
+        self.validate(sequences, list(copy_src), list(copy_dst), store_ops)
+        if not any(s.store_load_block_ids for s in sequences) and not store_ops:
+            return self._run(sequences, list(copy_src), list(copy_dst), self.kv_caches, start)
+        return self._run_with_store(sequences, list(copy_src), list(copy_dst), store_ops or StoreOps(), start)
+
+    @torch.inference_mode()
+    def _run_with_store(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int],
+                        ops: StoreOps, start: float) -> StepOutput:
+        """Loads first (a sequence whose load misses is dropped from the step), deletes, the step
+        itself over the others, then saves."""
+        mover = self.store_mover
+        t0 = time.perf_counter()
+        dropped, missing, kept = [], [], []
+        for seq in sequences:
+            missed = mover.load(seq.store_load_block_ids, seq.store_load_hashes) if seq.store_load_block_ids else []
+            if missed:
+                dropped.append(seq.seq_id)
+                missing += missed
+            else:
+                kept.append(seq)
+        if ops.delete_hashes:
+            mover.delete(ops.delete_hashes)
+        store_s = time.perf_counter() - t0
+        if kept:
+            out = self._run(kept, copy_src, copy_dst, self.kv_caches, start)
+        else:
+            if copy_src:
+                self._copy_blocks(copy_src, copy_dst, self.kv_caches)
+            out = StepOutput([], [], None, 0, 0.0, 0.0, 0.0, 0.0)
+        t1 = time.perf_counter()
+        out.store_saves_ok = mover.save(ops.save_block_ids, ops.save_hashes, ops.save_keys)
+        end = time.perf_counter()
+        out.store_ms = (store_s + end - t1) * 1e3
+        out.total_ms = (end - start) * 1e3
+        out.dropped_seq_ids, out.store_missing_hashes = dropped, missing
+        if dropped:
+            log.warning("store_loads_missed", dropped_seq_ids=dropped, num_missing=len(missing))
+        return out
+
+    def _copy_blocks(self, copy_src: list[int], copy_dst: list[int], kv_caches) -> None:
+        self.backend.copy_blocks(kv_caches, torch.tensor(copy_src, dtype=torch.long, device=self.device),
+                                 torch.tensor(copy_dst, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def _run(self, sequences, copy_src, copy_dst, kv_caches, start: float | None = None) -> StepOutput:
@@ -233,8 +340,7 @@ class ModelRunner:
         token_ids, positions, meta = self._prepare(sequences)
         t_copy = time.perf_counter()
         if copy_src:
-            self.backend.copy_blocks(kv_caches, torch.tensor(copy_src, dtype=torch.long, device=self.device),
-                                     torch.tensor(copy_dst, dtype=torch.long, device=self.device))
+            self._copy_blocks(copy_src, copy_dst, kv_caches)
         t_forward = time.perf_counter()
         hidden = self.model(token_ids, positions, kv_caches, meta, self.backend)
         if self.device.type != "cpu":
@@ -311,3 +417,9 @@ class ModelRunner:
             block_size=bs,
         )
         return token_ids.to(device), positions.to(device), meta
+
+
+def check_hashes(name: str, hashes: list[bytes]) -> None:
+    for i, block_hash in enumerate(hashes):
+        if len(block_hash) != 16:
+            raise InvalidArgument(f"{name}[{i}]: a block hash is 16 bytes, got {len(block_hash)}")

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from executor.kv_tier import StoreOps
 from executor.runner import ModelRunner, SequenceInput, StepOutput
 from executor.sampling import SamplingParams
 from executor.torch_thread import TorchThread
+from kvserve.errors import StaleStep
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
 
@@ -35,7 +37,16 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
         block_table=list(seq.block_table),
         sample=seq.sample,
         sampling=sampling or SamplingParams(),
+        store_load_block_ids=list(seq.store_load_block_ids),
+        store_load_hashes=list(seq.store_load_hashes),
     )
+
+
+def store_ops_from_proto(request: executor_pb2.ExecuteRequest) -> StoreOps | None:
+    if not (request.store_save_block_ids or request.store_delete_hashes or request.store_save_hashes):
+        return None
+    return StoreOps(list(request.store_save_block_ids), list(request.store_save_hashes),
+                    list(request.store_save_keys), list(request.store_delete_hashes))
 
 
 def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> executor_pb2.ExecuteResponse:
@@ -45,7 +56,10 @@ def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> ex
         sampled_logprobs=out.sampled_logprobs,
         num_tokens=out.num_tokens,
         timings=executor_pb2.StepTimings(copy_ms=out.copy_ms, forward_ms=out.forward_ms,
-                                         sample_ms=out.sample_ms, total_ms=total_ms),
+                                         sample_ms=out.sample_ms, total_ms=total_ms, store_ms=out.store_ms),
+        dropped_seq_ids=out.dropped_seq_ids,
+        store_missing_hashes=out.store_missing_hashes,
+        store_saves_ok=out.store_saves_ok,
     )
     if out.top_logprobs is not None and any(ids for ids, _ in out.top_logprobs):
         reply.top_logprobs.extend(executor_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in out.top_logprobs)
@@ -54,8 +68,11 @@ def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> ex
 
 def run_step(runner: ModelRunner, request: executor_pb2.ExecuteRequest, started: float) -> executor_pb2.ExecuteResponse:
     """One step in the torch thread; ``started`` (``time.perf_counter()``) is when the request arrived."""
+    if request.expected_instance_id and request.expected_instance_id != runner.info.instance_id:
+        raise StaleStep(f"expected_instance_id: this step was ordered for executor instance "
+                        f"{request.expected_instance_id}, this is {runner.info.instance_id} (it restarted)")
     sequences = [sequence_from_proto(s) for s in request.sequences]
-    out = runner.execute(sequences, list(request.copy_src), list(request.copy_dst))
+    out = runner.execute(sequences, list(request.copy_src), list(request.copy_dst), store_ops_from_proto(request))
     return response_from_step(out, (time.perf_counter() - started) * 1e3, runner.info.instance_id)
 
 

@@ -40,6 +40,7 @@ from gateway.clients import (
 )
 from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler
 from gateway.sequence import GenerationRequest, RequestOutput
+from gateway.store_exchange import StoreExchange
 from kvserve.errors import IncompatibleDependency, StepRefused, Unavailable
 from kvserve.logs import get_logger
 
@@ -111,6 +112,7 @@ class Backend:
         self.hooks = hooks
         self.scheduler = Scheduler(engine_config.scheduler, new_seq_id)
         self.info: ExecutorInfo | None = None
+        self.store = StoreExchange()  # the store tier's orders and outcomes in transit (gateway.store_exchange)
         self.deadline = StepDeadline(engine_config.step_timeout_s)
         self.inbox: list[GenerationRequest] = []  # new requests routed here
         self.migrated: list[GenerationRequest] = []  # requests another backend held: run them first
@@ -232,6 +234,7 @@ class Backend:
         self._apply_aborts()
         self._deliver(self.scheduler.take_outputs())
         requests = self.scheduler.evacuate()
+        self.store.reset()
         self.hooks.publish_counters()
         session_id, self._session_id = self._session_id, None
         self._connection_lost = None
@@ -440,13 +443,13 @@ class Backend:
         frees, written = scheduler.take_pending_frees(), scheduler.take_written_reports()
         prefix_caching = self.config.enable_prefix_caching
         try:
-            return await self.kvmanager.allocate(pool_id, session_id, frees, plan, prefix_caching, written)
+            return await self.kvmanager.allocate(pool_id, session_id, frees, plan, prefix_caching, written, self.store)
         except DependencyError as exc:
             if not exc.refused:
                 raise
             log.error("allocate_refused", executor=self.address, reason=str(exc), num_seqs=len(plan))
         try:
-            await self.kvmanager.free(pool_id, session_id, frees, written)
+            await self.kvmanager.free(pool_id, session_id, frees, written, self.store)
         except DependencyError as exc:  # our own bookkeeping is refused: start the session afresh
             raise KVStateLost(f"kvmanager refused this gateway's frees: {exc}") from exc
         results, usage = [], 0.0
@@ -455,7 +458,8 @@ class Backend:
                 results.append(AllocationResult(ok=False))  # its request failed: skipped by apply_allocation
                 continue
             try:
-                (result,), usage = await self.kvmanager.allocate(pool_id, session_id, [], [entry], prefix_caching)
+                (result,), usage = await self.kvmanager.allocate(pool_id, session_id, [], [entry], prefix_caching,
+                                                                 store=self.store)
             except DependencyError as exc:
                 if not exc.refused:
                     raise
@@ -466,10 +470,11 @@ class Backend:
 
     async def _execute(self, ready: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], ExecuteOutput]:
         """One Execute. When the executor refuses it (a refused Execute writes nothing),
-        each request's entries run alone; the requests refused again fail. Returns the
-        entries that ran and their output."""
+        each request's entries run alone; the requests refused again fail. Entries the
+        executor dropped (a store load missed) are preempted. Returns the entries that ran
+        and their output."""
         try:
-            return ready, await self._execute_once(ready)
+            return self._without_dropped(ready, await self._execute_once(ready))
         except DependencyError as exc:
             if not exc.refused:
                 raise
@@ -487,37 +492,65 @@ class Backend:
                     raise
                 self.scheduler.fail_refused(entries, refusal("executor", exc))
                 continue
+            entries, output = self._without_dropped(entries, output)
             ran += entries
             sampled += output.sampled
             forward_s += output.forward_s
             total_s += output.total_s
         return ran, ExecuteOutput(sampled, forward_s, total_s)
 
+    def _without_dropped(self, entries: list[ScheduledSeq], output: ExecuteOutput,
+                         ) -> tuple[list[ScheduledSeq], ExecuteOutput]:
+        if not output.dropped_seq_ids:
+            return entries, output
+        dropped = [e for e in entries if e.seq_id in output.dropped_seq_ids]
+        log.warning("store_loads_missed", executor=self.address, num_seqs=len(dropped))
+        self.scheduler.drop_unloaded(dropped)
+        return [e for e in entries if e.seq_id not in output.dropped_seq_ids], output
+
     async def _execute_once(self, entries: list[ScheduledSeq]) -> ExecuteOutput:
         timeout = self.deadline.for_step(sum(e.num_tokens for e in entries))
         self.num_executes += 1
+        orders = self.store.take_orders()
         try:
-            output = await self.executor.execute(entries, timeout=timeout)
+            output = await self.executor.execute(entries, timeout=timeout, store_orders=orders,
+                                                 instance_id=self.info.instance_id if self.info else "")
         except DependencyError as exc:
+            if exc.refused:
+                self.store.not_executed(orders)
             if exc.status is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise Unavailable(f"executor at {self.address} did not finish a step within its "
                                   f"{timeout:.1f} s deadline (stopped or hung)") from exc
             raise
+        self.store.executed(orders, list(output.store_saves_ok), list(output.store_missing_hashes))
         if output.instance_id and self.info is not None and output.instance_id != self.info.instance_id:
             raise ExecutorRestarted(f"executor restarted at {self.address} (instance {self.info.instance_id} "
                                     f"is now {output.instance_id}): recomputing its sequences")
         return output
 
     async def flush_frees(self) -> None:
-        """Idle: free what finished in the last step and report what it wrote (nothing else will carry it)."""
-        frees, written = self.scheduler.take_pending_frees(), self.scheduler.take_written_reports()
-        if not (frees or written[0]) or self._session_id is None:
-            return
-        try:
-            await self.kvmanager.free(self.pool_id, self._session_id, frees, written)
-        except DependencyError as exc:
-            log.warning("free_failed", executor=self.address, reason=str(exc), seq_ids=len(frees))
-            self.connection_lost(f"free failed: {exc}")
+        """Idle: free what finished in the last step and report what it wrote and what became of
+        the store operations, and carry out the store orders that gives rise to (nothing else
+        will carry them; deletes give rise to no new orders, so this ends)."""
+        for _ in range(4):
+            frees, written = self.scheduler.take_pending_frees(), self.scheduler.take_written_reports()
+            if not (frees or written[0] or self.store.report) or self._session_id is None:
+                return
+            try:
+                await self.kvmanager.free(self.pool_id, self._session_id, frees, written, self.store)
+            except DependencyError as exc:
+                log.warning("free_failed", executor=self.address, reason=str(exc), seq_ids=len(frees))
+                self.connection_lost(f"free failed: {exc}")
+                return
+            if not self.store.orders:
+                return
+            try:
+                await self._execute_once([])
+            except Unavailable as exc:
+                if not (isinstance(exc, DependencyError) and exc.refused):
+                    self.connection_lost(f"a step of store operations failed: {exc}")
+                    return
+                log.error("store_step_refused", executor=self.address, reason=str(exc))
 
 
 def refusal(service: str, exc: DependencyError) -> StepRefused:

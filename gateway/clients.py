@@ -20,6 +20,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.step_socket import StepSocket, StepSocketRefused
+from gateway.store_exchange import StoreExchange, StoreOrders
 from gateway.stopping import suppressed_token_ids
 from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
@@ -39,6 +40,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 STEP_SOCKET_OPEN_TIMEOUT_S = 3.0
+# What a prompt token found in the store saves next to one found in the executor's pool: a
+# load costs a few percent of the prefill it replaces (docs/benchmarks.md, the multi-turn run).
+STORE_TOKEN_WEIGHT = 0.9
 OK = kvmanager_pb2.ALLOCATION_STATUS_OK
 POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
 log = get_logger("gateway.clients")
@@ -90,6 +94,9 @@ class ExecutorInfo:
     instance_id: str = ""
     tokenizer_fingerprint: str = ""
     step_socket: str = ""
+    kv_store: str = ""
+    kv_store_namespace: str = ""
+    kv_store_capacity_blocks: int = 0
 
     @classmethod
     def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:
@@ -104,6 +111,9 @@ class ExecuteOutput:
     forward_s: float
     total_s: float
     instance_id: str = ""
+    dropped_seq_ids: frozenset[int] = frozenset()  # a store load missed: not run
+    store_missing_hashes: tuple[bytes, ...] = ()
+    store_saves_ok: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -172,7 +182,10 @@ class ExecutorClient(_Client):
         self._drop_step_socket()
         await super().close()
 
-    async def execute(self, ready: list[ScheduledSeq], timeout: float | None = None) -> ExecuteOutput:
+    async def execute(self, ready: list[ScheduledSeq], timeout: float | None = None,
+                      store_orders: StoreOrders | None = None, instance_id: str = "") -> ExecuteOutput:
+        """One step; ``store_orders`` ride along, checked against the executor ``instance_id``
+        they were ordered for."""
         copy_src: list[int] = []
         copy_dst: list[int] = []
         sequences = []
@@ -191,8 +204,17 @@ class ExecutorClient(_Client):
             if entry.sample:
                 _fill_sampling(sequence.sampling, entry)
                 want_top = want_top or bool(entry.seq.request.options.logprobs)
+            if entry.store_load_block_ids:
+                sequence.store_load_block_ids.extend(entry.store_load_block_ids)
+                sequence.store_load_hashes.extend(entry.store_load_hashes)
             sequences.append(sequence)
         request = executor_pb2.ExecuteRequest(copy_src=copy_src, copy_dst=copy_dst, sequences=sequences)
+        if store_orders:
+            request.store_save_block_ids.extend(store_orders.save_block_ids)
+            request.store_save_hashes.extend(store_orders.save_hashes)
+            request.store_save_keys.extend(store_orders.save_keys)
+            request.store_delete_hashes.extend(store_orders.delete_hashes)
+            request.expected_instance_id = instance_id
         reply = await self._step(request, timeout or self._execute_timeout)
         logprobs = list(reply.sampled_logprobs)
         sampled = []
@@ -203,7 +225,9 @@ class ExecutorClient(_Client):
                 top = list(zip(alt.token_ids, alt.logprobs))
             sampled.append(SampledToken(token_id, logprobs[i] if i < len(logprobs) else None, top))
         timings = reply.timings
-        return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id)
+        return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id,
+                             frozenset(reply.dropped_seq_ids), tuple(reply.store_missing_hashes),
+                             tuple(reply.store_saves_ok))
 
     async def _step(self, request: executor_pb2.ExecuteRequest, timeout: float) -> executor_pb2.ExecuteResponse:
         """One step: on the executor's step socket where it offers one this gateway can open, else
@@ -364,6 +388,8 @@ class KVManagerClient(_Client):
             model_fingerprint=info.model_fingerprint, enable_prefix_caching=enable_prefix_caching,
             allocation_policy=POLICIES[kv_allocation], max_model_len=info.max_model_len,
             executor_instance_id=info.instance_id, medium=medium_for_device(info.device),
+            kv_store=info.kv_store, kv_store_namespace=info.kv_store_namespace,
+            kv_store_capacity_blocks=info.kv_store_capacity_blocks,
         )
         return (await self._call(self._stub.RegisterPool, request, self._timeout)).created
 
@@ -383,7 +409,8 @@ class KVManagerClient(_Client):
 
     async def allocate(self, pool_id: str, session_id: str, free_seq_ids: list[int], plan: list[ScheduledSeq],
                        prefix_caching: bool, written: tuple[list[int], list[int]] = ((), ()),
-                       ) -> tuple[list[AllocationResult], float]:
+                       store: StoreExchange | None = None) -> tuple[list[AllocationResult], float]:
+        """One Allocate; with ``store``, its report goes along and the orders it answers are kept there."""
         sequences = []
         for entry in plan:
             sequence = kvmanager_pb2.SequenceAllocation(
@@ -397,16 +424,36 @@ class KVManagerClient(_Client):
         request = kvmanager_pb2.AllocateRequest(
             pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences,
             written_seq_ids=written[0], written_num_tokens=written[1])
-        reply = await self._call(self._stub.Allocate, request, self._timeout)
+        reply = await self._call_with_store(self._stub.Allocate, request, store)
         results = [
             AllocationResult(
                 ok=r.status == OK, num_cached_tokens=r.num_cached_tokens, start_position=r.start_position,
                 num_tokens=r.num_tokens, block_table_offset=r.block_table_offset,
                 block_table=list(r.block_table), copy_src=list(r.copy_src), copy_dst=list(r.copy_dst),
+                num_store_tokens=r.num_store_tokens, store_load_block_ids=list(r.store_load_block_ids),
+                store_load_hashes=list(r.store_load_hashes),
             )
             for r in reply.results
         ]
         return results, reply.kv_cache_usage
+
+    async def _call_with_store(self, method, request, store: StoreExchange | None):
+        """An Allocate or Free carrying the store report (kept for the next call if this one
+        fails); the store orders of its answer are kept for the next Execute."""
+        report = store.take_report() if store is not None else None
+        if report:
+            request.store_report.saved_hashes.extend(report.saved_hashes)
+            request.store_report.failed_hashes.extend(report.failed_hashes)
+            request.store_report.missing_hashes.extend(report.missing_hashes)
+        try:
+            reply = await self._call(method, request, self._timeout)
+        except DependencyError:
+            if report:
+                store.give_back_report(report)
+            raise
+        if store is not None and reply.HasField("store_orders"):
+            store.orders.extend(reply.store_orders)
+        return reply
 
     async def fork(self, pool_id: str, session_id: str, parent: int, children: list[int]) -> list[int]:
         request = kvmanager_pb2.ForkRequest(
@@ -414,21 +461,25 @@ class KVManagerClient(_Client):
         return list((await self._call(self._stub.Fork, request, self._timeout)).block_table)
 
     async def free(self, pool_id: str, session_id: str, seq_ids: list[int],
-                   written: tuple[list[int], list[int]] = ((), ())) -> int:
+                   written: tuple[list[int], list[int]] = ((), ()), store: StoreExchange | None = None) -> int:
         request = kvmanager_pb2.FreeRequest(pool_id=pool_id, session_id=session_id, seq_ids=seq_ids,
                                             written_seq_ids=written[0], written_num_tokens=written[1])
-        return (await self._call(self._stub.Free, request, self._timeout)).num_blocks_freed
+        return (await self._call_with_store(self._stub.Free, request, store)).num_blocks_freed
 
     async def get_stats(self, pool_id: str, timeout: float = 1.0) -> kvmanager_pb2.PoolStats:
         return await self._call(self._stub.GetStats, kvmanager_pb2.GetStatsRequest(pool_id=pool_id), timeout)
 
     async def lookup_prefix(self, pool_ids: list[str], token_ids: list[int], cache_salt: str = "",
                             timeout: float = 1.0) -> dict[str, int]:
-        """Tokens of ``token_ids`` whose KV each pool has published (the routing question)."""
+        """Tokens of ``token_ids`` whose KV each pool has published (the routing question), a
+        store hit after them counted at ``STORE_TOKEN_WEIGHT`` of a pool hit (it costs a load)."""
         query = kvmanager_pb2.PrefixQuery(token_ids=token_ids, cache_salt=cache_salt)
         request = kvmanager_pb2.LookupPrefixRequest(pool_ids=pool_ids, queries=[query])
         reply = await self._call(self._stub.LookupPrefix, request, timeout)
-        return {hit.pool_id: hit.num_cached_tokens for hit in reply.matches[0].pools} if reply.matches else {}
+        if not reply.matches:
+            return {}
+        return {hit.pool_id: hit.num_cached_tokens + int(hit.num_store_tokens * STORE_TOKEN_WEIGHT)
+                for hit in reply.matches[0].pools}
 
     async def reset_prefix_cache(self, pool_id: str) -> int:
         request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)

@@ -465,6 +465,7 @@ class Engine:
             self.metrics.on_preemptions(now.num_preemptions - before.num_preemptions)
             self.metrics.on_prefix_lookup(now.prefix_cache_queries - before.prefix_cache_queries,
                                           now.prefix_cache_hits - before.prefix_cache_hits)
+            self.metrics.on_store(now.store_hits - before.store_hits, now.store_load_misses - before.store_load_misses)
             self._reported[id(scheduler)] = dataclasses.replace(now)
 
     def _publish_queue(self) -> None:

@@ -25,6 +25,10 @@ class GatewayMetrics:
         self.prefix_cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up", labels, registry=r)
         self.prefix_cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from cache", labels, registry=r)
         self.num_preemptions = Counter("vllm:num_preemptions", "Preemptions (recompute)", labels, registry=r)
+        self.store_hit_tokens = Counter("kvserve:kv_store_hit_tokens", "Prompt tokens loaded from the KV store "
+                                        "tier instead of computed (also in vllm:prefix_cache_hits)", labels, registry=r)
+        self.store_load_misses = Counter("kvserve:kv_store_load_misses", "Sequences recomputed because a store "
+                                         "load missed (absent or corrupt entry, store unreachable)", labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests whose prefill finished", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
@@ -110,6 +114,12 @@ class GatewayMetrics:
             self._m["prefix_cache_queries"].inc(queries)
         if hits:
             self._m["prefix_cache_hits"].inc(hits)
+
+    def on_store(self, hit_tokens: int, load_misses: int) -> None:
+        if hit_tokens:
+            self._m["store_hit_tokens"].inc(hit_tokens)
+        if load_misses:
+            self._m["store_load_misses"].inc(load_misses)
 
     def on_preemptions(self, count: int) -> None:
         if count:

@@ -77,6 +77,9 @@ class AllocationResult:
     block_table: list[int] = field(default_factory=list)
     copy_src: list[int] = field(default_factory=list)
     copy_dst: list[int] = field(default_factory=list)
+    num_store_tokens: int = 0
+    store_load_block_ids: list[int] = field(default_factory=list)
+    store_load_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -92,6 +95,8 @@ class ScheduledSeq:
     sample: bool = False
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_lookahead_slots: int = 0  # asked of kvmanager so that the next decode step needs no new block
+    store_load_block_ids: list[int] = field(default_factory=list)  # loaded from the store before the forward
+    store_load_hashes: list[bytes] = field(default_factory=list)
 
     def compute_token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start_position:self.start_position + self.num_tokens]
@@ -115,6 +120,8 @@ class SchedulerCounters:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    store_hits: int = 0  # prompt tokens loaded from the store tier instead of computed
+    store_load_misses: int = 0  # sequences recomputed because a store load missed
 
 
 class Scheduler:
@@ -332,7 +339,9 @@ class Scheduler:
                 no_room.append(entry)
                 continue
             if not seq.holds_blocks:
-                self._record_prefix_lookup(seq, result.num_cached_tokens)
+                self._record_prefix_lookup(seq, result.num_cached_tokens, result.num_store_tokens)
+            entry.store_load_block_ids = result.store_load_block_ids
+            entry.store_load_hashes = result.store_load_hashes
             seq.num_known_by_manager = seq.num_sendable()
             seq.apply_block_table_delta(result.block_table_offset, list(result.block_table))
             entry.start_position = result.start_position
@@ -412,6 +421,17 @@ class Scheduler:
         self.waiting.extendleft(reversed(victims))
         self._pending_forks = []  # a parent that was about to fork is recomputed and forks again
 
+    def drop_unloaded(self, entries: list[ScheduledSeq]) -> None:
+        """The executor did not run these entries: a store load of theirs missed. Each sequence is
+        preempted (freed, requeued ahead of the waiting ones); kvmanager, told of the miss, then
+        finds less in the store and the sequence computes what it could not load."""
+        victims = [e.seq for e in entries if e.seq.status is SeqStatus.RUNNING and e.seq.seq_id == e.seq_id]
+        for seq in victims:
+            self._preempt(seq)
+            self.counters.store_load_misses += 1
+        victims.sort(key=lambda s: s.admitted_order)
+        self.waiting.extendleft(reversed(victims))
+
     def fail_refused(self, entries: list[ScheduledSeq], error: Exception) -> None:
         """A dependency refused these entries' step: their requests fail, the rest go on."""
         for request in {id(e.seq.request): e.seq.request for e in entries}.values():
@@ -466,12 +486,14 @@ class Scheduler:
         seq.reset_for_recompute(self._new_seq_id())
         self.counters.num_preemptions += 1
 
-    def _record_prefix_lookup(self, seq: Sequence, num_cached_tokens: int) -> None:
+    def _record_prefix_lookup(self, seq: Sequence, num_cached_tokens: int, num_store_tokens: int = 0) -> None:
+        """A first admission's hit is what usage reports as cached: the pool's and the store's."""
         request = seq.request
-        if request.num_cached_tokens is None:  # first admission only: what usage reports
-            request.num_cached_tokens = num_cached_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached_tokens + num_store_tokens
             self.counters.prefix_cache_queries += request.num_prompt_tokens
-            self.counters.prefix_cache_hits += num_cached_tokens
+            self.counters.prefix_cache_hits += num_cached_tokens + num_store_tokens
+            self.counters.store_hits += num_store_tokens
 
     def _fail_cannot_fit(self, seq: Sequence, entry: ScheduledSeq) -> None:
         needed = seq.num_computed + entry.num_new_tokens

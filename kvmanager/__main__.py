@@ -6,6 +6,7 @@ import contextlib
 import sys
 
 from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM
+from kvmanager.pool import SAVE_POLICIES
 from kvmanager.manager import KVManager
 from kvmanager.service import SERVICE_NAME, KVManagerService
 from kvserve.auth import token_or_none
@@ -32,6 +33,10 @@ def build_parser() -> EnvArgumentParser:
                         help="lease length of a session opened with ttl_ms=0")
     parser.add_argument("--reap-interval-ms", type=int, default=250,
                         help="how often expired sessions are looked for and their sequences freed")
+    parser.add_argument("--kv-store-save", default="all", choices=list(SAVE_POLICIES),
+                        help="when published blocks are saved to a pool's KV store (the executor's --kv-store): "
+                             "all: as soon as their KV is written (a restart, an eviction or a migration then "
+                             "loads them); free: when their sequence ends or is preempted; off: never (loads only)")
     parser.add_argument("--kv-events-buffer", type=int, default=DEFAULT_EVENT_BUFFER,
                         help="events each pool keeps so that a WatchEvents watcher can resume from an event id "
                         "(at least this many, whole batches; 0: no replay, only snapshots)")
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     check_server_flags(parser, args)
     try:  # KVManager validates the TTL; a bad one is a flag error (exit 2)
         manager = KVManager(default_session_ttl_ms=args.default_session_ttl_ms, freeze_gc=True,
-                            event_buffer_size=args.kv_events_buffer, default_medium=args.kv_events_medium)
+                            event_buffer_size=args.kv_events_buffer, default_medium=args.kv_events_medium,
+                            store_save_policy=args.kv_store_save)
     except InvalidArgument as exc:
         parser.error(parser.in_flag_terms(str(exc).replace("event_buffer_size", "kv_events_buffer")))
     if args.reap_interval_ms <= 0:

@@ -19,13 +19,15 @@ import numpy as np
 from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, EventBatch, EventHub, Subscriber
 from kvmanager.hashing import HASH_BYTES, checked_pack_tokens, extra_keys, root_hash
 from kvmanager.pool import (
-    AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator, StepAllocation, match_cached_prefix,
-    snapshot_events,
+    SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator,
+    StepAllocation, match_cached_prefix, snapshot_events,
 )
 from kvmanager.sessions import Session, SessionRegistry
+from kvmanager.store_index import StoreIndex
 from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
 )
+from kvserve.kv_store import describe_url as describe_store_url
 from kvserve.logs import get_logger
 
 log = get_logger("kvmanager")
@@ -45,6 +47,8 @@ MAX_SEQUENCES_PER_POOL = 1 << 17
 MAX_LOOKAHEAD_SLOTS = 256
 MAX_PREFIX_QUERIES = 1024
 MAX_MEDIUM_LEN = 64
+MAX_STORE_URL_LEN = 4096
+MAX_STORE_REPORT = 1 << 17  # hashes in one StoreReport field
 # A snapshot is sent in batches of about this many tokens (~0.3 MB of protobuf): far
 # below gRPC's default 4 MB message limit, and the event loop is free between batches.
 SNAPSHOT_BATCH_TOKENS = 1 << 16
@@ -74,6 +78,34 @@ class PoolStatsView:
     allocation_policy: int
     enable_prefix_caching: bool
     num_sessions: int
+    kv_store: str = ""
+    kv_store_medium: str = ""
+    num_store_blocks: int = 0
+    store_hits: int = 0
+    num_store_saves: int = 0
+    num_store_save_failures: int = 0
+    num_store_load_failures: int = 0
+    num_store_evictions: int = 0
+
+
+@dataclass(slots=True)
+class StoreOrdersView:
+    """Field names match ``kvserve.v1.StoreOrders``."""
+
+    save_block_ids: list[int]
+    save_hashes: list[bytes]
+    save_keys: list[bytes]
+    delete_hashes: list[bytes]
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """A pool's store tier, as its executor describes it (RegisterPool's kv_store fields)."""
+
+    url: str = ""
+    namespace: str = ""
+    capacity_blocks: int = 0
+    medium: str = ""
 
 
 def validate_pool_config(config: PoolConfig) -> PoolConfig:
@@ -115,17 +147,26 @@ def _check_seq_id(field: str, seq_id: int) -> None:
 class KVManager:
     def __init__(self, default_session_ttl_ms: int = 30_000, clock: Callable[[], float] = time.monotonic,
                  freeze_gc: bool = False, event_buffer_size: int = DEFAULT_EVENT_BUFFER,
-                 default_medium: str = DEFAULT_MEDIUM):
+                 default_medium: str = DEFAULT_MEDIUM, store_save_policy: str = "all"):
         """``freeze_gc`` (the server sets it): after a pool is created, move every
         object alive into the cyclic GC's permanent generation. A pool's blocks live
         as long as the pool, and one full GC pass over a million of them stalls the
         event loop for ~0.2 s in the middle of some Allocate.
         ``event_buffer_size``: events each pool keeps for ``watch`` to replay (0: none).
-        ``default_medium``: the KV events' medium of a pool registered without one."""
+        ``default_medium``: the KV events' medium of a pool registered without one.
+        ``store_save_policy``: when published blocks are saved to a pool's store
+        (``pool.SAVE_POLICIES``)."""
         if not 0 < default_session_ttl_ms <= MAX_TTL_MS:
             raise InvalidArgument(f"default_session_ttl_ms: must be 1..{MAX_TTL_MS}")
         if event_buffer_size < 0:
             raise InvalidArgument(f"event_buffer_size: must be >= 0, got {event_buffer_size}")
+        if store_save_policy not in SAVE_POLICIES:
+            raise InvalidArgument(f"store_save_policy: one of {', '.join(SAVE_POLICIES)}, got {store_save_policy!r}")
+        self.store_save_policy = store_save_policy
+        # The store tier: one index per (store URL, namespace), shared by the pools naming it.
+        self.stores: dict[tuple[str, str], StoreIndex] = {}
+        self._new_stores: list[StoreIndex] = []  # for the server to rebuild from the store itself
+
         self.default_session_ttl_ms = default_session_ttl_ms
         self.freeze_gc = freeze_gc
         self.event_buffer_size = event_buffer_size
@@ -137,16 +178,19 @@ class KVManager:
 
     # -- pools ---------------------------------------------------------------
 
-    def register_pool(self, config: PoolConfig, executor_instance_id: str = "", medium: str = "") -> bool:
+    def register_pool(self, config: PoolConfig, executor_instance_id: str = "", medium: str = "",
+                      store: StoreConfig = StoreConfig()) -> bool:
         """Creates a pool, keeps an identical one (False), or replaces an idle one.
         An identical pool registered for a new executor instance (the executor
         restarted: its KV is gone) is kept with its prefix cache invalidated. An executor
         instance that another pool already names is refused (FAILED_PRECONDITION).
         ``medium`` (where the KV lives, for KV events) is not a pool parameter: a new one
-        is recorded, nothing else changes; empty keeps the pool's (a new pool's: the default)."""
+        is recorded, nothing else changes; empty keeps the pool's (a new pool's: the default).
+        ``store`` (the executor's KV store, if any) attaches the pool to that store's index."""
         config = validate_pool_config(config)
         if len(medium) > MAX_MEDIUM_LEN:
             raise InvalidArgument(f"medium: at most {MAX_MEDIUM_LEN} characters")
+        self._validate_store(store)
         if executor_instance_id:
             for other_id, other in self.pools.items():
                 if other_id != config.pool_id and other.executor_instance_id == executor_instance_id:
@@ -162,6 +206,7 @@ class KVManager:
                     self._invalidate(existing, reason="executor_restarted",
                                      previous=existing.executor_instance_id, current=executor_instance_id)
                     existing.executor_instance_id = executor_instance_id
+                self._attach_store(existing, store)
                 return False
             if existing.block_pool.num_used_blocks:
                 raise FailedPrecondition(
@@ -173,6 +218,8 @@ class KVManager:
         pool = self.pools[config.pool_id] = SequenceAllocator(config)
         pool.executor_instance_id = executor_instance_id
         pool.medium = medium or self.default_medium
+        pool.save_policy = self.store_save_policy
+        self._attach_store(pool, store)
         self._hub(config.pool_id)  # numbering starts with the pool (and survives its replacement)
         if self.freeze_gc:
             gc.collect()
@@ -181,6 +228,51 @@ class KVManager:
                  block_size=config.block_size, policy=config.allocation_policy.name,
                  prefix_caching=config.enable_prefix_caching, replaced=existing is not None)
         return True
+
+    @staticmethod
+    def _validate_store(store: StoreConfig) -> None:
+        if not store.url:
+            return
+        if len(store.url) > MAX_STORE_URL_LEN:
+            raise InvalidArgument(f"kv_store: at most {MAX_STORE_URL_LEN} characters")
+        namespace = store.namespace
+        if not namespace or len(namespace) > 128 or not all(c.isalnum() or c in "_.-" for c in namespace):
+            raise InvalidArgument("kv_store_namespace: 1..128 characters of [0-9A-Za-z_.-], required with kv_store")
+        if len(store.medium) > MAX_MEDIUM_LEN:
+            raise InvalidArgument(f"kv_store medium: at most {MAX_MEDIUM_LEN} characters")
+
+    def _attach_store(self, pool: SequenceAllocator, store: StoreConfig) -> None:
+        """Points the pool at the index of its executor's store (shared by every pool naming
+        the same store and namespace), or at none. A store seen for the first time is queued
+        for ``take_new_stores``: the server lists what it already holds."""
+        if not store.url:
+            if pool.store is not None:
+                pool.release_saves()
+            pool.store = None
+            return
+        key = (store.url, store.namespace)
+        index = self.stores.get(key)
+        if index is None:
+            index = self.stores[key] = StoreIndex(store.url, store.namespace, store.medium, store.capacity_blocks)
+            self._new_stores.append(index)
+            log.info("kv_store_attached", pool_id=pool.config.pool_id, namespace=store.namespace,
+                     capacity_blocks=store.capacity_blocks, medium=store.medium)
+        elif store.capacity_blocks:
+            index.capacity_blocks = store.capacity_blocks
+        if pool.store is not None and pool.store is not index:
+            pool.release_saves()
+        pool.store = index
+
+    def take_new_stores(self) -> list[StoreIndex]:
+        """Store indexes created since the last call: the server fills them from the store."""
+        stores, self._new_stores = self._new_stores, []
+        return stores
+
+    def rebuild_store(self, index: StoreIndex, entries) -> int:
+        """Adds what the store itself holds ((hash, block key) pairs) to its index; returns how many joined."""
+        joined = index.rebuild(entries)
+        log.info("kv_store_index_rebuilt", namespace=index.namespace, joined=joined, entries=len(index))
+        return joined
 
     def pool(self, pool_id: str) -> SequenceAllocator:
         if not pool_id:
@@ -205,7 +297,18 @@ class KVManager:
             allocation_policy=int(pool.config.allocation_policy),
             enable_prefix_caching=pool.config.enable_prefix_caching,
             num_sessions=self.sessions.count_for_pool(pool_id),
+            **self._store_stats(pool),
         )
+
+    @staticmethod
+    def _store_stats(pool: SequenceAllocator) -> dict:
+        store = pool.store
+        if store is None:
+            return {}
+        return dict(kv_store=describe_store_url(store.store_url), kv_store_medium=store.medium,
+                    num_store_blocks=len(store), store_hits=pool.store_hits, num_store_saves=pool.num_store_saves,
+                    num_store_save_failures=pool.num_store_save_failures,
+                    num_store_load_failures=pool.num_store_load_failures, num_store_evictions=store.num_evictions)
 
     def reset_prefix_cache(self, pool_id: str) -> int:
         """Makes nothing in the pool findable, blocks in use included; returns how many were."""
@@ -283,11 +386,14 @@ class KVManager:
 
     def allocate(self, pool_id: str, session_id: str, free_seq_ids: Iterable[int],
                  requests: Sequence[AllocationRequest], written_seq_ids: Sequence[int] = (),
-                 written_num_tokens: Sequence[int] = ()) -> tuple[list[StepAllocation], float]:
-        """One scheduler step: written-KV reports, piggybacked frees, then each sequence
-        in order. Returns the per-sequence results and the pool's usage afterwards.
-        ``requests`` may be any objects with ``AllocationRequest``'s attributes."""
+                 written_num_tokens: Sequence[int] = (), store_report=None) -> tuple[list[StepAllocation], float]:
+        """One scheduler step: the store report, written-KV reports, piggybacked frees, then
+        each sequence in order. Returns the per-sequence results and the pool's usage
+        afterwards; the store orders it gave rise to wait in ``take_store_orders``.
+        ``requests`` may be any objects with ``AllocationRequest``'s attributes, and
+        ``store_report`` one with ``StoreReport``'s."""
         pool, session = self._pool_and_session(pool_id, session_id)
+        report = self._check_store_report(store_report)
         sequences = pool.sequences
         written = self._check_written(pool, session_id, written_seq_ids, written_num_tokens)
         to_free = []
@@ -333,6 +439,7 @@ class KVManager:
         if num_admitted and len(sequences) - len(freeing) + num_admitted > MAX_SEQUENCES_PER_POOL:
             raise ResourceExhausted(f"sequences: the pool holds at most {MAX_SEQUENCES_PER_POOL} live sequences")
 
+        self._apply_store_report(pool, session_id, report)
         for seq, num_tokens in written:
             pool.report_written(seq, num_tokens)
         for seq_id in dict.fromkeys(to_free):
@@ -361,14 +468,16 @@ class KVManager:
         return pool.fork(parent, child_seq_ids)
 
     def free(self, pool_id: str, session_id: str, seq_ids: Iterable[int], written_seq_ids: Sequence[int] = (),
-             written_num_tokens: Sequence[int] = ()) -> int:
-        """Applies written-KV reports, then frees sequences (all or none); returns
-        blocks whose refcount reached 0."""
+             written_num_tokens: Sequence[int] = (), store_report=None) -> int:
+        """Applies the store report and written-KV reports, then frees sequences (all or
+        none); returns blocks whose refcount reached 0. Store orders: ``take_store_orders``."""
         pool, _ = self._pool_and_session(pool_id, session_id)
+        report = self._check_store_report(store_report)
         written = self._check_written(pool, session_id, written_seq_ids, written_num_tokens)
         unique = list(dict.fromkeys(seq_ids))
         for seq_id in unique:
             self._own_sequence(pool, session_id, seq_id, "seq_ids")
+        self._apply_store_report(pool, session_id, report)
         for seq, num_tokens in written:
             pool.report_written(seq, num_tokens)
         num_blocks_freed = sum(pool.free(seq_id) for seq_id in unique)
@@ -390,6 +499,49 @@ class KVManager:
             written.append((seq, n))
         return written
 
+    # -- the store tier ------------------------------------------------------------
+
+    @staticmethod
+    def _check_store_report(report) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """(saved, failed, missing) hashes of a StoreReport-like object (None: nothing)."""
+        if report is None:
+            return [], [], []
+        fields = []
+        for name in ("saved_hashes", "failed_hashes", "missing_hashes"):
+            hashes = list(getattr(report, name, ()))
+            if len(hashes) > MAX_STORE_REPORT:
+                raise InvalidArgument(f"store_report.{name}: at most {MAX_STORE_REPORT} hashes")
+            if any(len(h) != HASH_BYTES for h in hashes):
+                raise InvalidArgument(f"store_report.{name}: each hash is {HASH_BYTES} bytes")
+            fields.append(hashes)
+        return fields[0], fields[1], fields[2]
+
+    def _apply_store_report(self, pool: SequenceAllocator, session_id: str, report) -> None:
+        """Saves written whole become findable, failed ones never do, and loads that missed
+        stop being findable. Hashes of orders this session no longer has (the pool was
+        invalidated, or the order went with an earlier session) are ignored."""
+        saved, failed, missing = report
+        pool.report_saves(session_id, saved, failed)
+        if missing and pool.store is not None:
+            for block_hash in missing:
+                pool.store.remove(block_hash)
+            pool.num_store_load_failures += len(missing)
+            log.warning("kv_store_loads_missed", pool_id=pool.config.pool_id, num_hashes=len(missing))
+
+    def take_store_orders(self, pool_id: str, session_id: str) -> StoreOrdersView | None:
+        """The saves and deletes the last Allocate or Free of this session gave rise to, for the
+        client's next Execute; None when there are none. Each save stays pending (its block
+        allocated) until the session reports it, or ends."""
+        pool = self.pools.get(pool_id)
+        if pool is None or pool.store is None:
+            return None
+        orders = pool.take_save_orders(session_id)
+        deletes = pool.store.take_deletes()
+        if not orders and not deletes:
+            return None
+        return StoreOrdersView([o.block.block_id for o in orders], [o.block_hash for o in orders],
+                               [o.block_key for o in orders], deletes)
+
     @staticmethod
     def _own_sequence(pool: SequenceAllocator, session_id: str, seq_id: int, field: str) -> KVSequence:
         seq = pool.sequences.get(seq_id)
@@ -401,10 +553,12 @@ class KVManager:
 
     # -- routing -----------------------------------------------------------------
 
-    def lookup_prefix(self, pool_ids: Sequence[str], queries: Sequence) -> list[list[tuple[str, int]]]:
+    def lookup_prefix(self, pool_ids: Sequence[str], queries: Sequence,
+                      with_store: bool = False) -> list[list[tuple]]:
         """Per query (objects with ``token_ids``, ``cache_salt``, ``adapter_id`` and optionally
         ``block_hashes``, ``hashes_block_size``, ``hashes_model_fingerprint``, as
-        ``PrefixQuery``), per pool: (pool_id, tokens it holds published KV for). Read-only.
+        ``PrefixQuery``), per pool: (pool_id, tokens it holds published KV for), and with
+        ``with_store`` a third item: the tokens after those that its store holds. Read-only.
 
         Pools that hash alike (model fingerprint, block size) are looked up together:
         a query's chain is hashed once for all of them (or taken from its
@@ -423,6 +577,7 @@ class KVManager:
         out = []
         for i, query in enumerate(queries):
             counts = [0] * len(pools)
+            store_counts = [0] * len(pools)
             tokens = query.token_ids
             packed = None
             if len(tokens):
@@ -443,7 +598,13 @@ class KVManager:
                     hits = match_cached_prefix(group_pools[key], extra, packed, len(tokens), given)
                     for j, num_blocks in zip(members, hits):
                         counts[j] = num_blocks * key[1]
-            out.append([(pool.config.pool_id, n) for pool, n in zip(pools, counts)])
+                        if with_store and packed is not None and pools[j].store is not None:
+                            store_counts[j] = pools[j].store_extension(extra, packed, len(tokens),
+                                                                       num_blocks) * key[1]
+            if with_store:
+                out.append([(pool.config.pool_id, n, m) for pool, n, m in zip(pools, counts, store_counts)])
+            else:
+                out.append([(pool.config.pool_id, n) for pool, n in zip(pools, counts)])
         return out
 
     @staticmethod

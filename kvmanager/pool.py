@@ -16,7 +16,13 @@ Anchored on nano-vllm's ``BlockManager`` and vLLM v1's ``KVCacheManager``:
 * a hit means the KV is there: a full block becomes findable only when
   ``report_written`` says the Execute that wrote it has returned, never in the
   step that hands it out. A sequence freed before that publishes nothing, and a
-  sequence alive when the pool is invalidated never publishes again.
+  sequence alive when the pool is invalidated never publishes again;
+* with a store tier (``store``, a ``StoreIndex`` shared by the pools of one store and
+  namespace) a new sequence's lookup goes on in the store where the pool's chain
+  ends: those blocks are allocated with load orders instead of being computed. Saves
+  are ordered (``save_orders``) for published blocks, by the save policy: ``all`` as
+  they are published, ``free`` when their sequence is freed; a block whose save is
+  ordered holds one more reference until the save is reported (``KVManager``).
 """
 from __future__ import annotations
 
@@ -32,6 +38,10 @@ from kvmanager.events import AllBlocksCleared, BlockStored, EventRecorder, KVEve
 from kvmanager.hashing import (
     HASH_BYTES, adapter_of_extra, block_key, extra_keys, hash_key, key_prefix, pack_tokens, root_hash, split_key,
 )
+from kvmanager.store_index import StoreIndex
+
+# When published blocks are saved to the pool's store (kvmanager's --kv-store-save).
+SAVE_POLICIES = ("all", "free", "off")
 
 
 class AllocationPolicy(enum.IntEnum):
@@ -82,6 +92,18 @@ class StepAllocation:
     block_table: Sequence[int] = ()
     copy_src: Sequence[int] = ()
     copy_dst: Sequence[int] = ()
+    num_store_tokens: int = 0
+    store_load_block_ids: Sequence[int] = ()
+    store_load_hashes: Sequence[bytes] = ()
+
+
+@dataclass(slots=True)
+class SaveOrder:
+    """A published block to copy into the store; ``block`` holds a reference for it."""
+
+    block: KVCacheBlock
+    block_hash: bytes
+    block_key: bytes
 
 
 class KVSequence:
@@ -141,6 +163,15 @@ class SequenceAllocator:
         self.num_copies = 0
         self.executor_instance_id = ""  # the executor whose KV the published blocks describe
         self.medium = ""  # where the KV lives, for KV events (RegisterPool.medium)
+        self.store: StoreIndex | None = None  # the store tier's index, shared with the store's other pools
+        self.save_policy = "all"
+        self.save_orders: list[SaveOrder] = []  # ordered since the last take_save_orders
+        # Saves handed to a session and not reported yet: session id -> hash -> order.
+        self.pending_saves: dict[str, dict[bytes, SaveOrder]] = {}
+        self.store_hits = 0
+        self.num_store_saves = 0
+        self.num_store_save_failures = 0
+        self.num_store_load_failures = 0
 
     # -- allocate --------------------------------------------------------------
 
@@ -170,10 +201,13 @@ class SequenceAllocator:
         seq = KVSequence(request.seq_id, session_id, prefix_caching,
                          extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
         hit_blocks: list[KVCacheBlock] = []
+        store_hashes: list[bytes] = []
         if prefix_caching:
-            hit_blocks, seq.block_hashes = self._find_cached_prefix(seq.extra, request.token_ids)
+            hit_blocks, seq.block_hashes, store_hashes = self._find_cached_prefix(seq.extra, request.token_ids)
+        bs = self.block_size
         seq.block_table = hit_blocks.copy()
-        seq.num_computed = seq.num_written = len(hit_blocks) * self.block_size
+        seq.num_written = len(hit_blocks) * bs
+        seq.num_computed = seq.num_written + len(store_hashes) * bs  # loaded, not computed
         result = self._allocate(seq, request.token_ids, request.num_new_tokens, hit_blocks, is_new=True,
                                 num_lookahead_slots=request.num_lookahead_slots)
         if result.ok:
@@ -181,41 +215,84 @@ class SequenceAllocator:
             self.session_seq_ids.setdefault(session_id, set()).add(seq.seq_id)
             if prefix_caching:
                 self.prefix_cache_queries += len(request.token_ids)
-                self.prefix_cache_hits += len(hit_blocks) * self.block_size
-            result.num_cached_tokens = len(hit_blocks) * self.block_size
+                self.prefix_cache_hits += len(hit_blocks) * bs
+            result.num_cached_tokens = len(hit_blocks) * bs
+            if store_hashes:
+                self._order_loads(seq, len(hit_blocks), store_hashes, result)
         return result
+
+    def _order_loads(self, seq: KVSequence, first: int, store_hashes: list[bytes], result: StepAllocation) -> None:
+        """The blocks after the pool's hit get the store's entries loaded instead of computed."""
+        loaded = seq.block_table[first:first + len(store_hashes)]
+        for block in loaded:
+            self.block_pool.fill(block, self.block_size)
+        self.store.touch(store_hashes)
+        self.store_hits += len(store_hashes) * self.block_size
+        result.num_store_tokens = len(store_hashes) * self.block_size
+        result.store_load_block_ids = [b.block_id for b in loaded]
+        result.store_load_hashes = store_hashes
 
     def cached_prefix_length(self, prompt: Sequence[int], cache_salt: str = "", adapter_id: str = "") -> int:
         """Tokens of ``prompt`` an admission would find cached now (routing; changes nothing)."""
         if not self.config.enable_prefix_caching:
             return 0
-        hits, _ = self._find_cached_prefix(extra_keys(cache_salt, adapter_id), prompt)
+        hits, _, _ = self._find_cached_prefix(extra_keys(cache_salt, adapter_id), prompt)
         return len(hits) * self.block_size
 
-    def _find_cached_prefix(self, extra: bytes, prompt: Sequence[int]) -> tuple[list[KVCacheBlock], list[bytes]]:
+    def _find_cached_prefix(self, extra: bytes, prompt: Sequence[int],
+                            ) -> tuple[list[KVCacheBlock], list[bytes], list[bytes]]:
         """Longest run of consecutive published full blocks, leaving at least the last
-        prompt token to compute (a hit covers at most len(prompt) - 1 tokens). Stops at
+        prompt token to compute (a hit covers at most len(prompt) - 1 tokens), with their
+        hashes; then the hashes of the blocks after them that the store holds. Stops at
         the first miss: a chained hash can only hit if its parent did."""
         bs = self.block_size
         max_hit_blocks = max(0, (len(prompt) - 1) // bs)
         hits: list[KVCacheBlock] = []
         hashes: list[bytes] = []
+        store_hashes: list[bytes] = []
         if not max_hit_blocks:
-            return hits, hashes
+            return hits, hashes, store_hashes
         step = 4 * bs
         packed = pack_tokens(prompt)  # once, then byte slices: no per-token work per block
         lookup = self.block_pool.lookup
         tail = key_prefix(b"", extra)
         parent = self.root_hash
+        store = self.store
         for offset in range(0, max_hit_blocks * step, step):
             key = parent + tail + packed[offset:offset + step]
             parent = hash_key(key)
-            block = lookup(parent, key)
-            if block is None:
+            if not store_hashes:
+                block = lookup(parent, key)
+                if block is not None:
+                    hits.append(block)
+                    hashes.append(parent)
+                    continue
+            if store is None or not store.holds(parent, key):
                 break
-            hits.append(block)
-            hashes.append(parent)
-        return hits, hashes
+            store_hashes.append(parent)
+        return hits, hashes, store_hashes
+
+    def store_extension(self, extra: bytes, packed_tokens: bytes, num_tokens: int, num_hit_blocks: int) -> int:
+        """Blocks after the first ``num_hit_blocks`` of a prompt that the store holds (routing;
+        changes nothing)."""
+        store = self.store
+        bs = self.block_size
+        max_blocks = max(0, (num_tokens - 1) // bs)
+        if store is None or not len(store) or num_hit_blocks >= max_blocks:
+            return 0
+        step = 4 * bs
+        tail = key_prefix(b"", extra)
+        parent = self.root_hash
+        num_store_blocks = 0
+        for i, offset in enumerate(range(0, max_blocks * step, step)):
+            key = parent + tail + packed_tokens[offset:offset + step]
+            parent = hash_key(key)
+            if i < num_hit_blocks:
+                continue
+            if not store.holds(parent, key):
+                break
+            num_store_blocks += 1
+        return num_store_blocks
 
     def _allocate(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
                   hit_blocks: list[KVCacheBlock], is_new: bool, num_lookahead_slots: int = 0) -> StepAllocation:
@@ -335,11 +412,72 @@ class SequenceAllocator:
             if not self.block_pool.cache_block(seq.block_table[i], h, key):
                 run = None  # identical content is already findable in another block
                 continue
+            if self.save_policy == "all":
+                self._order_save(seq.block_table[i], h, key)
             if run is None:
                 run = BlockStored([], parent if i else b"", array("i"), bs, seq.adapter_id)
                 self.block_pool.record_stored(run)
             run.block_hashes.append(h)
             run.token_ids.extend(tokens)  # an int32 array: events are buffered for replay
+
+    def _order_save(self, block: KVCacheBlock, block_hash: bytes, key: bytes) -> None:
+        """Orders a published block saved to the store unless it is there or on its way;
+        the block keeps one more reference until the save is reported."""
+        store = self.store
+        if store is None or not store.wants(block_hash):
+            return
+        store.saving.add(block_hash)
+        self.block_pool.touch((block,))
+        self.save_orders.append(SaveOrder(block, block_hash, key))
+
+    def take_save_orders(self, session_id: str) -> list[SaveOrder]:
+        """The saves ordered since the last call, handed to ``session_id`` to carry: they stay
+        pending (their blocks held) until it reports them or ends."""
+        orders, self.save_orders = self.save_orders, []
+        if orders:
+            pending = self.pending_saves.setdefault(session_id, {})
+            for order in orders:
+                pending[order.block_hash] = order
+        return orders
+
+    def report_saves(self, session_id: str, saved: Sequence[bytes], failed: Sequence[bytes]) -> None:
+        """The session's executor wrote these saves whole (findable from now on) or did not.
+        Hashes the session has no pending save for (released since) are ignored."""
+        pending = self.pending_saves.get(session_id)
+        if not pending:
+            return
+        for hashes, ok in ((saved, True), (failed, False)):
+            for block_hash in hashes:
+                order = pending.pop(block_hash, None)
+                if order is not None:
+                    self._release_save(order, ok)
+        if not pending:
+            del self.pending_saves[session_id]
+
+    def release_saves(self, session_id: str | None = None) -> None:
+        """Drops the pending saves of a session (all sessions: None), and those not yet handed
+        out: never findable, their blocks released."""
+        sessions = list(self.pending_saves) if session_id is None else [session_id]
+        for sid in sessions:
+            for order in self.pending_saves.pop(sid, {}).values():
+                self._release_save(order, False)
+        if session_id is None:
+            for order in self.take_save_orders(""):
+                self._release_save(order, False)
+            self.pending_saves.pop("", None)
+
+    def _release_save(self, order: SaveOrder, saved: bool) -> None:
+        store = self.store
+        if store is not None:
+            if saved:
+                store.add(order.block_hash, order.block_key)
+            else:
+                store.saving.discard(order.block_hash)
+        if saved:
+            self.num_store_saves += 1
+        else:
+            self.num_store_save_failures += 1
+        self.block_pool.free_blocks((order.block,))
 
     def invalidate_prefix_cache(self) -> int:
         """Nothing in the pool is findable any more, used blocks included, and no live
@@ -347,6 +485,7 @@ class SequenceAllocator:
         Returns how many blocks were findable."""
         for seq in self.sequences.values():
             seq.publishes = False
+        self.release_saves()  # their blocks' KV may be gone: never saved, never findable
         return self.block_pool.invalidate_prefix_cache()
 
     # -- fork / free --------------------------------------------------------
@@ -360,10 +499,16 @@ class SequenceAllocator:
             self.session_seq_ids.setdefault(parent.session_id, set()).add(child_id)
         return [b.block_id for b in parent.block_table]
 
-    def free(self, seq_id: int) -> int:
+    def free(self, seq_id: int, save: bool = True) -> int:
         """Frees a sequence; its blocks go to the LRU tail in reverse order, so
-        that its tail blocks are evicted before its head. Returns blocks freed."""
+        that its tail blocks are evicted before its head. Returns blocks freed.
+        With the ``free`` save policy its published blocks are ordered saved first
+        (``save``: a client is there to carry the orders)."""
         seq = self.sequences.pop(seq_id)
+        if save and self.save_policy == "free" and self.store is not None and seq.publishes:
+            for block, block_hash in zip(seq.block_table, seq.block_hashes):
+                if block.block_hash == block_hash:  # published by this sequence or an identical one
+                    self._order_save(block, block_hash, block.block_key)
         owned = self.session_seq_ids.get(seq.session_id)
         if owned is not None:
             owned.discard(seq_id)
@@ -375,7 +520,8 @@ class SequenceAllocator:
         """Frees every sequence of a session; returns how many."""
         seq_ids = list(self.session_seq_ids.get(session_id, ()))
         for seq_id in seq_ids:
-            self.free(seq_id)
+            self.free(seq_id, save=False)  # the session is gone: nobody carries save orders
+        self.release_saves(session_id)
         return len(seq_ids)
 
     def drain_events(self) -> list:

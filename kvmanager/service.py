@@ -10,9 +10,12 @@ import asyncio
 import dataclasses
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvmanager.manager import KVManager
+from kvmanager.manager import KVManager, StoreConfig, StoreOrdersView
 from kvmanager.pool import PoolConfig
-from kvserve.errors import ResourceExhausted
+from kvmanager.store_index import StoreIndex
+from kvserve.errors import InvalidArgument, ResourceExhausted
+from kvserve.kv_store import StoreError, describe_url, open_store
+from kvserve.logs import get_logger
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -22,6 +25,33 @@ MAX_PENDING_EVENT_BATCHES = 10_000
 
 _OK = pb.ALLOCATION_STATUS_OK
 _NO_ROOM = pb.ALLOCATION_STATUS_NO_ROOM
+log = get_logger("kvmanager.service")
+
+
+def store_config_from(request: pb.RegisterPoolRequest) -> StoreConfig:
+    """The pool's store, its URL checked (opening one does no I/O)."""
+    if not request.kv_store:
+        return StoreConfig()
+    try:
+        store = open_store(request.kv_store)
+    except ValueError as exc:
+        raise InvalidArgument(f"kv_store: {exc}") from None
+    medium = store.medium
+    store.close()
+    return StoreConfig(request.kv_store, request.kv_store_namespace, request.kv_store_capacity_blocks, medium)
+
+
+def list_store(url: str, namespace: str) -> list[tuple[bytes, bytes]]:
+    """(hash, block key) of every entry the store holds for a namespace (blocking I/O)."""
+    store = open_store(url)
+    try:
+        return [(entry.block_hash, entry.block_key) for entry in store.list_entries(namespace)]
+    finally:
+        store.close()
+
+
+def orders_to_proto(orders: StoreOrdersView | None) -> pb.StoreOrders | None:
+    return None if orders is None else pb.StoreOrders(**dataclasses.asdict(orders))
 
 
 def event_batch_to_proto(batch: EventBatch) -> pb.KVEventBatch:
@@ -49,6 +79,7 @@ def event_batch_to_proto(batch: EventBatch) -> pb.KVEventBatch:
 class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
     def __init__(self, manager: KVManager) -> None:
         self.manager = manager
+        self._rebuilds: set[asyncio.Task] = set()
 
     async def RegisterPool(self, request, context):
         created = self.manager.register_pool(PoolConfig(
@@ -56,8 +87,24 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
             model_fingerprint=request.model_fingerprint,
             enable_prefix_caching=request.enable_prefix_caching,
             allocation_policy=request.allocation_policy, max_model_len=request.max_model_len,
-        ), request.executor_instance_id, request.medium)
+        ), request.executor_instance_id, request.medium, store_config_from(request))
+        for index in self.manager.take_new_stores():
+            task = asyncio.get_running_loop().create_task(self._rebuild(index))
+            self._rebuilds.add(task)
+            task.add_done_callback(self._rebuilds.discard)
         return pb.RegisterPoolResponse(created=created)
+
+    async def _rebuild(self, index: StoreIndex) -> None:
+        """A store seen for the first time since this kvmanager started: what it already holds
+        (saved before a restart, or by executors of another kvmanager) becomes findable. The
+        listing runs off the event loop; a store it cannot read is logged and starts empty."""
+        try:
+            entries = await asyncio.to_thread(list_store, index.store_url, index.namespace)
+        except (StoreError, OSError, ValueError) as exc:
+            log.warning("kv_store_not_listed", store=describe_url(index.store_url), namespace=index.namespace,
+                        reason=str(exc))
+            return
+        self.manager.rebuild_store(index, entries)
 
     async def OpenSession(self, request, context):
         session = self.manager.open_session(request.pool_id, request.ttl_ms, request.client_name)
@@ -72,10 +119,13 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
     async def Allocate(self, request, context):
         # The SequenceAllocation messages go to the domain as they are: it reads
         # the same attribute names as AllocationRequest's (no per-token copy).
+        report = request.store_report if request.HasField("store_report") else None
         results, usage = self.manager.allocate(request.pool_id, request.session_id, request.free_seq_ids,
                                                request.sequences, request.written_seq_ids,
-                                               request.written_num_tokens)
-        response = pb.AllocateResponse(kv_cache_usage=usage)
+                                               request.written_num_tokens, report)
+        response = pb.AllocateResponse(
+            kv_cache_usage=usage,
+            store_orders=orders_to_proto(self.manager.take_store_orders(request.pool_id, request.session_id)))
         add = response.results.add
         for r in results:
             if not r.ok:
@@ -84,7 +134,8 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
                 add(seq_id=r.seq_id, status=_OK, num_cached_tokens=r.num_cached_tokens,
                     start_position=r.start_position, num_tokens=r.num_tokens,
                     block_table_offset=r.block_table_offset, block_table=r.block_table,
-                    copy_src=r.copy_src, copy_dst=r.copy_dst)
+                    copy_src=r.copy_src, copy_dst=r.copy_dst, num_store_tokens=r.num_store_tokens,
+                    store_load_block_ids=r.store_load_block_ids, store_load_hashes=r.store_load_hashes)
             else:  # the common decode step: nothing new in the table
                 add(seq_id=r.seq_id, status=_OK, start_position=r.start_position, num_tokens=r.num_tokens,
                     block_table_offset=r.block_table_offset)
@@ -96,9 +147,11 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
         return pb.ForkResponse(block_table=table)
 
     async def Free(self, request, context):
+        report = request.store_report if request.HasField("store_report") else None
         num = self.manager.free(request.pool_id, request.session_id, list(request.seq_ids),
-                                request.written_seq_ids, request.written_num_tokens)
-        return pb.FreeResponse(num_blocks_freed=num)
+                                request.written_seq_ids, request.written_num_tokens, report)
+        return pb.FreeResponse(num_blocks_freed=num, store_orders=orders_to_proto(
+            self.manager.take_store_orders(request.pool_id, request.session_id)))
 
     async def GetStats(self, request, context):
         return pb.PoolStats(**dataclasses.asdict(self.manager.stats(request.pool_id)))
@@ -107,9 +160,10 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=self.manager.reset_prefix_cache(request.pool_id))
 
     async def LookupPrefix(self, request, context):
-        matches = self.manager.lookup_prefix(list(request.pool_ids), request.queries)
+        matches = self.manager.lookup_prefix(list(request.pool_ids), request.queries, with_store=True)
         return pb.LookupPrefixResponse(matches=[
-            pb.PrefixMatches(pools=[pb.PoolPrefixHit(pool_id=pool_id, num_cached_tokens=n) for pool_id, n in hits])
+            pb.PrefixMatches(pools=[pb.PoolPrefixHit(pool_id=pool_id, num_cached_tokens=n, num_store_tokens=m)
+                                    for pool_id, n, m in hits])
             for hits in matches])
 
     async def WatchEvents(self, request, context):

@@ -63,6 +63,13 @@ class DeadlineExceeded(KVServeError):
     code = "DEADLINE_EXCEEDED"
 
 
+class StaleStep(KVServeError):
+    """A step ordered for another instance of an executor (it restarted since): refused whole,
+    so that nothing of the new, empty KV cache is saved as another's KV."""
+
+    code = "ABORTED"
+
+
 class StepRefused(KVServeError):
     """A dependency refused a step this request was in (its input, not an outage):
     only the requests of that step fail (HTTP 500, gRPC INTERNAL), naming the reason."""

@@ -26,7 +26,7 @@ ALLOCATION_STATUS_OK: AllocationStatus
 ALLOCATION_STATUS_NO_ROOM: AllocationStatus
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len", "executor_instance_id", "medium")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "model_fingerprint", "enable_prefix_caching", "allocation_policy", "max_model_len", "executor_instance_id", "medium", "kv_store", "kv_store_namespace", "kv_store_capacity_blocks")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,9 @@ class RegisterPoolRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EXECUTOR_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -45,7 +48,10 @@ class RegisterPoolRequest(_message.Message):
     max_model_len: int
     executor_instance_id: str
     medium: str
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+    kv_store: str
+    kv_store_namespace: str
+    kv_store_capacity_blocks: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., enable_prefix_caching: _Optional[bool] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., max_model_len: _Optional[int] = ..., executor_instance_id: _Optional[str] = ..., medium: _Optional[str] = ..., kv_store: _Optional[str] = ..., kv_store_namespace: _Optional[str] = ..., kv_store_capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("created",)
@@ -96,20 +102,44 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, num_sequences_freed: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool_id", "session_id", "free_seq_ids", "sequences", "written_seq_ids", "written_num_tokens")
+    __slots__ = ("pool_id", "session_id", "free_seq_ids", "sequences", "written_seq_ids", "written_num_tokens", "store_report")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_REPORT_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     session_id: str
     free_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceAllocation]
     written_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     written_num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    store_report: StoreReport
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., free_seq_ids: _Optional[_Iterable[int]] = ..., sequences: _Optional[_Iterable[_Union[SequenceAllocation, _Mapping]]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ..., store_report: _Optional[_Union[StoreReport, _Mapping]] = ...) -> None: ...
+
+class StoreReport(_message.Message):
+    __slots__ = ("saved_hashes", "failed_hashes", "missing_hashes")
+    SAVED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_HASHES_FIELD_NUMBER: _ClassVar[int]
+    saved_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    failed_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    missing_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, saved_hashes: _Optional[_Iterable[bytes]] = ..., failed_hashes: _Optional[_Iterable[bytes]] = ..., missing_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StoreOrders(_message.Message):
+    __slots__ = ("save_block_ids", "save_hashes", "save_keys", "delete_hashes")
+    SAVE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    SAVE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    save_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    save_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    save_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    delete_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, save_block_ids: _Optional[_Iterable[int]] = ..., save_hashes: _Optional[_Iterable[bytes]] = ..., save_keys: _Optional[_Iterable[bytes]] = ..., delete_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
     __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots")
@@ -130,7 +160,7 @@ class SequenceAllocation(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocationResult(_message.Message):
-    __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst")
+    __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst", "num_store_tokens", "store_load_block_ids", "store_load_hashes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +170,9 @@ class SequenceAllocationResult(_message.Message):
     BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     COPY_SRC_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOAD_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_LOAD_HASHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     status: AllocationStatus
     num_cached_tokens: int
@@ -149,15 +182,20 @@ class SequenceAllocationResult(_message.Message):
     block_table: _containers.RepeatedScalarFieldContainer[int]
     copy_src: _containers.RepeatedScalarFieldContainer[int]
     copy_dst: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_table_offset: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_store_tokens: int
+    store_load_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    store_load_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[int] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_cached_tokens: _Optional[int] = ..., start_position: _Optional[int] = ..., num_tokens: _Optional[int] = ..., block_table_offset: _Optional[int] = ..., block_table: _Optional[_Iterable[int]] = ..., copy_src: _Optional[_Iterable[int]] = ..., copy_dst: _Optional[_Iterable[int]] = ..., num_store_tokens: _Optional[int] = ..., store_load_block_ids: _Optional[_Iterable[int]] = ..., store_load_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("results", "kv_cache_usage")
+    __slots__ = ("results", "kv_cache_usage", "store_orders")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STORE_ORDERS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[SequenceAllocationResult]
     kv_cache_usage: float
-    def __init__(self, results: _Optional[_Iterable[_Union[SequenceAllocationResult, _Mapping]]] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    store_orders: StoreOrders
+    def __init__(self, results: _Optional[_Iterable[_Union[SequenceAllocationResult, _Mapping]]] = ..., kv_cache_usage: _Optional[float] = ..., store_orders: _Optional[_Union[StoreOrders, _Mapping]] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("pool_id", "session_id", "parent_seq_id", "child_seq_ids")
@@ -178,24 +216,28 @@ class ForkResponse(_message.Message):
     def __init__(self, block_table: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool_id", "session_id", "seq_ids", "written_seq_ids", "written_num_tokens")
+    __slots__ = ("pool_id", "session_id", "seq_ids", "written_seq_ids", "written_num_tokens", "store_report")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_REPORT_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     session_id: str
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     written_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     written_num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    store_report: StoreReport
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[int]] = ..., written_seq_ids: _Optional[_Iterable[int]] = ..., written_num_tokens: _Optional[_Iterable[int]] = ..., store_report: _Optional[_Union[StoreReport, _Mapping]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("num_blocks_freed",)
+    __slots__ = ("num_blocks_freed", "store_orders")
     NUM_BLOCKS_FREED_FIELD_NUMBER: _ClassVar[int]
+    STORE_ORDERS_FIELD_NUMBER: _ClassVar[int]
     num_blocks_freed: int
-    def __init__(self, num_blocks_freed: _Optional[int] = ...) -> None: ...
+    store_orders: StoreOrders
+    def __init__(self, num_blocks_freed: _Optional[int] = ..., store_orders: _Optional[_Union[StoreOrders, _Mapping]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -204,7 +246,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "usage", "num_sequences", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copies", "num_stored_tokens", "num_allocated_slots", "allocation_policy", "enable_prefix_caching", "num_sessions")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "usage", "num_sequences", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copies", "num_stored_tokens", "num_allocated_slots", "allocation_policy", "enable_prefix_caching", "num_sessions", "kv_store", "kv_store_medium", "num_store_blocks", "store_hits", "num_store_saves", "num_store_save_failures", "num_store_load_failures", "num_store_evictions")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +264,14 @@ class PoolStats(_message.Message):
     ALLOCATION_POLICY_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_SAVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -239,7 +289,15 @@ class PoolStats(_message.Message):
     allocation_policy: AllocationPolicy
     enable_prefix_caching: bool
     num_sessions: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_sequences: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_allocated_slots: _Optional[int] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., enable_prefix_caching: _Optional[bool] = ..., num_sessions: _Optional[int] = ...) -> None: ...
+    kv_store: str
+    kv_store_medium: str
+    num_store_blocks: int
+    store_hits: int
+    num_store_saves: int
+    num_store_save_failures: int
+    num_store_load_failures: int
+    num_store_evictions: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_sequences: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_allocated_slots: _Optional[int] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., enable_prefix_caching: _Optional[bool] = ..., num_sessions: _Optional[int] = ..., kv_store: _Optional[str] = ..., kv_store_medium: _Optional[str] = ..., num_store_blocks: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_saves: _Optional[int] = ..., num_store_save_failures: _Optional[int] = ..., num_store_load_failures: _Optional[int] = ..., num_store_evictions: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -348,12 +406,14 @@ class LookupPrefixRequest(_message.Message):
     def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., queries: _Optional[_Iterable[_Union[PrefixQuery, _Mapping]]] = ...) -> None: ...
 
 class PoolPrefixHit(_message.Message):
-    __slots__ = ("pool_id", "num_cached_tokens")
+    __slots__ = ("pool_id", "num_cached_tokens", "num_store_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_cached_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    num_store_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., num_store_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixMatches(_message.Message):
     __slots__ = ("pools",)
