@@ -96,6 +96,11 @@ class ShadowExecutor:
         self.tokens: dict[int, list[int]] = {}
         self.pending: dict[int, tuple[list[tuple[int, int]], int, int]] = {}  # seq -> (copies, start, end)
         self.stale: set[int] = set()  # sequences whose KV predates an executor restart
+        # The store tier: hash -> the block's slots as saved; loads queued per sequence; hashes that missed.
+        self.store: dict[bytes, list] = {}
+        self.pending_loads: dict[int, list[tuple[int, bytes]]] = {}
+        self.missing: list[bytes] = []
+        self.dropped: list[int] = []
 
     def allocated(self, new_tokens: dict[int, list[int]], results: list[StepAllocation]) -> None:
         for r in results:
@@ -105,14 +110,27 @@ class ShadowExecutor:
             table = self.tables.get(r.seq_id, [])[:r.block_table_offset] + list(r.block_table)
             self.tables[r.seq_id] = table
             self.tokens.setdefault(r.seq_id, []).extend(new_tokens.get(r.seq_id, []))
+            if r.store_load_block_ids:
+                self.pending_loads[r.seq_id] = list(zip(r.store_load_block_ids, r.store_load_hashes))
             if r.num_tokens or r.copy_src:
                 copies = list(zip(r.copy_src, r.copy_dst))
                 self.pending[r.seq_id] = (copies, r.start_position, r.start_position + r.num_tokens)
 
     def execute(self) -> list[tuple[int, int]]:
-        """Copies first (for the whole batch), then every sequence's writes; returns
-        (seq_id, tokens written) for each sequence it ran."""
+        """Store loads, then copies (for the whole batch), then every sequence's writes; returns
+        (seq_id, tokens written) for each sequence it ran. A sequence whose load misses is not run
+        (``dropped``; the hashes in ``missing``), as the executor does."""
         bs = self.block_size
+        for seq_id, loads in self.pending_loads.items():
+            missed = [h for _, h in loads if h not in self.store]
+            if missed:
+                self.missing += missed
+                self.dropped.append(seq_id)
+                self.pending.pop(seq_id, None)
+                continue
+            for block_id, h in loads:
+                self.slots[block_id] = [(t, ok and seq_id not in self.stale) for t, ok in self.store[h]]
+        self.pending_loads.clear()
         for copies, _, _ in self.pending.values():
             for src, dst in copies:
                 self.slots[dst] = self.slots[src].copy()
@@ -128,7 +146,20 @@ class ShadowExecutor:
         """A rejected step: nothing queued runs; returns the sequences it held."""
         seq_ids = list(self.pending)
         self.pending.clear()
+        self.pending_loads.clear()
         return seq_ids
+
+    def save(self, block_ids, hashes) -> None:
+        """Store saves: each block's slots as they are now."""
+        for block_id, h in zip(block_ids, hashes):
+            self.store[h] = list(self.slots[block_id])
+
+    def check_store(self, index) -> None:
+        """An entry findable in the store (a ``StoreIndex``) holds, written with a valid context,
+        the tokens it is found by."""
+        for h, key in index.entries.items():
+            expected = [(t, True) for t in key_tokens(key, self.block_size)]
+            assert self.store.get(h) == expected, f"store entry {h.hex()} is findable but holds {self.store.get(h)}"
 
     def step(self, new_tokens: dict[int, list[int]], results: list[StepAllocation]) -> list[tuple[int, int]]:
         self.allocated(new_tokens, results)
@@ -152,6 +183,7 @@ class ShadowExecutor:
         self.tables.pop(seq_id, None)
         self.tokens.pop(seq_id, None)
         self.pending.pop(seq_id, None)
+        self.pending_loads.pop(seq_id, None)
         self.stale.discard(seq_id)
 
     def check(self, pool: SequenceAllocator) -> None:

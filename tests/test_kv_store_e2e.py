@@ -1,0 +1,155 @@
+"""The store tier across real processes (kvmanager, executor, gateway and the store: a directory,
+or a real ``redis-server``), tiny fp32 model: KV moves instead of being recomputed.
+
+* an executor killed and restarted (its pool gone) serves a repeated prompt from the store;
+* kvmanager and executor both restarted (every index gone) still do: kvmanager rebuilds its
+  index from the store itself;
+* entries corrupted or wiped behind everyone's back cost a miss and a recompute, never a wrong
+  token: every answer equals the first one, token for token and logprob for logprob.
+"""
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from conftest import free_port, wait_for
+from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
+from tests.redis_support import redis_server, redis_url  # noqa: F401 — fixtures
+
+pytestmark = pytest.mark.timeout(600)
+
+FP32 = ("--dtype", "float32")
+PROMPT = list(range(2000, 2100))  # 100 tokens: 6 full blocks findable (a hit leaves the last token)
+LOGPROB_TOLERANCE = 1e-4
+
+
+def ask(url: str) -> tuple[str, list[float], int]:
+    reply = httpx.post(url + "/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 0}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    choice = body["choices"][0]
+    return choice["text"], choice["logprobs"]["token_logprobs"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def store_stats(kvmanager_address: str, executor_address: str) -> kvmanager_pb2.PoolStats:
+    """The executor's pool's stats; all zero until the gateway has registered the pool."""
+    with grpc.insecure_channel(kvmanager_address) as channel:
+        stub = kvmanager_pb2_grpc.KVManagerStub(channel)
+        try:
+            return stub.GetStats(kvmanager_pb2.GetStatsRequest(pool_id=f"executor@{executor_address}"), timeout=5)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            return kvmanager_pb2.PoolStats()
+
+
+def metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def restart(start_service, service, *args):
+    service.proc.kill()
+    service.proc.wait()
+    return start_service(service.module, *args, port=service.port, timeout=300)
+
+
+@pytest.fixture(params=["directory", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "directory":
+        return str(tmp_path / "kv-store")
+    return request.getfixturevalue("redis_url")
+
+
+def test_kv_survives_restarts_of_the_executor_and_kvmanager_and_corruption_costs_only_a_miss(
+        start_service, tiny_model_dir, store_url, tmp_path):
+    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", store_url)
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", *executor_args, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                  "--unavailable-timeout", "120")
+    url = f"http://127.0.0.1:{http_port}"
+
+    text, logprobs, cached = ask(url)
+    assert cached == 0
+    # The prompt's 6 full blocks (and the output's) are saved once their KV is written, and
+    # findable once the executor reported the saves (the gateway does when idle).
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_saves >= 6, 30)
+
+    def same_answer(what: str, expect_cached: int | None = 96) -> None:
+        got_text, got_logprobs, got_cached = ask(url)
+        assert got_text == text, what
+        assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < LOGPROB_TOLERANCE, what
+        if expect_cached is not None:
+            assert got_cached == expect_cached, f"{what}: {got_cached} tokens cached"
+
+    executor = restart(start_service, executor, *executor_args)
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, 60)
+    same_answer("the executor restarted: its pool is empty, the store is not")
+    stats = store_stats(kvmanager.address, executor.address)
+    assert stats.store_hits >= 96 and stats.num_store_blocks >= 6
+
+    kvmanager = restart(start_service, kvmanager)
+    executor = restart(start_service, executor, *executor_args)
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, 60)
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_blocks >= 6, 30), \
+        "a restarted kvmanager rebuilds its store index from the store"
+    same_answer("kvmanager and executor restarted: the index is rebuilt from the store")
+
+    # Corrupt every entry behind kvmanager's back; restart the executor so that nothing is in its pool.
+    corrupt(store_url)
+    executor = restart(start_service, executor, *executor_args)
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, 60)
+    misses = metric(url, "kvserve:kv_store_load_misses_total")
+    same_answer("every entry corrupt: the loads miss, the prompt is recomputed", expect_cached=None)
+    assert metric(url, "kvserve:kv_store_load_misses_total") > misses
+    assert store_stats(kvmanager.address, executor.address).num_store_load_failures >= 1
+    same_answer("after the miss the prompt is saved again and hits", expect_cached=None)
+
+
+def corrupt(store_url: str) -> None:
+    """Flips a byte in the payload of every entry (directory), or truncates every entry (Redis)."""
+    if store_url.startswith("redis://"):
+        import redis
+
+        client = redis.Redis.from_url(store_url)
+        for key in client.scan_iter(match="kvserve:kv:*"):
+            if not key.endswith(b":keys"):
+                client.setrange(key, 40, b"\xff\x00\xff")
+        client.close()
+        return
+    from pathlib import Path
+
+    files = list(Path(store_url).rglob("*.kvb"))
+    assert files, "the store holds no entry to corrupt"
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+def test_an_executor_without_a_store_refuses_store_operations(start_service, tiny_model_dir):
+    from kvserve.v1 import executor_pb2, executor_pb2_grpc
+
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
+    with grpc.insecure_channel(executor.address) as channel:
+        stub = executor_pb2_grpc.ExecutorStub(channel)
+        assert stub.Describe(executor_pb2.DescribeRequest(), timeout=5).kv_store == ""
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Execute(executor_pb2.ExecuteRequest(store_delete_hashes=[b"x" * 16]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "--kv-store" in refused.value.details()
+
+
+def test_a_bad_store_url_is_a_one_line_start_up_error(start_service, tiny_model_dir):
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, "--kv-store", "ftp://nowhere",
+                             wait=False)
+    assert executor.proc.wait(120) != 0
+    last_line = executor.logs().strip().splitlines()[-1]
+    assert "kv" in last_line and "ftp://nowhere" in last_line, last_line
