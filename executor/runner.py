@@ -176,7 +176,10 @@ class ModelRunner:
         if options.kv_store_capacity < bytes_per_block:
             raise ValueError(f"kv_store_capacity: {options.kv_store_capacity} bytes hold no block of "
                              f"{bytes_per_block} bytes")
-        store = open_store(options.kv_store)
+        try:
+            store = open_store(options.kv_store)
+        except ValueError as exc:
+            raise ValueError(f"kv_store: {exc}") from None
         namespace = store_namespace(fingerprint, precision, self.backend.name, self.device.type, self.kv_caches,
                                     self.block_size)
         log.info("kv_store_opened", store=describe_url(options.kv_store), medium=store.medium, namespace=namespace,

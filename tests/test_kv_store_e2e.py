@@ -152,4 +152,4 @@ def test_a_bad_store_url_is_a_one_line_start_up_error(start_service, tiny_model_
                              wait=False)
     assert executor.proc.wait(120) != 0
     last_line = executor.logs().strip().splitlines()[-1]
-    assert "kv" in last_line and "ftp://nowhere" in last_line, last_line
+    assert "--kv-store" in last_line and "ftp://nowhere" in last_line, last_line
