@@ -10,6 +10,8 @@ embedding.
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -147,9 +149,22 @@ def rope_cos_sin(config: ModelConfig, max_len: int, device: torch.device) -> tor
 
 
 def cpu_weight_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    """oneDNN pre-packed bf16 linears: CPU only, and only where this torch build has the op."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """oneDNN pre-packed bf16 linears: CPU only, where this torch build has the op and the CPU runs it."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
+
+
+@functools.cache
+def _cpu_packs_bf16() -> bool:
+    """oneDNN's bf16 packing needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
+    it raises, and the plain bf16 linear (slower, but exact) is what remains. Asked of the op
+    itself, once: the CPU's feature flags are not exposed alike by every torch build."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=torch.bfloat16), 32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
