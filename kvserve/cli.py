@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvserve.config import EnvArgumentParser
 from kvserve.launcher import StackConfig, start_stack
-from kvserve.paths import default_model_dir
+from kvserve.paths import cache_dir, default_model_dir
 from kvserve.ports import (
     DEFAULT_EXECUTOR_PORT, DEFAULT_GATEWAY_PORT, DEFAULT_HOST, DEFAULT_HTTP_PORT, DEFAULT_KVMANAGER_PORT,
 )
@@ -39,6 +39,25 @@ def _ensure_default_model(model_dir: Path) -> None:
             raise SystemExit("kvserve up: error: preparing the default model failed")
 
 
+# What `kvserve up --kv-store auto` lets the store keep: warm restarts for a session's prompts,
+# bounded well below a laptop's free disk.
+AUTO_KV_STORE_BYTES = 2 << 30
+
+
+def default_kv_store_dir() -> Path:
+    return cache_dir() / "kv-store"
+
+
+def with_kv_store(executor_args: list[str], kv_store: str) -> list[str]:
+    """The executor's flags with ``kvserve up --kv-store``'s choice, unless they name a store themselves."""
+    if kv_store == "off" or any(a == "--kv-store" or a.startswith("--kv-store=") for a in executor_args):
+        return executor_args
+    if kv_store == "auto":
+        return ["--kv-store", str(default_kv_store_dir()), "--kv-store-capacity", str(AUTO_KV_STORE_BYTES),
+                *executor_args]  # a capacity among them wins
+    return ["--kv-store", kv_store, *executor_args]
+
+
 def up(argv: list[str]) -> int:
     parser = EnvArgumentParser(prog="kvserve up", description="Run kvmanager, executor and gateway locally.")
     parser.add_argument("--model", type=Path, default=default_model_dir(), help="Hugging Face model directory")
@@ -51,6 +70,10 @@ def up(argv: list[str]) -> int:
     parser.add_argument("--gateway-args", default="", help="extra gateway flags, e.g. '--batching static'")
     parser.add_argument("--kvmanager-args", default="", help="extra kvmanager flags")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for health")
+    parser.add_argument("--kv-store", default="auto", metavar="auto|off|DIR|URL",
+                        help="the executor's KV store tier (its --kv-store): auto: a directory under the cache "
+                             f"dir ({default_kv_store_dir()}), at most {AUTO_KV_STORE_BYTES >> 30} GiB, so that a "
+                             "restart serves repeated prompts by a load; off: none; or a directory or redis:// URL")
     parser.add_argument("--api-key", default=None, secret=True,
                         help="the gateway's --api-key: clients must send 'Authorization: Bearer <key>' (default: "
                              "none, the API is open)")
@@ -64,7 +87,8 @@ def up(argv: list[str]) -> int:
     config = StackConfig(
         model_dir=args.model, host=args.host, kvmanager_port=args.kvmanager_port,
         executor_port=args.executor_port, gateway_port=args.grpc_port, http_port=args.http_port,
-        kvmanager_args=shlex.split(args.kvmanager_args), executor_args=shlex.split(args.executor_args),
+        kvmanager_args=shlex.split(args.kvmanager_args),
+        executor_args=with_kv_store(shlex.split(args.executor_args), args.kv_store),
         gateway_args=shlex.split(args.gateway_args), timeout=args.startup_timeout,
         api_key=args.api_key or None, service_token=args.service_token or secrets.token_urlsafe(32),
     )

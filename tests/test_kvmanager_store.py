@@ -233,3 +233,14 @@ def test_a_malformed_store_report_changes_nothing(report, message):
 def test_a_store_without_a_namespace_is_refused():
     with pytest.raises(InvalidArgument, match="kv_store_namespace"):
         KVManager().register_pool(PoolConfig("p", 8, BS, "m"), store=StoreConfig("file:///x", ""))
+
+
+def test_kvserve_up_gives_the_executor_a_store_under_the_cache_dir_unless_told_otherwise(monkeypatch, tmp_path):
+    from kvserve.cli import with_kv_store
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    args = with_kv_store(["--num-blocks", "64"], "auto")
+    assert args[:2] == ["--kv-store", str(tmp_path / "kv-store")] and args[-2:] == ["--num-blocks", "64"]
+    assert with_kv_store(["--num-blocks", "64"], "off") == ["--num-blocks", "64"]
+    assert with_kv_store([], "redis://r:6379/0") == ["--kv-store", "redis://r:6379/0"]
+    assert with_kv_store(["--kv-store=/mine"], "auto") == ["--kv-store=/mine"]
