@@ -46,8 +46,8 @@ ENV PYTHONUNBUFFERED=1 \
 RUN (getent group kvserve || groupadd --system --gid "${KVSERVE_UID}" kvserve) \
  && (id -u kvserve 2>/dev/null || useradd --system --uid "${KVSERVE_UID}" --gid kvserve \
         --home-dir /home/kvserve --create-home --shell /usr/sbin/nologin kvserve) \
- && mkdir -p /models /opt/kvserve/extensions /run/kvserve/steps \
- && chown kvserve:kvserve /models /opt/kvserve/extensions /run/kvserve/steps \
+ && mkdir -p /models /opt/kvserve/extensions /run/kvserve/steps /var/cache/kvserve/kv-store \
+ && chown kvserve:kvserve /models /opt/kvserve/extensions /run/kvserve/steps /var/cache/kvserve/kv-store \
  && python3 -m venv --system-site-packages /opt/venv \
  && echo /opt/kvserve/app > "$(/opt/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvserve-app.pth" \
  && printf '#!/bin/sh\nexec /opt/venv/bin/python -m kvserve "$@"\n' > /opt/venv/bin/kvserve \

@@ -166,6 +166,23 @@ def test_the_gateway_sees_the_executors_step_sockets():
     assert re.search(rf"chown kvserve:kvserve [^&]*{re.escape(steps_dir)}", dockerfile)
 
 
+def test_the_executors_share_a_kv_store_volume_that_kvmanager_reads_too():
+    """The store tier's directory is one volume for every executor replica (a prefix one computed is a
+    load for the other) and for kvmanager (which lists it to rebuild its index after a restart), at
+    the path the executors' --kv-store names; the image owns it so the volume is seeded writable."""
+    from kvserve.config import env_name
+
+    spec = _load(COMPOSE)
+    executor, kvmanager = spec["services"]["executor"], spec["services"]["kvmanager"]
+    store_dir = executor["environment"][env_name("--kv-store")].split(":-", 1)[-1].rstrip("}")
+    executor_mounts = {v.split(":")[1]: v.split(":")[0] for v in executor["volumes"]}
+    kvmanager_mounts = {v.split(":")[1]: v.split(":")[0] for v in kvmanager["volumes"]}
+    assert executor_mounts[store_dir] == kvmanager_mounts[store_dir] and executor_mounts[store_dir] in spec["volumes"]
+    assert spec["services"]["redis"]["profiles"] == ["redis"]  # the networked store only when asked for
+    dockerfile = re.sub(r"\s+", " ", DOCKERFILE.read_text())
+    assert re.search(rf"chown kvserve:kvserve [^&]*{re.escape(store_dir)}", dockerfile)
+
+
 def test_gpu_overrides_request_devices_the_vendor_way():
     cuda = _load(OVERRIDES["cuda"])["services"]
     devices = cuda["executor"]["deploy"]["resources"]["reservations"]["devices"]
