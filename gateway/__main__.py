@@ -76,8 +76,8 @@ def build_parser() -> EnvArgumentParser:
                         help="step an executor over the Unix socket its Describe offers when it is on this host "
                              "(no gRPC cost per step, docs/gateway.md); --no-executor-step-socket: always gRPC")
     parser.add_argument("--unavailable-timeout", dest="unavailable_timeout_s", type=float, default=30.0,
-                        help="seconds requests in flight wait (to be recomputed) while no executor can serve "
-                             "(all unreachable, or kvmanager) before they fail with 503")
+                        help="seconds requests wait (those in flight to be recomputed, new ones to start) while no "
+                             "executor can serve (all unreachable, or kvmanager) before they fail with 503")
     parser.add_argument("--api-key", default=None, secret=True,
                         help="require 'Authorization: Bearer <key>' on the OpenAI API (/v1/*; 401 otherwise) and "
                              "'authorization: Bearer <key>' gRPC metadata on kvserve.v1.Gateway (UNAUTHENTICATED); "

@@ -16,7 +16,9 @@ it has and is *parked*: routed again as soon as any executor can serve, where it
 is recomputed from those tokens, so greedy and seeded outputs are token-identical
 to an uninterrupted run and clients see no error. Only when nothing could serve a
 parked request for ``unavailable_timeout_s`` does it fail, with UNAVAILABLE (503)
-and the reason. New requests while nothing can serve get 503 at once.
+and the reason. A new request while nothing can serve is parked the same way (within
+``max_queue_len``): a restart of the executor or kvmanager costs it a wait, not an
+error. Only a gateway that has never reached an executor answers 503 at once.
 
 Several gateways may share one kvmanager: each has its own sessions (sequences
 never mix), and on a shared pool the prefixes one writes are hits for the other.
@@ -225,7 +227,11 @@ class Engine:
         It fails with DEADLINE_EXCEEDED after ``timeout_s`` or ``request_timeout_s``, whichever is shorter."""
         if not self._accepting:
             raise Unavailable("gateway is shutting down")
-        await self.ensure_connected()
+        try:
+            await self.ensure_connected()
+        except Unavailable:
+            if self.info is None:  # never served: nothing to validate against, nothing to wait for
+                raise
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         if request_id in self._live:
             raise AlreadyExists(f"request_id {request_id!r} is already live")
@@ -245,13 +251,14 @@ class Engine:
         create_sequences(request, lambda: self.tokenizer.detokenizer(prompt_token_ids, options.skip_special_tokens),
                          self._new_seq_id)
         decision = await self._route(request)
-        if decision is None:  # every executor went away while kvmanager was asked
-            raise Unavailable(f"cannot serve: {self._unavailable_reason()}")
         stream = RequestStream(request)
         request.sink = stream.queue.put_nowait
         self._live[request_id] = stream
-        self._where[request_id] = decision.candidate
-        decision.candidate.enqueue([request])
+        if decision is None:  # nothing can serve now: it waits as the requests in flight do
+            self._park([request], self._unavailable_reason())
+        else:
+            self._where[request_id] = decision.candidate
+            decision.candidate.enqueue([request])
         self._publish_queue()
         return stream
 
@@ -358,15 +365,20 @@ class Engine:
 
     def _evacuated(self, backend: Backend, requests: list[GenerationRequest], reason: str) -> None:
         self.router.pending.forget(backend.address)
+        self._park(requests, reason)
+        if requests:
+            self.metrics.on_migrated(backend.address, len(requests))
+        self.metrics.set_executor_up(backend.address, False)
+
+    def _park(self, requests: list[GenerationRequest], reason: str) -> None:
+        """Requests nothing can serve now wait in the engine, to be routed as soon as something
+        can (``dispatch``), or to fail with 503 after ``unavailable_timeout_s``."""
         self._parked_reason = reason
         now = time.monotonic()
         for request in requests:
             self._where[request.request_id] = None
             self._parked_since.setdefault(request.request_id, now)
         self.parking.adopt(requests)
-        if requests:
-            self.metrics.on_migrated(backend.address, len(requests))
-        self.metrics.set_executor_up(backend.address, False)
         self._dispatch_wakeup.set()
 
     def _came_up(self, backend: Backend) -> None:

@@ -57,9 +57,14 @@ HTTP_STATUS = {
 }
 
 
+# A 503 says when to try again: the gateway reconnects to its dependencies every quarter second.
+RETRY_AFTER_S = 1
+
+
 def error_response(status: int, message: str, error_type: str, param: str | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def error_for(exc: Exception) -> tuple[int, str]:

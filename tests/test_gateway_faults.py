@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 
 import grpc
 import httpx
@@ -35,16 +36,26 @@ def test_dependency_down_is_503_then_recovers_then_sigterm_is_graceful(start_ser
     executor = start_service("executor", "--model", str(tiny_model_dir), timeout=300)
     http_port = free_port()
     gateway = start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                            "--executor-address", executor.address, "--model", str(tiny_model_dir))
+                            "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                            "--unavailable-timeout", "6")
     url = f"http://127.0.0.1:{http_port}"
     assert generate(url).status_code == 200
 
     kvmanager.stop()
-    down = generate(url)
+    asked = time.monotonic()
+    down = generate(url)  # waits for a dependency to come back, as requests in flight do, then 503
+    assert time.monotonic() - asked >= 5
     assert down.status_code == 503 and "kvmanager" in down.json()["error"]["message"]
+    assert down.headers["retry-after"] == "1"
+    # A request that arrives while kvmanager is down waits for it (within --unavailable-timeout).
+    waiting: list[httpx.Response] = []
+    arrived = threading.Thread(target=lambda: waiting.append(generate(url)), daemon=True)
+    arrived.start()
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and health.json()["kvmanager"] == "UNREACHABLE"
     kvmanager = start_service("kvmanager", port=kvmanager.port)
+    arrived.join(60)
+    assert waiting and waiting[0].status_code == 200, waiting and waiting[0].text
     assert wait_for(lambda: serves_again(url), timeout=20)
     assert httpx.get(url + "/health").status_code == 200
 
