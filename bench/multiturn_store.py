@@ -1,33 +1,25 @@
-"""Multi-turn conversations whose KV outgrows the executor's pool: the KV store tier against recompute.
+"""Multi-turn chats whose KV outgrows the executor's pool: the KV store tier against recompute.
 
     python -m bench.multiturn_store                     # 16 conversations x 3 turns, all four rows
     python -m bench.multiturn_store --rows off,directory --num-conversations 8 --turns 2
 
-``--num-conversations`` ShareGPT conversations (a seeded draw), each cut to its first
-``--turns`` user turns, the user messages truncated so that a conversation's context at
-its last turn (chat template, every user turn, ``--max-tokens`` per reply) stays within
-``--max-context`` tokens. Turn *k*'s prompt is the history with the replies the model
-generated (greedy ``/v1/chat/completions``, streamed with usage) plus user turn *k*.
-Round *k* sends turn *k* of every conversation, ``--concurrency`` in flight, so a
-conversation comes back only after every other session's turn went through. The
-executor's pool (``--num-blocks``) holds about a quarter of all conversations' last-turn
-context, so most of a returning conversation's prefix has been evicted from it.
-
-Rows, each a fresh kvmanager + executor + gateway on free loopback ports: ``off`` (no
-``--kv-store``), ``directory`` (a temp dir), ``redis`` (a redis-server started here) and
-``restart`` (directory store; the executor is killed with SIGKILL between rounds 1 and
-2 and started again on its port with the same flags, after kvmanager has the round's
-saves). Numbers are over rounds 2+ (the turns that can hit): TTFT p50/p90 (first
-streamed chunk), output tokens / wall time of those rounds, prefix hit rate (sum of
-``cached_tokens`` / ``prompt_tokens`` from usage: pool + store hits) and the gateway's
-``kvserve:kv_store_hit_tokens_total``. Later turns' prompts hold each row's own replies,
-so rows send the same first turns and, greedy decoding being deterministic up to batch
-numerics, nearly the same later ones.
-
-Then, in this process: a 512-token prefill (``ModelRunner.execute``) against loading the
-same 32 blocks back from the directory store and from Redis (``BlockMover.load``; the
-directory's files are in the page cache), per token. Results: ``--out``/results.json
-(every number, per-turn records, lscpu), lscpu.txt, service logs under logs/.
+A seeded draw of ShareGPT conversations, each cut to its first ``--turns`` user turns (user
+messages truncated so that the context at the last turn stays within ``--max-context``).
+Turn *k*'s prompt is the history, with the replies the model generated (greedy, streamed
+``/v1/chat/completions`` with usage), plus user turn *k*. Round *k* sends turn *k* of every
+conversation, ``--concurrency`` in flight, so a conversation returns only after the other
+sessions' turns. The executor's pool holds about 1/4 of all conversations' last-turn context.
+Rows, each a fresh kvmanager + executor + gateway on free ports: ``off`` (no ``--kv-store``),
+``directory`` (a temp dir), ``redis`` (a redis-server started here), ``restart`` (directory;
+the executor is SIGKILLed between rounds 1 and 2, once kvmanager has the round's saves, and
+started again on its port with the same flags). Over rounds 2+: TTFT p50/p90 (first streamed
+chunk), output tokens / wall time, prefix hit rate (sum of usage ``cached_tokens`` /
+``prompt_tokens``: pool + store hits), ``kvserve:kv_store_hit_tokens_total``. Then, in this
+process: the best of 3 512-token prefills (``ModelRunner.execute``) against the best of 10 loads
+of its 32 blocks (``BlockMover.load``) from the directory store (files in the page cache) and
+Redis. ``--dtype auto`` is bfloat16 only where the CPU computes it natively (avx512_bf16 or
+amx_bf16), else float32. Writes ``--out``/results.json (every number, per-turn records, lscpu),
+lscpu.txt, logs/.
 """
 from __future__ import annotations
 
@@ -37,7 +29,6 @@ import json
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.peers.common import free_port, lscpu_text, write_lscpu
+from bench.peers.common import cpu_flags, free_port, lscpu_text, write_lscpu
 from bench.routing_bench import ChatTokenizer, Conversation, percentile, service_env
 
 BLOCK = 16
@@ -124,38 +115,38 @@ async def send_turn(client, url: str, model: str, messages: list[dict], max_toke
                 out["error"] = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:300]}"
                 return out
             async for line in reply.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else ""
-                if not data or data == "[DONE]":
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    out["error"] = str(chunk["error"])[:300]
+                chunk = json.loads(line[5:])
+                out["error"] = str(chunk.get("error", ""))[:300] or out["error"]
                 for choice in chunk.get("choices") or []:
                     out["ttft"] = out["ttft"] or time.perf_counter() - start
                     out["text"] += (choice.get("delta") or {}).get("content") or ""
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
+                if usage := chunk.get("usage"):
                     out["prompt_tokens"], out["output_tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
                     out["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["e2e"] = time.perf_counter() - start
-    if not out["error"] and out["ttft"] is None:
-        out["error"] = "no output"
+    out["error"] = out["error"] or ("" if out["ttft"] is not None else "no output")
     return out
 
 
+def hit_rate(turns: list[dict]) -> float | None:
+    ok = [t for t in turns if not t["error"]]
+    prompt = sum(t["prompt_tokens"] for t in ok)
+    return sum(t["cached_tokens"] for t in ok) / prompt if prompt else None
+
+
 async def play(url: str, chats: list[Chat], args, between_rounds=None) -> tuple[list[dict], dict]:
-    """Every round in turn; returns the rounds and the gateway's counters over rounds 2+."""
+    """Every round in turn; returns the rounds and what the gateway counted over rounds 2+."""
     import httpx
 
     from bench.server_metrics import COUNTERS, parse_prometheus, pick
 
-    names = {**COUNTERS, "store_hit_tokens": STORE_HITS}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=30.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0)) as client:
         model = (await client.get(url + "/v1/models")).json()["data"][0]["id"]
-        warm = await send_turn(client, url, model, [{"role": "user", "content": "Say hello."}], 4)
-        if warm["error"]:
+        if (warm := await send_turn(client, url, model, [{"role": "user", "content": "Say hello."}], 4))["error"]:
             raise RuntimeError(f"warm-up request failed: {warm['error']}")
         histories: list[list[dict]] = [[] for _ in chats]
         rounds, before = [], {}
@@ -176,41 +167,36 @@ async def play(url: str, chats: list[Chat], args, between_rounds=None) -> tuple[
             t0 = time.perf_counter()
             turns = await asyncio.gather(*(one(i) for i in range(len(chats))))
             rounds.append({"round": k + 1, "wall_s": time.perf_counter() - t0, "turns": turns})
-            print(f"   round {k + 1}: {rounds[-1]['wall_s']:.1f} s, hit rate "
-                  f"{fmt(hit_rate(turns), '.1%')}", file=sys.stderr, flush=True)
+            print(f"   round {k + 1}: {rounds[-1]['wall_s']:.1f} s, hit rate {fmt(hit_rate(turns), '.1%')}",
+                  file=sys.stderr, flush=True)
         after = parse_prometheus((await client.get(url + "/metrics")).text)
+    names = {**COUNTERS, "store_hit_tokens": STORE_HITS}
     return rounds, {key: (pick(after, n) or 0.0) - (pick(before, n) or 0.0) for key, n in names.items()}
 
 
-def hit_rate(turns: list[dict]) -> float | None:
-    ok = [t for t in turns if not t["error"]]
-    prompt = sum(t["prompt_tokens"] for t in ok)
-    return sum(t["cached_tokens"] for t in ok) / prompt if prompt else None
-
-
 def pool_stats(kvmanager_address: str, executor_address: str) -> dict:
-    """kvmanager's GetStats of the executor's pool (store hits, blocks, saves)."""
+    """kvmanager's GetStats of the executor's pool (store_hits, num_store_blocks, num_store_saves...)."""
     import grpc
     from google.protobuf.json_format import MessageToDict
 
     from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
     with grpc.insecure_channel(kvmanager_address) as channel:
-        stub = kvmanager_pb2_grpc.KVManagerStub(channel)
-        request = kvmanager_pb2.GetStatsRequest(pool_id=f"executor@{executor_address}")
-        return MessageToDict(stub.GetStats(request, timeout=10), preserving_proto_field_name=True)
+        reply = kvmanager_pb2_grpc.KVManagerStub(channel).GetStats(
+            kvmanager_pb2.GetStatsRequest(pool_id=f"executor@{executor_address}"), timeout=10)
+    return MessageToDict(reply, preserving_proto_field_name=True)
 
 
 def restart_executor(stack, executor_args: list[str], env: dict, log_dir: Path) -> float:
-    """Waits until kvmanager has the round's saves (no new one for 1 s), SIGKILLs the executor,
-    starts it again on its port with the same flags, waits for the gateway's /health 200."""
+    """Once kvmanager's count of saves stands still for 1 s: SIGKILL the executor, start it again
+    on its port with the same flags, wait for the gateway's /health 200. Returns the seconds."""
     import httpx
 
     from kvserve.launcher import start_healthy
 
-    saves, deadline = -1, time.monotonic() + 60
+    saves, deadline = None, time.monotonic() + 60
     while time.monotonic() < deadline:
-        now = int(pool_stats(stack.kvmanager.address, stack.executor.address).get("num_store_saves", 0))
+        now = pool_stats(stack.kvmanager.address, stack.executor.address).get("num_store_saves")
         if now == saves:
             break
         saves = now
@@ -221,33 +207,35 @@ def restart_executor(stack, executor_args: list[str], env: dict, log_dir: Path) 
     stack.executor = start_healthy("executor", executor_args, port=stack.executor.port, timeout=300, env=env,
                                    log_path=log_dir / f"executor-{stack.executor.port}-restarted.log")
     while httpx.get(stack.http_url + "/health", timeout=10).status_code != 200:
-        if time.perf_counter() - t0 > 120:
-            raise RuntimeError("the gateway's /health is not 200 two minutes after the executor restart")
+        if time.perf_counter() - t0 > 300:
+            raise RuntimeError("the gateway's /health is not 200 five minutes after the executor restart")
         time.sleep(0.2)
     return time.perf_counter() - t0
 
 
-def run_row(slug: str, chats: list[Chat], pool: dict, args, out_dir: Path, redis_url: str) -> dict:
+def run_row(slug: str, chats: list[Chat], pool: dict, args, redis_url: str) -> dict:
+    """A fresh stack for the row, the rounds on it, its numbers over rounds 2+."""
     from kvserve.launcher import StackConfig, start_stack
 
-    log_dir = out_dir / "logs" / slug
+    log_dir = args.out / "logs" / slug
     log_dir.mkdir(parents=True, exist_ok=True)
     store_dir = tempfile.mkdtemp(prefix=f"kvserve-bench-{slug}-")
     store = {"off": [], "redis": ["--kv-store", redis_url]}.get(slug, ["--kv-store", store_dir])
     executor_args = ["--dtype", args.dtype, "--num-blocks", str(pool["num_blocks"]), "--block-size", str(BLOCK),
                      "--max-model-len", "2048", "--num-threads", str(args.num_threads), *store]
     env = service_env(args.num_threads)
-    config = StackConfig(model_dir=args.model, kvmanager_port=free_port(), executor_port=free_port(),
-                         gateway_port=free_port(), http_port=free_port(), executor_args=executor_args,
-                         gateway_args=["--unavailable-timeout", "120"], log_dir=log_dir, env=env, timeout=300)
-    row = {"slug": slug, "name": ROWS[slug], "executor_args": executor_args, "errors": []}
+    row = {"slug": slug, "name": ROWS[slug], "executor_args": executor_args}
     t0 = time.perf_counter()
-    stack = start_stack(config)
+    stack = start_stack(StackConfig(
+        model_dir=args.model, kvmanager_port=free_port(), executor_port=free_port(), gateway_port=free_port(),
+        http_port=free_port(), executor_args=executor_args, gateway_args=["--unavailable-timeout", "300"],
+        log_dir=log_dir, env=env, timeout=300))
     row["startup_s"] = time.perf_counter() - t0
-    try:
-        def between() -> None:
-            row["restart_s"] = restart_executor(stack, ["--model", str(args.model), *executor_args], env, log_dir)
 
+    def between() -> None:
+        row["restart_s"] = restart_executor(stack, ["--model", str(args.model), *executor_args], env, log_dir)
+
+    try:
         rounds, row["gateway_counters"] = asyncio.run(play(stack.http_url, chats, args,
                                                           between if slug == "restart" else None))
         row["kvmanager_stats"] = pool_stats(stack.kvmanager.address, stack.executor.address)
@@ -256,52 +244,39 @@ def run_row(slug: str, chats: list[Chat], pool: dict, args, out_dir: Path, redis
         shutil.rmtree(store_dir, ignore_errors=True)
     later = [t for r in rounds[1:] for t in r["turns"]]
     ok = [t for t in later if not t["error"]]
-    ttft = [1000 * t["ttft"] for t in ok]
-    wall = sum(r["wall_s"] for r in rounds[1:])
-    row.update(rounds=rounds, completed=len(ok), failed=len(later) - len(ok),
-               ttft_p50_ms=percentile(ttft, 50), ttft_p90_ms=percentile(ttft, 90),
-               output_tok_s=sum(t["output_tokens"] for t in ok) / wall if wall else None,
-               hit_rate=hit_rate(later), round1_hit_rate=hit_rate(rounds[0]["turns"]),
-               store_hit_tokens=row["gateway_counters"]["store_hit_tokens"])
-    row["errors"] = sorted({t["error"] for r in rounds for t in r["turns"] if t["error"]})[:5]
-    return row
+    ttft, wall = [1000 * t["ttft"] for t in ok], sum(r["wall_s"] for r in rounds[1:])
+    return {**row, "completed": len(ok), "failed": len(later) - len(ok), "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p90_ms": percentile(ttft, 90), "output_tok_s": sum(t["output_tokens"] for t in ok) / wall,
+            "hit_rate": hit_rate(later), "round1_hit_rate": hit_rate(rounds[0]["turns"]),
+            "store_hit_tokens": row["gateway_counters"]["store_hit_tokens"], "rounds": rounds,
+            "errors": sorted({t["error"] for r in rounds for t in r["turns"] if t["error"]})[:5]}
 
 
 @contextmanager
 def redis_server(data_dir: Path):
-    """A throwaway redis-server on a free loopback port (no persistence); yields its URL."""
+    """A throwaway redis-server on a free loopback port, no persistence; yields (URL, client)."""
     import redis
+    from redis.backoff import ConstantBackoff
+    from redis.retry import Retry
 
     port = free_port()
-    log = (data_dir / "redis.log").open("wb")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(data_dir)], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", str(data_dir)], stdout=subprocess.DEVNULL)
     try:
-        client, deadline = redis.Redis(port=port), time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start (log: {data_dir / 'redis.log'})") from None
-                time.sleep(0.05)
+        client = redis.Redis(port=port, retry=Retry(ConstantBackoff(0.05), 200))  # retried while it starts
+        client.ping()
         yield f"redis://127.0.0.1:{port}/0", client
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        proc.kill()
+        proc.wait()
 
 
 # --- load vs prefill, in-process -----------------------------------------------------------
 
 
-def load_vs_prefill(args, stores: dict[str, str], tokens: int = 512, repeats: int = 5) -> dict:
-    """Median ms of a ``tokens``-token prefill and of loading its blocks back from each store."""
+def load_vs_prefill(args, stores: dict[str, str], tokens: int = 512) -> dict:
+    """Best-of-3 ms of a ``tokens``-token prefill and best-of-10 of loading its blocks back from
+    each store (the least disturbed numbers on a shared machine)."""
     import torch
 
     from executor.devices import dtype_name
@@ -310,37 +285,34 @@ def load_vs_prefill(args, stores: dict[str, str], tokens: int = 512, repeats: in
     from kvserve.kv_store import block_hash_of, open_store
 
     torch.set_num_threads(args.num_threads)
-    blocks = tokens // BLOCK
-    table = list(range(1, blocks + 1))
-    runner = ModelRunner(RunnerOptions(args.model, dtype=args.dtype, num_blocks=blocks + 1, block_size=BLOCK,
+    table = list(range(1, tokens // BLOCK + 1))
+    runner = ModelRunner(RunnerOptions(args.model, dtype=args.dtype, num_blocks=len(table) + 1, block_size=BLOCK,
                                        kv_store=stores["directory"]))
     seq = SequenceInput(0, [(17 * i) % 40000 + 100 for i in range(tokens)], 0, table, sample=True)
 
-    def median_ms(fn) -> float:
+    def best_ms(fn, repeats: int) -> float:
         fn()  # warm-up
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+            times.append(1e3 * (time.perf_counter() - t0))
+        return min(times)
 
-    prefill_ms = median_ms(lambda: runner.execute([seq]))
+    prefill_ms = best_ms(lambda: runner.execute([seq]), 3)
     keys = [f"bench-multiturn-{i}".encode() for i in table]
     hashes = [block_hash_of(k) for k in keys]
-    out = {"tokens": tokens, "dtype": dtype_name(runner.dtype), "threads": args.num_threads,
-           "bytes_per_block": runner.store_mover.bytes_per_block, "prefill_ms": prefill_ms,
-           "prefill_us_per_token": 1e3 * prefill_ms / tokens, "stores": {}}
+    out = {"tokens": tokens, "dtype": dtype_name(runner.dtype), "threads": args.num_threads, "prefill_ms": prefill_ms,
+           "bytes_per_block": runner.store_mover.bytes_per_block, "prefill_us_per_token": 1e3 * prefill_ms / tokens}
     for name, url in stores.items():
         mover = runner.store_mover if name == "directory" else \
             BlockMover(open_store(url), runner.store_mover.namespace, runner.kv_caches)
-        saved = mover.save(table, hashes, keys)
-        missing: list[bytes] = []
-        load_ms = median_ms(lambda: missing.extend(mover.load(table, hashes)))
-        out["stores"][name] = {"load_ms": load_ms, "load_us_per_token": 1e3 * load_ms / tokens,
-                               "saved": sum(saved), "missed_loads": len(missing),
-                               "MB_per_s": mover.bytes_per_block * blocks / load_ms / 1e3,
-                               "load_over_prefill": load_ms / prefill_ms}
+        saved, missing = sum(mover.save(table, hashes, keys)), []
+        load_ms = best_ms(lambda: missing.extend(mover.load(table, hashes)), 10)
+        out.setdefault("stores", {})[name] = {
+            "load_ms": load_ms, "load_us_per_token": 1e3 * load_ms / tokens, "saved": saved,
+            "missed_loads": len(missing), "MB_per_s": mover.bytes_per_block * len(table) / load_ms / 1e3,
+            "load_over_prefill": load_ms / prefill_ms}
     return out
 
 
@@ -359,39 +331,31 @@ def format_report(results: dict) -> str:
              f"pool {p['pool_tokens']} tokens ({p['num_blocks']} blocks incl. the null block) = {p['ratio']:.1f}x",
              "", "| row | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | prefix hit rate | store hit tokens |",
              "|---|---:|---:|---:|---:|---:|"]
-    rows = {r["slug"]: r for r in results["rows"]}
+    done = {r["slug"]: r for r in results["rows"] if not r.get("skipped")}
     for r in results["rows"]:
-        if r.get("skipped"):
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | |")
-            continue
-        lines.append(f"| {r['name']} | {fmt(r['ttft_p50_ms'], '.0f')} | {fmt(r['ttft_p90_ms'], '.0f')} | "
+        lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | |" if r.get("skipped") else
+                     f"| {r['name']} | {fmt(r['ttft_p50_ms'], '.0f')} | {fmt(r['ttft_p90_ms'], '.0f')} | "
                      f"{fmt(r['output_tok_s'], '.1f')} | {fmt(r['hit_rate'], '.1%')} | {r['store_hit_tokens']:.0f} |")
     lines.append("")
-    off = rows.get("off")
-    for r in results["rows"]:
-        if off is r or r.get("skipped") or not off or off.get("skipped"):
-            continue
+    off = done.get("off")
+    for r in (r for slug, r in done.items() if off and slug != "off"):
         p50 = off["ttft_p50_ms"] / r["ttft_p50_ms"] if off["ttft_p50_ms"] and r["ttft_p50_ms"] else None
-        tput = r["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] and r["output_tok_s"] else None
+        tput = r["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None
         lines.append(f"- {r['name']}: TTFT p50 off/store = {fmt(p50, '.2f')}x, throughput store/off = "
                      f"{fmt(tput, '.2f')}x")
-    restart, same = rows.get("restart"), rows.get("directory")
-    if restart and same and restart.get("hit_rate") is not None and same.get("hit_rate"):
+    restart, same = done.get("restart"), done.get("directory")
+    if restart and same and restart["hit_rate"] is not None and same["hit_rate"]:
         kept = restart["hit_rate"] / same["hit_rate"]
-        lines.append(f"- executor restarted: hit rate of rounds 2+ {restart['hit_rate']:.1%} vs "
-                     f"{same['hit_rate']:.1%} without the restart = {kept:.0%} (target >= 90%: "
-                     f"{'HOLDS' if kept >= 0.9 else 'MISSED'})")
+        lines.append(f"- executor restarted: hit rate of rounds 2+ {restart['hit_rate']:.1%} vs {same['hit_rate']:.1%} "
+                     f"without the restart = {kept:.0%} (target >= 90%: {'HOLDS' if kept >= 0.9 else 'MISSED'})")
     lp = results.get("load_vs_prefill") or {}
     for name, s in lp.get("stores", {}).items():
         lines.append(f"- load from the {name} store: {s['load_us_per_token']:.1f} us/token ({s['MB_per_s']:.0f} "
                      f"MB/s) vs prefill {lp['prefill_us_per_token']:.1f} us/token ({lp['tokens']} tokens, "
                      f"{lp['dtype']}, {lp['threads']} threads) = {s['load_over_prefill']:.1%} (target <= 5%: "
                      f"{'HOLDS' if s['load_over_prefill'] <= 0.05 else 'MISSED'})")
-    for r in results["rows"]:
-        if r.get("errors"):
-            lines.append(f"- {r['name']}: errors: {r['errors']}")
-    lines += ["", "lscpu | head -20:", *results.get("lscpu", "").splitlines()[:20]]
-    return "\n".join(lines)
+    lines += [f"- {r['name']}: errors: {r['errors']}" for r in done.values() if r["errors"]]
+    return "\n".join(lines + ["", "lscpu | head -20:", *results.get("lscpu", "").splitlines()[:20]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--num-threads", type=int, default=2, help="executor --num-threads (and this process's)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-    parser.add_argument("--dtype", default="auto", help="executor --dtype (auto: bfloat16 on the CPU)")
+    parser.add_argument("--dtype", default="auto", help="executor --dtype (auto: bfloat16 where the CPU has "
+                        "avx512_bf16 or amx_bf16, else float32: torch's bf16 GEMM without them is ~100x slower)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=default_model_dir())
     parser.add_argument("--out", type=Path, default=Path("bench/results/multiturn-store"))
@@ -414,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
     if not wanted or set(wanted) - ROWS.keys() or args.turns < 2:
         parser.error(f"--rows: a comma list of {', '.join(ROWS)}; --turns: at least 2")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))  # unwinds through the stacks' stop()
     started = time.perf_counter()
     from bench.routing_bench import ModelChatTokenizer, load_conversations
@@ -421,32 +388,26 @@ def main(argv: list[str] | None = None) -> int:
     chats = build_chats(load_conversations(min_turns=args.turns), ModelChatTokenizer(args.model),
                         num=args.num_conversations, turns=args.turns, max_tokens=args.max_tokens,
                         max_context=args.max_context, seed=args.seed)
-    pool = plan_pool(chats)
     results = {"command": "python -m bench.multiturn_store " + " ".join(sys.argv[1:] if argv is None else argv),
                "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: str(v) for k, v in vars(args).items()},
                "workload": {"conversations": len(chats), "turns": args.turns, "max_tokens": args.max_tokens,
                             "concurrency": args.concurrency, "chats": [asdict(c) for c in chats]},
-               "pool": pool, "lscpu": lscpu_text(), "lscpu_summary": write_lscpu(args.out), "rows": []}
+               "pool": plan_pool(chats), "lscpu": lscpu_text(), "lscpu_summary": write_lscpu(args.out), "rows": []}
     print(format_report(results).split("\n")[0], file=sys.stderr)
-
-    def save() -> None:
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-
-    with tempfile.TemporaryDirectory(prefix="kvserve-bench-redis-") as redis_dir, \
-            redis_server(Path(redis_dir)) as (redis_url, redis_client):
+    save = lambda: (args.out / "results.json").write_text(json.dumps(results, indent=1))  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp, redis_server(Path(tmp)) as (redis_url, redis):
         for slug in wanted:
             print(f"== {ROWS[slug]}", file=sys.stderr, flush=True)
-            redis_client.flushall()
+            redis.flushall()
             try:
-                row = run_row(slug, chats, pool, args, args.out, redis_url)
+                row = run_row(slug, chats, results["pool"], args, redis_url)
             except Exception as exc:  # a broken row must not lose the others
                 row = {"slug": slug, "name": ROWS[slug], "skipped": f"{type(exc).__name__}: {exc}"[:1500]}
             results["rows"].append(row)
             save()
         print("== load vs prefill, in-process", file=sys.stderr, flush=True)
-        redis_client.flushall()
-        with tempfile.TemporaryDirectory(prefix="kvserve-bench-store-") as store_dir:
-            results["load_vs_prefill"] = load_vs_prefill(args, {"directory": store_dir, "redis": redis_url})
+        redis.flushall()
+        results["load_vs_prefill"] = load_vs_prefill(args, {"directory": str(Path(tmp) / "store"), "redis": redis_url})
     results["wall_s"] = time.perf_counter() - started
     save()
     print("\n" + format_report(results))

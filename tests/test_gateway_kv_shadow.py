@@ -13,6 +13,11 @@ reference computed from the prompt alone. Hypothesis drives submits, aborts,
 steps, refused requests, executor restarts, executors becoming unreachable (their
 requests move to the other executor, or wait for this one), another session holding
 blocks and prefix-cache resets on tiny pools.
+
+With the store tier on (a shadow store both executors share, of a few blocks' capacity),
+loads copy the saved slots back and saves copy them out, so a load of an entry that holds
+other KV shows as a wrong read; entries lost behind kvmanager's back and saves that fail
+must cost a recompute, never a wrong token.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import AllocationResult, RequestTooLarge, SampledToken, SchedulerConfig
 from gateway.sequence import FinishReason, SamplingOptions
-from kvmanager.manager import KVManager
+from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import AllocationRequest, PoolConfig
 from kvserve.errors import KVServeError, StepRefused, Unavailable
 from kvserve.identity import tokenizer_fingerprint
@@ -81,7 +86,8 @@ class InProcessKVManager:
     async def register_pool(self, pool_id, info, enable_prefix_caching, kv_allocation):
         config = PoolConfig(pool_id, info.num_blocks, info.block_size, info.model_fingerprint, enable_prefix_caching,
                             max_model_len=info.max_model_len)
-        return await self._call(self.manager.register_pool, config, info.instance_id)
+        store = StoreConfig(info.kv_store, info.kv_store_namespace, info.kv_store_capacity_blocks, "SHADOW")
+        return await self._call(self.manager.register_pool, config, info.instance_id, "", store)
 
     async def open_session(self, pool_id, ttl_ms, client_name):
         session = await self._call(self.manager.open_session, pool_id, ttl_ms, client_name)
@@ -93,15 +99,30 @@ class InProcessKVManager:
     async def reset_prefix_cache(self, pool_id):
         return await self._call(self.manager.reset_prefix_cache, pool_id)
 
-    async def allocate(self, pool_id, session_id, free_seq_ids, plan, prefix_caching, written=((), ())):
+    async def _with_store(self, fn, pool_id, session_id, store, *args):
+        """A call carrying the store report, its store orders kept for the next Execute (as the client does)."""
+        report = store.take_report() if store is not None else None
+        try:
+            out = await self._call(fn, pool_id, session_id, *args, report)
+        except DependencyError:
+            if report:
+                store.give_back_report(report)
+            raise
+        orders = self.manager.take_store_orders(pool_id, session_id)
+        if store is not None and orders is not None:
+            store.orders.extend(orders)
+        return out
+
+    async def allocate(self, pool_id, session_id, free_seq_ids, plan, prefix_caching, written=((), ()), store=None):
         requests = [AllocationRequest(e.seq_id, list(e.new_token_ids), e.num_new_tokens,
                                       prefix_caching and e.seq.request.options.enable_prefix_caching,
                                       e.seq.request.options.cache_salt, num_lookahead_slots=e.num_lookahead_slots)
                     for e in plan]
-        results, usage = await self._call(self.manager.allocate, pool_id, session_id, list(free_seq_ids),
-                                          requests, *written)
+        results, usage = await self._with_store(self.manager.allocate, pool_id, session_id, store,
+                                                list(free_seq_ids), requests, *written)
         return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
-                                 list(r.block_table), list(r.copy_src), list(r.copy_dst)) for r in results], usage
+                                 list(r.block_table), list(r.copy_src), list(r.copy_dst), r.num_store_tokens,
+                                 list(r.store_load_block_ids), list(r.store_load_hashes)) for r in results], usage
 
     async def lookup_prefix(self, pool_ids, token_ids, cache_salt="", timeout=1.0):
         query = SimpleNamespace(token_ids=list(token_ids), cache_salt=cache_salt, adapter_id="")
@@ -111,8 +132,8 @@ class InProcessKVManager:
     async def fork(self, pool_id, session_id, parent, children):
         return await self._call(self.manager.fork, pool_id, session_id, parent, children)
 
-    async def free(self, pool_id, session_id, seq_ids, written=((), ())):
-        return await self._call(self.manager.free, pool_id, session_id, list(seq_ids), *written)
+    async def free(self, pool_id, session_id, seq_ids, written=((), ()), store=None):
+        return await self._with_store(self.manager.free, pool_id, session_id, store, list(seq_ids), *written)
 
     async def close(self):
         pass
@@ -121,7 +142,11 @@ class InProcessKVManager:
 class ShadowKVExecutor:
     """``gateway.clients.ExecutorClient``'s interface over a KV store of token ids."""
 
-    def __init__(self, name: str, num_blocks: int, block_size: int, fingerprint: str, refused_requests: set[str]):
+    def __init__(self, name: str, num_blocks: int, block_size: int, fingerprint: str, refused_requests: set[str],
+                 store: dict | None = None, store_capacity: int = 0):
+        self.store = store  # hash -> a block's slots as saved; shared by the executors
+        self.store_capacity = store_capacity
+        self.fail_saves = False
         self.name = name
         self.down = False
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -146,22 +171,42 @@ class ShadowKVExecutor:
     async def describe(self) -> ExecutorInfo:
         self._check_up()
         self.fresh = False
+        store = dict(kv_store="shadow://store", kv_store_namespace="ns", kv_store_capacity_blocks=self.store_capacity) \
+            if self.store is not None else {}
         return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
-                            self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint)
+                            self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint, **store)
 
-    async def execute(self, ready, timeout=None) -> ExecuteOutput:
+    def _refuse(self, status: grpc.StatusCode, message: str) -> DependencyError:
+        return DependencyError("executor", "in-process", grpc.aio.AioRpcError(
+            status, grpc.aio.Metadata(), grpc.aio.Metadata(), message))
+
+    async def execute(self, ready, timeout=None, store_orders=None, instance_id="") -> ExecuteOutput:
         self._check_up()
+        if store_orders and instance_id and instance_id != self.instance_id:
+            raise self._refuse(grpc.StatusCode.ABORTED, "expected_instance_id: this instance restarted")
         if any(e.seq.request.request_id in self.refused_requests for e in ready):
-            raise DependencyError("executor", "in-process", grpc.aio.AioRpcError(
-                grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                "sequences[0].token_ids: refused"))
+            raise self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "sequences[0].token_ids: refused")
         bs = self.block_size
         garbage = self.fresh  # restarted since the gateway last described it: reads are garbage
+        dropped, missing = set(), []
+        for entry in ready:  # store loads first; a sequence whose load misses is not run
+            loads = list(zip(entry.store_load_block_ids, entry.store_load_hashes))
+            absent = [h for _, h in loads if h not in self.store]
+            if absent:
+                dropped.add(entry.seq_id)
+                missing += absent
+                continue
+            for block_id, h in loads:
+                self.slots[block_id] = list(self.store[h])
+        for h in store_orders.delete_hashes if store_orders else ():
+            self.store.pop(h, None)
         for entry in ready:
             for src, dst in entry.copies:
                 self.slots[dst] = list(self.slots[src])
         sampled = []
         for entry in ready:
+            if entry.seq_id in dropped:
+                continue
             table = entry.seq.block_table
             context = []
             for pos in range(entry.start_position):
@@ -180,7 +225,13 @@ class ShadowKVExecutor:
             if entry.sample:
                 options = entry.seq.request.options
                 sampled.append(SampledToken(next_token(context + computed, (options.seed or 0) + entry.seq.index)))
-        return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id)
+        saves_ok = []
+        if store_orders:
+            for block_id, h in zip(store_orders.save_block_ids, store_orders.save_hashes):
+                if not self.fail_saves:
+                    self.store[h] = list(self.slots[block_id])
+                saves_ok.append(not self.fail_saves)
+        return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id, frozenset(dropped), tuple(missing), tuple(saves_ok))
 
     async def close(self):
         pass
@@ -192,13 +243,17 @@ class GatewayKVMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
                 max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40), num_executors=st.sampled_from([1, 2]),
-                routing=st.sampled_from(["kv", "round-robin"]))
-    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing):
+                routing=st.sampled_from(["kv", "round-robin"]), store_capacity=st.sampled_from([0, 0, 3, 8, 64]),
+                save_policy=st.sampled_from(["all", "free"]))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity=0,
+              save_policy="all"):
         self.loop = asyncio.new_event_loop()
-        self.manager = KVManager(default_session_ttl_ms=10**7)
+        self.manager = KVManager(default_session_ttl_ms=10**7, store_save_policy=save_policy)
         fingerprint = tokenizer_fingerprint(self.tokenizer.model_dir)
         refused: set[str] = set()
-        self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused)
+        self.store = {} if store_capacity else None  # the store tier, shared by the executors
+        self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused,
+                                                            self.store, store_capacity)
                           for i in range(num_executors)}
         self.executor = next(iter(self.executors.values()))
         config = EngineConfig(pool_id=POOL_ID, executor_address=",".join(self.executors), routing=routing,
@@ -316,6 +371,29 @@ class GatewayKVMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self):
         self.manager.reset_prefix_cache(self.pool.config.pool_id)
 
+    @precondition(lambda self: self.store)
+    @rule(data=st.data())
+    def lose_store_entries(self, data):
+        """Entries vanish behind kvmanager's back (a wiped volume, Redis's own eviction, a corrupt file)."""
+        for h in data.draw(st.lists(st.sampled_from(sorted(self.store)), min_size=1, unique=True)):
+            del self.store[h]
+
+    @precondition(lambda self: self.store is not None)
+    @rule(fail=st.booleans())
+    def store_saves_fail(self, fail):
+        """The store refuses writes (disk full, server down) or takes them again."""
+        for executor in self.executors.values():
+            executor.fail_saves = fail
+
+    @invariant()
+    def findable_store_entries_hold_their_tokens(self):
+        """An entry kvmanager's store index finds holds, validly written, the tokens of its key."""
+        for index in getattr(self, "manager", SimpleNamespace(stores={})).stores.values():
+            for h, key in index.entries.items():
+                if h in self.store:  # one lost behind kvmanager's back is a miss when loaded
+                    expected = [(t, True) for t in key_tokens(key, self.executor.block_size)]
+                    assert self.store[h] == expected, f"findable store entry {h.hex()} holds other KV"
+
     @invariant()
     def findable_blocks_hold_their_tokens(self):
         if not hasattr(self, "manager"):
@@ -345,7 +423,9 @@ class GatewayKVMachine(RuleBasedStateMachine):
             pool = self.manager.pools.get(self.pool_ids[address])
             if pool is not None and backend._session_id is not None:
                 assert not pool.session_seq_ids.get(backend._session_id), "blocks leaked"
-            self.seen.update({"decode steps overlapped with their Allocate": backend.num_overlapped_steps})
+            self.seen.update({"decode steps overlapped with their Allocate": backend.num_overlapped_steps,
+                              "prompt tokens loaded from the store": backend.scheduler.counters.store_hits,
+                              "store loads that missed": backend.scheduler.counters.store_load_misses})
             assert backend.num_mispredicted_steps == 0, "kvmanager answered a predicted decode step otherwise"
         self.loop.close()
 
@@ -396,7 +476,8 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
                            ("finished across an executor failure", 10),
                            ("finished across a failure with two executors", 10), ("refused request failed alone", 10),
-                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20)]:
+                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20),
+                           ("prompt tokens loaded from the store", 50), ("store loads that missed", 3)]:
         assert seen[what] >= at_least, (what, dict(seen))
 
 
@@ -412,8 +493,8 @@ def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_rec
     allocate = machine.engine.kvmanager.allocate
     tampered = []
 
-    async def allocate_answering_otherwise_once(pool_id, session_id, free_seq_ids, plan, *args):
-        results, usage = await allocate(pool_id, session_id, free_seq_ids, plan, *args)
+    async def allocate_answering_otherwise_once(pool_id, session_id, free_seq_ids, plan, *args, **kwargs):
+        results, usage = await allocate(pool_id, session_id, free_seq_ids, plan, *args, **kwargs)
         if not tampered and backend.num_overlapped_steps >= 3 and all(r.num_tokens == 1 for r in results):
             results[0].start_position += 1
             tampered.append(session_id)
@@ -471,9 +552,9 @@ def test_the_step_loop_hands_outputs_over_once_the_next_execute_is_out(default_m
     events = []
     execute, deliver = machine.executor.execute, backend.hooks.deliver
 
-    async def recording_execute(ready, timeout=None):
+    async def recording_execute(ready, timeout=None, **store):
         events.append("execute")
-        return await execute(ready, timeout)
+        return await execute(ready, timeout, **store)
 
     def recording_deliver(outputs):
         if any(choice.token_ids for output in outputs for choice in output.choices):

@@ -1,0 +1,57 @@
+"""bench.multiturn_store without services: the conversations, the pool sizing and the report."""
+from __future__ import annotations
+
+from bench import multiturn_store as mts
+from bench.routing_bench import Conversation, ModelChatTokenizer, load_conversations
+
+
+def rendered_last_turn(tokenizer: ModelChatTokenizer, chat: mts.Chat, reply: str) -> int:
+    """Tokens of the last turn's prompt, every earlier reply ``reply``, plus one more reply."""
+    messages = []
+    for user in chat.user_turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return len(tokenizer.chat_ids(messages[:-1])) + len(tokenizer.encode(reply))
+
+
+def test_conversations_fit_their_context_the_pool_is_a_quarter_of_them_and_the_report_reads(default_model_dir):
+    tokenizer = ModelChatTokenizer(default_model_dir)
+    reply = tokenizer.decode(tokenizer.encode(" word" * 32))  # a reply of max_tokens tokens
+    long_one = Conversation("long", tuple((f"question {t}: " + "lorem ipsum " * 2000, "answer") for t in range(3)))
+    chats = mts.build_chats([long_one, *load_conversations(min_turns=3)], tokenizer, num=16, turns=3, max_tokens=32,
+                            max_context=1024, seed=0)
+    assert len(chats) == 16 and all(len(c.user_turns) == 3 for c in chats)
+    assert chats == mts.build_chats([long_one, *load_conversations(min_turns=3)], tokenizer, num=16, turns=3,
+                                    max_tokens=32, max_context=1024, seed=0), "the draw is seeded"
+    for chat in chats:
+        assert chat.context_tokens <= 1024
+        assert rendered_last_turn(tokenizer, chat, reply) <= 1024 + 8  # re-encoding a cut text may shift a few
+    cut = mts.build_chats([long_one], tokenizer, num=1, turns=3, max_tokens=32, max_context=1024, seed=0)[0]
+    assert 1000 <= rendered_last_turn(tokenizer, cut, reply) <= 1024 + 8, "the long turns share the budget"
+    assert mts.fair_caps([10, 500, 1000], 600) == [10, 295, 295]
+
+    pool = mts.plan_pool(chats)
+    assert pool["working_set_tokens"] == sum(c.context_tokens for c in chats)
+    assert pool["pool_tokens"] == (pool["num_blocks"] - 1) * mts.BLOCK  # one block is the null block
+    assert pool["ratio"] >= 4 and pool["pool_tokens"] >= max(c.context_tokens for c in chats)
+
+    def row(slug, p50, tput, hit, store):
+        return {"slug": slug, "name": mts.ROWS[slug], "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50,
+                "output_tok_s": tput, "hit_rate": hit, "store_hit_tokens": store, "failed": 0, "errors": []}
+
+    results = {"workload": {"conversations": 16, "turns": 3, "max_tokens": 32, "concurrency": 4}, "pool": pool,
+               "rows": [row("off", 900.0, 10.0, 0.1, 0.0), row("directory", 300.0, 20.0, 0.8, 5000.0),
+                        {"slug": "redis", "name": mts.ROWS["redis"], "skipped": "RuntimeError: no redis"},
+                        row("restart", 450.0, 15.0, 0.76, 7000.0)],
+               "load_vs_prefill": {"tokens": 512, "dtype": "bfloat16", "threads": 2, "prefill_us_per_token": 2000.0,
+                                   "stores": {"directory": {"load_us_per_token": 20.0, "MB_per_s": 900.0,
+                                                            "load_over_prefill": 0.01}}},
+               "lscpu": "".join(f"line {i}\n" for i in range(30))}
+    text = mts.format_report(results)
+    assert "| row | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | prefix hit rate | store hit tokens |" in text
+    assert "| directory store | 300 | 600 | 20.0 | 80.0% | 5000 |" in text
+    assert "| redis store | skipped: RuntimeError: no redis |" in text
+    assert "directory store: TTFT p50 off/store = 3.00x, throughput store/off = 2.00x" in text
+    assert "76.0% vs 80.0% without the restart = 95% (target >= 90%: HOLDS)" in text
+    assert "= 1.0% (target <= 5%: HOLDS)" in text
+    assert f"= {pool['ratio']:.1f}x" in text.splitlines()[0]
+    assert "line 19" in text and "line 20" not in text  # lscpu | head -20
