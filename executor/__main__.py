@@ -40,7 +40,8 @@ def build_parser() -> EnvArgumentParser:
                         help="Hugging Face model directory")
     parser.add_argument("--served-model-name", default=None, help="model name to report (default: the directory name)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="compute and KV dtype (auto: the checkpoint's; bfloat16 on the CPU)")
+                        help="compute and KV dtype (auto: the checkpoint's on a device; on the CPU bfloat16 where it runs "
+                             "natively (AVX-512 or AVX-NE-CONVERT), else float32)")
     parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_MODES),
                         help="quantized weights for the layers' projections (the embedding stays in --dtype): "
                              "int8 per output channel, int4 in groups of 32 with scale and min; on the CPU with "

@@ -6,7 +6,7 @@ import importlib
 import torch
 
 from executor.loader import DTYPES
-from executor.model import ModelConfig
+from executor.model import ModelConfig, cpu_packs_bf16
 
 
 def _musa_available() -> bool:
@@ -34,10 +34,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on the CPU, the checkpoint's dtype on a device."""
+    """``auto``: bfloat16 on a CPU that runs it natively, else float32 (an AVX2-only CPU emulates
+    bf16 many times slower); the checkpoint's dtype on a device."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.bfloat16
+            return torch.bfloat16 if cpu_packs_bf16() else torch.float32
         return DTYPES.get(config.checkpoint_dtype, torch.bfloat16)
     return DTYPES[name]
 

@@ -150,14 +150,15 @@ def rope_cos_sin(config: ModelConfig, max_len: int, device: torch.device) -> tor
 
 def cpu_weight_packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     """oneDNN pre-packed bf16 linears: CPU only, where this torch build has the op and the CPU runs it."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
+    return device.type == "cpu" and dtype == torch.bfloat16 and cpu_packs_bf16()
 
 
 @functools.cache
-def _cpu_packs_bf16() -> bool:
-    """oneDNN's bf16 packing needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU
-    it raises, and the plain bf16 linear (slower, but exact) is what remains. Asked of the op
-    itself, once: the CPU's feature flags are not exposed alike by every torch build."""
+def cpu_packs_bf16() -> bool:
+    """Whether this CPU runs bf16 matmuls natively: oneDNN's bf16 packing needs AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, and raises on an AVX2-only CPU (where bf16 is emulated, many times
+    slower than float32). Asked of the op itself, once: the CPU's feature flags are not exposed
+    alike by every torch build."""
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:

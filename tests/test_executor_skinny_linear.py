@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from executor.loader import load_model
-from executor.model import Linear
+from executor.model import Linear, cpu_packs_bf16
 from executor.quantization import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_activations_int8,
                                    quantize_int4, quantize_int8)
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
@@ -198,6 +198,12 @@ def runners(default_model_dir, cpu_ops):
     return get
 
 
+# The skinny kernels replace oneDNN's packed bf16 weights, which only a CPU with native bf16 has.
+needs_bf16_packing = pytest.mark.skipif(not cpu_packs_bf16(), reason="this CPU has no native bf16 matmuls "
+                                        "(oneDNN's packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+
+
+@needs_bf16_packing
 def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
@@ -209,6 +215,7 @@ def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
 
 
+@needs_bf16_packing
 def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(runners):
     for mode, linear_class, skinny_class, torch_buffer in (("int8", Int8Linear, SkinnyInt8Matmul, "codes"),
                                                            ("int4", Int4Linear, SkinnyInt4Matmul, "packed")):
