@@ -42,13 +42,14 @@ class StoreOps:
         return bool(self.save_block_ids or self.delete_hashes)
 
 
-def store_namespace(model_fingerprint: str, precision: str, backend: str, device_type: str,
+def store_namespace(store_id: str, model_fingerprint: str, precision: str, backend: str, device_type: str,
                     kv_caches: list[KVCache], block_size: int) -> str:
-    """Names the entries this executor can read and write: equal exactly when two executors'
+    """Names the entries this executor can read and write: equal exactly when two executors use
+    the same store (``KVStore.identity``, not its URL: one path can name two disks) and their
     blocks are byte-compatible and computed alike."""
     key_cache, value_cache = kv_caches[0]
     layout = "|".join(str(part) for part in (
-        model_fingerprint, precision, backend, device_type, block_size, len(kv_caches),
+        store_id, model_fingerprint, precision, backend, device_type, block_size, len(kv_caches),
         key_cache.dtype, tuple(key_cache.shape[1:]), value_cache.dtype, tuple(value_cache.shape[1:])))
     return xxhash.xxh3_128_hexdigest(layout.encode())
 

@@ -23,7 +23,7 @@ from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
 from executor.sampling import SamplingParams, sample
 from kvserve.errors import InvalidArgument
-from kvserve.kv_store import describe_url, open_store
+from kvserve.kv_store import StoreError, describe_url, open_store
 from kvserve.logs import get_logger
 
 log = get_logger("executor.runner")
@@ -180,8 +180,12 @@ class ModelRunner:
             store = open_store(options.kv_store)
         except ValueError as exc:
             raise ValueError(f"kv_store: {exc}") from None
-        namespace = store_namespace(fingerprint, precision, self.backend.name, self.device.type, self.kv_caches,
-                                    self.block_size)
+        try:
+            store_id = store.identity()
+        except StoreError as exc:
+            raise ValueError(f"kv_store: cannot reach {describe_url(options.kv_store)}: {exc}") from None
+        namespace = store_namespace(store_id, fingerprint, precision, self.backend.name, self.device.type,
+                                    self.kv_caches, self.block_size)
         log.info("kv_store_opened", store=describe_url(options.kv_store), medium=store.medium, namespace=namespace,
                  capacity_bytes=options.kv_store_capacity)
         return BlockMover(store, namespace, self.kv_caches)

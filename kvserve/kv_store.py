@@ -247,6 +247,12 @@ class KVStore(ABC):
         """Every entry that looks complete (its payload's checksum is left to ``get``).
         Raises StoreError (possibly midway) when the store cannot be read."""
 
+    @abstractmethod
+    def identity(self) -> str:
+        """A random id the store keeps with its entries, made by the first caller: two
+        executors see one store exactly when they read the same id, whatever URLs they use
+        (one path can name two disks, in two containers). StoreError when unreachable."""
+
     def close(self) -> None:
         """Releases connections; the store is not used afterwards."""
 
@@ -267,6 +273,7 @@ class KVStore(ABC):
 _ENTRY_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
 _FANOUT_NAME = re.compile(r"[0-9a-f]{2}")
 _TMP_DIR = ".tmp"
+_IDENTITY_FILE = ".kvserve-store-id"
 TMP_MAX_AGE_S = 3600.0  # a temp file this old belongs to a writer that died
 
 
@@ -329,6 +336,24 @@ class DirectoryStore(KVStore):
             _remove_quietly(tmp)
             raise self._error("put", exc) from exc
         self._root_seen = True
+
+    def identity(self) -> str:
+        path = os.path.join(self.root, _IDENTITY_FILE)
+        tmp = f"{path}.{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(tmp, "x") as out:
+                out.write(secrets.token_hex(16))
+            try:
+                os.link(tmp, path)  # whole or not at all, and never over another's: the first one wins
+            except FileExistsError:
+                pass
+            finally:
+                _remove_quietly(tmp)
+            with open(path) as fh:
+                return fh.read().strip()
+        except OSError as exc:
+            raise self._error("identity", exc) from exc
 
     def get(self, namespace: str, block_hash: bytes) -> tuple[bytes, bytes] | None:
         path = self._entry_path(namespace, _check_hash(block_hash))
@@ -430,6 +455,7 @@ class DirectoryStore(KVStore):
 
 
 _KEY_PREFIX = "kvserve:kv"
+_IDENTITY_KEY = "kvserve:kv-store-id"
 _INDEX_FIELD = re.compile(rb"[0-9a-f]{32}")
 _LIST_BATCH = 512
 
@@ -492,6 +518,11 @@ class RedisStore(KVStore):
             pipe.set(self._entry_key(namespace, hash_hex), value)
             pipe.hset(self._index_key(namespace), hash_hex, bytes(block_key))
             pipe.execute()
+
+    def identity(self) -> str:
+        with self._translated("identity"):
+            self._client.set(_IDENTITY_KEY, secrets.token_hex(16), nx=True)
+            return self._client.get(_IDENTITY_KEY).decode()
 
     def get(self, namespace: str, block_hash: bytes) -> tuple[bytes, bytes] | None:
         hash_hex = _check_hash(block_hash)

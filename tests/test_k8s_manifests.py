@@ -425,3 +425,17 @@ def _compose_services(override: str | None) -> dict:
 
 def compose_service(overlay: str, name: str) -> dict:
     return _compose_services(COMPOSE_OVERRIDES[overlay])[name]
+
+
+def test_executors_keep_a_kv_store_on_a_volume_of_their_own(overlay):
+    """The store tier as compose has it, per pod: KVSERVE_KV_STORE names a mounted, size-limited
+    volume, and the capacity kvmanager evicts at stays below that limit."""
+    executor = workloads(overlay)["executor"]
+    container = main_container(executor)
+    env = env_of(container)
+    store_dir = env["KVSERVE_KV_STORE"]
+    assert store_dir == compose_service(overlay, "executor")["environment"]["KVSERVE_KV_STORE"].split(":-")[-1].rstrip("}")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == store_dir]
+    (volume,) = [v for v in pod_spec(executor)["volumes"] if v["name"] == mount["name"]]
+    limit = volume["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Gi") and int(env["KVSERVE_KV_STORE_CAPACITY"]) < int(limit[:-2]) << 30

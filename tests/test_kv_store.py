@@ -429,3 +429,14 @@ def test_redis_listing_skips_index_fields_without_an_entry(redis_url):
     redis.Redis.from_url(redis_url).delete(f"kvserve:kv:{NS}:{evicted[0].hex()}")
     assert list(store.list_entries(NS)) == [StoreEntry(*kept)]
     assert store.get(NS, evicted[0]) is None
+
+
+def test_identity_is_made_once_and_tells_stores_apart(tmp_path, redis_url):
+    """Two handles on one store read one id; two stores (even behind the same kind of URL) differ."""
+    from kvserve.kv_store import open_store
+
+    first, again, other = open_store(str(tmp_path / "a")), open_store(str(tmp_path / "a")), open_store(str(tmp_path / "b"))
+    assert first.identity() == again.identity() == first.identity() != other.identity()
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.endswith(".tmp")]
+    with open_store(redis_url) as one, open_store(redis_url) as two:
+        assert one.identity() == two.identity() and len(one.identity()) == 32
