@@ -153,3 +153,30 @@ def test_a_bad_store_url_is_a_one_line_start_up_error(start_service, tiny_model_
     assert executor.proc.wait(120) != 0
     last_line = executor.logs().strip().splitlines()[-1]
     assert "--kv-store" in last_line and "ftp://nowhere" in last_line, last_line
+
+
+def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(start_service, tiny_model_dir,
+                                                                                 tmp_path):
+    """The store tier makes migration move KV: the recomputed sequence loads the blocks its dead
+    executor saved and computes only the rest; the stream stays token- and logprob-identical."""
+    from test_gateway_recovery import Stream, assert_identical, fresh, kill9
+
+    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", str(tmp_path / "kv-store"))
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", *executor_args, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                  "--unavailable-timeout", "120")
+    url = f"http://127.0.0.1:{http_port}"
+    stream = Stream(url)
+    stream.start()
+    assert stream.started.wait(60) and stream.error is None
+    assert wait_for(lambda: len(stream.tokens) >= 40, 60)  # a few blocks of output are written and saved
+    kill9(executor)
+    start_service("executor", *executor_args, port=executor.port, timeout=300)
+    stream.join(180)
+    assert not stream.is_alive()
+    loaded = metric(url, "kvserve:kv_store_hit_tokens_total")
+    assert_identical(stream, fresh(url), "executor killed mid-stream, its KV loaded from the store")
+    assert loaded >= 32, f"the resumed sequence loaded {loaded} tokens from the store"
