@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, EventBatch, EventHub, Subscriber
+from kvmanager.events import (
+    DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, BlockRemoved, EventBatch, EventHub, Subscriber,
+)
 from kvmanager.hashing import HASH_BYTES, checked_pack_tokens, extra_keys, root_hash
 from kvmanager.pool import (
     SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator,
@@ -521,12 +523,15 @@ class KVManager:
         stop being findable. Hashes of orders this session no longer has (the pool was
         invalidated, or the order went with an earlier session) are ignored."""
         saved, failed, missing = report
-        pool.report_saves(session_id, saved, failed)
+        events = pool.store_events(pool.report_saves(session_id, saved, failed))
         if missing and pool.store is not None:
-            for block_hash in missing:
-                pool.store.remove(block_hash)
+            removed = [block_hash for block_hash in missing if pool.store.remove(block_hash)]
             pool.num_store_load_failures += len(missing)
+            if removed:
+                events.append(BlockRemoved(removed))
             log.warning("kv_store_loads_missed", pool_id=pool.config.pool_id, num_hashes=len(missing))
+        if events:  # the store tier's changes, in the pool's event stream with the store's medium
+            self._emit(pool.config.pool_id, events, pool.store.medium)
 
     def take_store_orders(self, pool_id: str, session_id: str) -> StoreOrdersView | None:
         """The saves and deletes the last Allocate or Free of this session gave rise to, for the
@@ -539,6 +544,8 @@ class KVManager:
         deletes = pool.store.take_deletes()
         if not orders and not deletes:
             return None
+        if deletes:  # evicted from the index: not findable in the store any more
+            self._emit(pool_id, [BlockRemoved(list(deletes))], pool.store.medium)
         return StoreOrdersView([o.block.block_id for o in orders], [o.block_hash for o in orders],
                                [o.block_key for o in orders], deletes)
 

@@ -440,19 +440,39 @@ class SequenceAllocator:
                 pending[order.block_hash] = order
         return orders
 
-    def report_saves(self, session_id: str, saved: Sequence[bytes], failed: Sequence[bytes]) -> None:
+    def report_saves(self, session_id: str, saved: Sequence[bytes], failed: Sequence[bytes]) -> list[SaveOrder]:
         """The session's executor wrote these saves whole (findable from now on) or did not.
-        Hashes the session has no pending save for (released since) are ignored."""
+        Hashes the session has no pending save for (released since) are ignored. Returns the
+        orders that became findable."""
         pending = self.pending_saves.get(session_id)
         if not pending:
-            return
+            return []
+        stored = []
         for hashes, ok in ((saved, True), (failed, False)):
             for block_hash in hashes:
                 order = pending.pop(block_hash, None)
                 if order is not None:
                     self._release_save(order, ok)
+                    if ok:
+                        stored.append(order)
         if not pending:
             del self.pending_saves[session_id]
+        return stored
+
+    def store_events(self, stored: list[SaveOrder]) -> list[KVEvent]:
+        """``BlockStored`` of entries that became findable in the store, one per block (the
+        entries of a chain may come from several sequences and reports)."""
+        events: list[KVEvent] = []
+        swap = sys.byteorder != "little"
+        for order in stored:
+            parent, extra, tokens = split_key(order.block_key)
+            token_ids = array("i")
+            token_ids.frombytes(tokens)
+            if swap:
+                token_ids.byteswap()
+            events.append(BlockStored([order.block_hash], b"" if parent == self.root_hash else parent, token_ids,
+                                      self.block_size, adapter_of_extra(extra)))
+        return events
 
     def release_saves(self, session_id: str | None = None) -> None:
         """Drops the pending saves of a session (all sessions: None), and those not yet handed

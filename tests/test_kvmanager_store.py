@@ -244,3 +244,26 @@ def test_kvserve_up_gives_the_executor_a_store_under_the_cache_dir_unless_told_o
     assert with_kv_store(["--num-blocks", "64"], "off") == ["--num-blocks", "64"]
     assert with_kv_store([], "redis://r:6379/0") == ["--kv-store", "redis://r:6379/0"]
     assert with_kv_store(["--kv-store=/mine"], "auto") == ["--kv-store=/mine"]
+
+
+def test_kv_events_say_which_tier_holds_a_block():
+    """A save reported written is a BlockStored with the store's medium; an eviction from the store
+    and a load that missed are BlockRemoved with it; the pool's own events keep the pool's medium."""
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=2, medium="DISK")
+    a = Executor(manager, "a", store, 20, store_config=small)
+    batches = []
+    manager.subscribe("a", batches.append)
+    a.run(1, prompt(2, base=100))
+    stored = [(b.medium, e) for b in batches for e in b.events if type(e).__name__ == "BlockStored"]
+    assert {m for m, _ in stored} == {"GPU", "DISK"}
+    pool_chain = [e for m, e in stored if m == "GPU"][0]
+    store_blocks = [e for m, e in stored if m == "DISK"]
+    assert [e.block_hashes[0] for e in store_blocks] == pool_chain.block_hashes  # the same hashes, tier by tier
+    assert store_blocks[0].parent_block_hash == b"" and store_blocks[1].parent_block_hash == pool_chain.block_hashes[0]
+    assert list(store_blocks[1].token_ids) == list(pool_chain.token_ids[BS:])
+    a.finish(1)
+    batches.clear()
+    a.run(2, prompt(1, base=300))  # a third block: the least recently used entry is evicted
+    removed = [(b.medium, e) for b in batches for e in b.events if type(e).__name__ == "BlockRemoved"]
+    assert [(m, e.block_hashes) for m, e in removed] == [("DISK", [pool_chain.block_hashes[0]])]
