@@ -40,9 +40,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 STEP_SOCKET_OPEN_TIMEOUT_S = 3.0
-# What a prompt token found in the store saves next to one found in the executor's pool: a
-# load costs a few percent of the prefill it replaces (docs/benchmarks.md, the multi-turn run).
-STORE_TOKEN_WEIGHT = 0.9
+# What a prompt token found in the store saves next to one found in the executor's pool: a load
+# costs 4-5 % of the prefill it replaces (python -m bench.multiturn_store, docs/benchmarks.md).
+STORE_TOKEN_WEIGHT = 0.95
 OK = kvmanager_pb2.ALLOCATION_STATUS_OK
 POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
 log = get_logger("gateway.clients")

@@ -180,3 +180,42 @@ def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(
     loaded = metric(url, "kvserve:kv_store_hit_tokens_total")
     assert_identical(stream, fresh(url), "executor killed mid-stream, its KV loaded from the store")
     assert loaded >= 32, f"the resumed sequence loaded {loaded} tokens from the store"
+
+
+def test_a_stopped_store_server_costs_misses_never_a_failed_request(start_service, tiny_model_dir, redis_server,
+                                                                     redis_url):
+    """Redis killed while serving: saves fail (never findable), loads miss (recomputed), every
+    answer stays the same; once it is back, saves and loads resume."""
+    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", redis_url)
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", *executor_args, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
+                  "--unavailable-timeout", "120")
+    url = f"http://127.0.0.1:{http_port}"
+    text, logprobs, _ = ask(url)
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_saves >= 6, 30)
+
+    redis_server.kill()
+    before = store_stats(kvmanager.address, executor.address)
+    # A prompt never seen: its saves fail while the server is down, and the request does not.
+    other = httpx.post(url + "/v1/completions", json={"prompt": list(range(3000, 3100)), "max_tokens": 4,
+                                                      "temperature": 0}, timeout=120)
+    assert other.status_code == 200, other.text
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_save_failures
+                    > before.num_store_save_failures, 30)
+    # The pool forgets the first prompt; kvmanager's store index still has it, so the admission
+    # orders loads, which miss: the prompt is recomputed, the answer is the same.
+    with grpc.insecure_channel(kvmanager.address) as channel:
+        kvmanager_pb2_grpc.KVManagerStub(channel).ResetPrefixCache(
+            kvmanager_pb2.ResetPrefixCacheRequest(pool_id=f"executor@{executor.address}"), timeout=5)
+    got_text, got_logprobs, _ = ask(url)
+    assert got_text == text
+    assert max(abs(a - b) for a, b in zip(got_logprobs, logprobs)) < LOGPROB_TOLERANCE
+    assert metric(url, "kvserve:kv_store_load_misses_total") >= 1
+
+    redis_server.restart()
+    again_text, again_logprobs, _ = ask(url)
+    assert again_text == text
+    assert max(abs(a - b) for a, b in zip(again_logprobs, logprobs)) < LOGPROB_TOLERANCE
