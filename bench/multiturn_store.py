@@ -17,9 +17,8 @@ chunk), output tokens / wall time, prefix hit rate (sum of usage ``cached_tokens
 ``prompt_tokens``: pool + store hits), ``kvserve:kv_store_hit_tokens_total``. Then, in this
 process: the best of 3 512-token prefills (``ModelRunner.execute``) against the best of 10 loads
 of its 32 blocks (``BlockMover.load``) from the directory store (files in the page cache) and
-Redis. ``--dtype auto`` is bfloat16 only where the CPU computes it natively (avx512_bf16 or
-amx_bf16), else float32. Writes ``--out``/results.json (every number, per-turn records, lscpu),
-lscpu.txt, logs/.
+Redis (``--dtype auto``: the executor's choice, reported with the prefill). Writes
+``--out``/results.json (every number, per-turn records, lscpu), lscpu.txt, logs/.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.peers.common import cpu_flags, free_port, lscpu_text, write_lscpu
+from bench.peers.common import free_port, lscpu_text, write_lscpu
 from bench.routing_bench import ChatTokenizer, Conversation, percentile, service_env
 
 BLOCK = 16
@@ -370,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--num-threads", type=int, default=2, help="executor --num-threads (and this process's)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
-    parser.add_argument("--dtype", default="auto", help="executor --dtype (auto: bfloat16 where the CPU has "
-                        "avx512_bf16 or amx_bf16, else float32: torch's bf16 GEMM without them is ~100x slower)")
+    parser.add_argument("--dtype", default="auto", help="executor --dtype (auto: the executor's choice, "
+                        "bfloat16 where the CPU runs it natively, else float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=default_model_dir())
     parser.add_argument("--out", type=Path, default=Path("bench/results/multiturn-store"))
@@ -379,8 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
     if not wanted or set(wanted) - ROWS.keys() or args.turns < 2:
         parser.error(f"--rows: a comma list of {', '.join(ROWS)}; --turns: at least 2")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))  # unwinds through the stacks' stop()
     started = time.perf_counter()
     from bench.routing_bench import ModelChatTokenizer, load_conversations
@@ -390,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                         max_context=args.max_context, seed=args.seed)
     results = {"command": "python -m bench.multiturn_store " + " ".join(sys.argv[1:] if argv is None else argv),
                "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: str(v) for k, v in vars(args).items()},
+               "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
                "workload": {"conversations": len(chats), "turns": args.turns, "max_tokens": args.max_tokens,
                             "concurrency": args.concurrency, "chats": [asdict(c) for c in chats]},
                "pool": plan_pool(chats), "lscpu": lscpu_text(), "lscpu_summary": write_lscpu(args.out), "rows": []}

@@ -58,6 +58,19 @@ def restart(start_service, service, *args):
     return start_service(service.module, *args, port=service.port, timeout=300)
 
 
+def store_stack(start_service, model_dir, store_url: str):
+    """kvmanager, an executor with ``--kv-store store_url`` and a gateway; (kvmanager, executor,
+    the executor's flags, the gateway's HTTP URL)."""
+    executor_args = ("--model", str(model_dir), *FP32, "--kv-store", store_url)
+    kvmanager = start_service("kvmanager")
+    executor = start_service("executor", *executor_args, timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(model_dir),
+                  "--unavailable-timeout", "120")
+    return kvmanager, executor, executor_args, f"http://127.0.0.1:{http_port}"
+
+
 @pytest.fixture(params=["directory", "redis"])
 def store_url(request, tmp_path):
     if request.param == "directory":
@@ -67,14 +80,7 @@ def store_url(request, tmp_path):
 
 def test_kv_survives_restarts_of_the_executor_and_kvmanager_and_corruption_costs_only_a_miss(
         start_service, tiny_model_dir, store_url, tmp_path):
-    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", store_url)
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", *executor_args, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--unavailable-timeout", "120")
-    url = f"http://127.0.0.1:{http_port}"
+    kvmanager, executor, executor_args, url = store_stack(start_service, tiny_model_dir, store_url)
 
     text, logprobs, cached = ask(url)
     assert cached == 0
@@ -161,14 +167,7 @@ def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(
     executor saved and computes only the rest; the stream stays token- and logprob-identical."""
     from test_gateway_recovery import Stream, assert_identical, fresh, kill9
 
-    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", str(tmp_path / "kv-store"))
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", *executor_args, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--unavailable-timeout", "120")
-    url = f"http://127.0.0.1:{http_port}"
+    _, executor, executor_args, url = store_stack(start_service, tiny_model_dir, str(tmp_path / "kv-store"))
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60) and stream.error is None
@@ -186,14 +185,7 @@ def test_a_stopped_store_server_costs_misses_never_a_failed_request(start_servic
                                                                      redis_url):
     """Redis killed while serving: saves fail (never findable), loads miss (recomputed), every
     answer stays the same; once it is back, saves and loads resume."""
-    executor_args = ("--model", str(tiny_model_dir), *FP32, "--kv-store", redis_url)
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", *executor_args, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--unavailable-timeout", "120")
-    url = f"http://127.0.0.1:{http_port}"
+    kvmanager, executor, executor_args, url = store_stack(start_service, tiny_model_dir, redis_url)
     text, logprobs, _ = ask(url)
     assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_saves >= 6, 30)
 
