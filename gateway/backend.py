@@ -417,7 +417,11 @@ class Backend:
         ready = self.scheduler.apply_predicted(plan, predicted)
         self.num_overlapped_steps += 1
         started = time.perf_counter()
-        allocate = asyncio.ensure_future(self._allocate(pool_id, session_id, plan))
+        # What the Allocate carries is taken now, before the Execute can change it: a request the
+        # executor refuses at once is retired (its free queued) before the Allocate's task first runs,
+        # and freeing it in this Allocate, which also steps it, would answer it as a new sequence.
+        carried = self.scheduler.take_pending_frees(), self.scheduler.take_written_reports()
+        allocate = asyncio.ensure_future(self._allocate(pool_id, session_id, plan, carried))
         try:
             ran, result = await self._execute(ready)
         except BaseException:
@@ -435,12 +439,13 @@ class Backend:
         self.scheduler.apply_allocation(plan, results)  # records what kvmanager knows, as any step does
         return ran, result, usage, time.perf_counter() - executed, executed - started
 
-    async def _allocate(self, pool_id: str, session_id: str, plan: list[ScheduledSeq]):
-        """One Allocate carrying the pending frees and written-KV reports. When kvmanager
-        refuses it (it validates a whole call before changing anything), the frees and
-        reports go alone, then each entry alone; the requests refused again fail."""
+    async def _allocate(self, pool_id: str, session_id: str, plan: list[ScheduledSeq],
+                        carried: tuple[list[int], tuple[list[int], list[int]]] | None = None):
+        """One Allocate carrying the pending frees and written-KV reports (or ``carried``, taken
+        earlier). When kvmanager refuses it (it validates a whole call before changing anything),
+        the frees and reports go alone, then each entry alone; the requests refused again fail."""
         scheduler = self.scheduler
-        frees, written = scheduler.take_pending_frees(), scheduler.take_written_reports()
+        frees, written = carried or (scheduler.take_pending_frees(), scheduler.take_written_reports())
         prefix_caching = self.config.enable_prefix_caching
         try:
             return await self.kvmanager.allocate(pool_id, session_id, frees, plan, prefix_caching, written, self.store)

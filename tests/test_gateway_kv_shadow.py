@@ -243,10 +243,12 @@ class GatewayKVMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
                 max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40), num_executors=st.sampled_from([1, 2]),
-                routing=st.sampled_from(["kv", "round-robin"]), store_capacity=st.sampled_from([0, 0, 3, 8, 64]),
-                save_policy=st.sampled_from(["all", "free"]))
-    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity=0,
-              save_policy="all"):
+                routing=st.sampled_from(["kv", "round-robin"]))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing):
+        self.configure(block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing)
+
+    def configure(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity=0,
+                  save_policy="all"):
         self.loop = asyncio.new_event_loop()
         self.manager = KVManager(default_session_ttl_ms=10**7, store_save_policy=save_policy)
         fingerprint = tokenizer_fingerprint(self.tokenizer.model_dir)
@@ -463,6 +465,39 @@ class GatewayKVMachine(RuleBasedStateMachine):
             self.seen.update(["finished with the reference output"])
 
 
+class GatewayKVStoreMachine(GatewayKVMachine):
+    """The same machine with the store tier always on: a shadow store both executors share, of
+    3 to 64 blocks, under either save policy."""
+
+    seen: Counter = Counter()
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
+                max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40), num_executors=st.sampled_from([1, 2]),
+                routing=st.sampled_from(["kv", "round-robin"]), store_capacity=st.sampled_from([3, 8, 64]),
+                save_policy=st.sampled_from(["all", "free"]))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity,
+              save_policy):
+        self.configure(block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity,
+                       save_policy)
+
+
+@pytest.mark.timeout(600)
+def test_with_the_store_tier_no_load_brings_kv_other_than_the_prompt_s(default_model_dir):
+    """Loads copy saved slots back, so a findable entry holding other KV is a wrong read; entries lost
+    behind kvmanager's back and failing saves cost a recompute, never a wrong token."""
+    GatewayKVStoreMachine.tokenizer = ModelTokenizer(default_model_dir)
+    GatewayKVStoreMachine.seen = Counter()
+    run_state_machine_as_test(GatewayKVStoreMachine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    seen = GatewayKVStoreMachine.seen
+    print(dict(seen))
+    for what, at_least in [("finished with the reference output", 100), ("finished after a prefix hit", 10),
+                           ("finished across an executor failure", 10),
+                           ("prompt tokens loaded from the store", 20), ("store loads that missed", 1)]:
+        assert seen[what] >= at_least, (what, dict(seen))
+
+
 @pytest.mark.timeout(600)
 def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
@@ -476,8 +511,7 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
                            ("finished across an executor failure", 10),
                            ("finished across a failure with two executors", 10), ("refused request failed alone", 10),
-                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20),
-                           ("prompt tokens loaded from the store", 50), ("store loads that missed", 3)]:
+                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20)]:
         assert seen[what] >= at_least, (what, dict(seen))
 
 
