@@ -481,38 +481,35 @@ class GatewayKVStoreMachine(GatewayKVMachine):
                        save_policy)
 
 
+def run_machine(machine: type[GatewayKVMachine], model_dir, minimum_seen: dict[str, int]) -> None:
+    """150 derandomized runs of ``machine``; then what they exercised, which must reach
+    ``minimum_seen``: the checks only mean something if the runs went where the bugs live."""
+    machine.tokenizer = ModelTokenizer(model_dir)
+    machine.seen = Counter()
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    print(dict(machine.seen))
+    for what, at_least in minimum_seen.items():
+        assert machine.seen[what] >= at_least, (what, dict(machine.seen))
+
+
 @pytest.mark.timeout(600)
 def test_with_the_store_tier_no_load_brings_kv_other_than_the_prompt_s(default_model_dir):
     """Loads copy saved slots back, so a findable entry holding other KV is a wrong read; entries lost
     behind kvmanager's back and failing saves cost a recompute, never a wrong token."""
-    GatewayKVStoreMachine.tokenizer = ModelTokenizer(default_model_dir)
-    GatewayKVStoreMachine.seen = Counter()
-    run_state_machine_as_test(GatewayKVStoreMachine, settings=settings(
-        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    seen = GatewayKVStoreMachine.seen
-    print(dict(seen))
-    for what, at_least in [("finished with the reference output", 100), ("finished after a prefix hit", 10),
-                           ("finished across an executor failure", 10),
-                           ("prompt tokens loaded from the store", 20), ("store loads that missed", 1)]:
-        assert seen[what] >= at_least, (what, dict(seen))
+    run_machine(GatewayKVStoreMachine, default_model_dir, {
+        "finished with the reference output": 100, "finished after a prefix hit": 10,
+        "finished across an executor failure": 10, "prompt tokens loaded from the store": 20,
+        "store loads that missed": 1})
 
 
 @pytest.mark.timeout(600)
 def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
-    GatewayKVMachine.tokenizer = ModelTokenizer(default_model_dir)
-    GatewayKVMachine.seen = Counter()
-    run_state_machine_as_test(GatewayKVMachine, settings=settings(
-        max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    seen = GatewayKVMachine.seen
-    print(dict(seen))
-    # The checks above only mean something if the runs went where the bugs live.
-    for what, at_least in [("finished with the reference output", 200), ("finished after a prefix hit", 20),
-                           ("finished across an executor failure", 10),
-                           ("finished across a failure with two executors", 10), ("refused request failed alone", 10),
-                           ("aborted", 10), ("decode steps overlapped with their Allocate", 20)]:
-        assert seen[what] >= at_least, (what, dict(seen))
+    run_machine(GatewayKVMachine, default_model_dir, {
+        "finished with the reference output": 200, "finished after a prefix hit": 20,
+        "finished across an executor failure": 10, "finished across a failure with two executors": 10,
+        "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20})
 
 
 def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_recomputed(default_model_dir):
