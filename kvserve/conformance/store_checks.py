@@ -39,6 +39,13 @@ def _save(ctx: ExecutorContext, blocks: list[int], hashes: list[bytes], keys: li
     return ctx.stub.Execute(request, timeout=ctx.timeout)
 
 
+def _loading(step: pb.ExecuteSequence, blocks: list[int], hashes: list[bytes]) -> pb.ExecuteSequence:
+    """``step`` with store loads: block ``blocks[i]`` gets the entry ``hashes[i]`` first."""
+    step.store_load_block_ids.extend(blocks)
+    step.store_load_hashes.extend(hashes)
+    return step
+
+
 def _delete(ctx: ExecutorContext, hashes: list[bytes]) -> None:
     ctx.stub.Execute(pb.ExecuteRequest(store_delete_hashes=hashes), timeout=ctx.timeout)
 
@@ -69,10 +76,8 @@ def store_save_then_load(ctx: ExecutorContext) -> str:
     table = ctx.take(ctx.seq_blocks)
     ctx.write_garbage(table)
     seq_id = ctx.seq_id()
-    step = sequence(seq_id, ref.prompt[full * bs:], full * bs, table, greedy())
-    step.store_load_block_ids.extend(table[:full])
-    step.store_load_hashes.extend(hashes)
-    reply = ctx.execute([step])
+    reply = ctx.execute([_loading(sequence(seq_id, ref.prompt[full * bs:], full * bs, table, greedy()),
+                                  table[:full], hashes)])
     require(not reply.dropped_seq_ids and not reply.store_missing_hashes,
             f"loads of entries just saved missed: {[h.hex() for h in reply.store_missing_hashes]}")
     got = [sampled_from(reply, 0)] + ctx.decode_forced(seq_id, table, n, ref.fed)
@@ -94,9 +99,7 @@ def store_load_miss(ctx: ExecutorContext) -> str:
     (absent,), _ = _entry_names(ctx, 1)
     missing_table = ctx.take(ctx.seq_blocks)
     missing_id = ctx.seq_id()
-    doomed = sequence(missing_id, ref.prompt[bs:], bs, missing_table, greedy())
-    doomed.store_load_block_ids.append(missing_table[0])
-    doomed.store_load_hashes.append(absent)
+    doomed = _loading(sequence(missing_id, ref.prompt[bs:], bs, missing_table, greedy()), missing_table[:1], [absent])
     other_id = ctx.seq_id()
     other = sequence(other_id, ref.prompt, 0, ctx.take(ctx.seq_blocks), greedy())
     reply = ctx.execute([doomed, other])
@@ -119,9 +122,7 @@ def store_stale_instance(ctx: ExecutorContext) -> str:
     error = expect_status(lambda: ctx.stub.Execute(request, timeout=ctx.timeout), grpc.StatusCode.ABORTED,
                           "a step for another instance")
     blocks = ctx.take(2)
-    probe = sequence(ctx.seq_id(), [0], ctx.block_size, blocks, greedy())
-    probe.store_load_block_ids.append(blocks[0])
-    probe.store_load_hashes.extend(hashes)
+    probe = _loading(sequence(ctx.seq_id(), [0], ctx.block_size, blocks, greedy()), blocks[:1], hashes)
     reply = ctx.execute([probe])
     if list(reply.dropped_seq_ids) != [probe.seq_id]:
         raise Fail("the refused step's save was written anyway: a load of it hit")
@@ -136,9 +137,6 @@ def store_delete(ctx: ExecutorContext) -> str:
     hashes, keys = _entry_names(ctx, 1)
     require(list(_save(ctx, blocks[:1], hashes, keys).store_saves_ok) == [True], "the save failed")
     _delete(ctx, hashes)
-    probe = sequence(ctx.seq_id(), [0], ctx.block_size, blocks, greedy())
-    probe.store_load_block_ids.append(blocks[0])
-    probe.store_load_hashes.extend(hashes)
-    reply = ctx.execute([probe])
+    reply = ctx.execute([_loading(sequence(ctx.seq_id(), [0], ctx.block_size, blocks, greedy()), blocks[:1], hashes)])
     require(list(reply.store_missing_hashes) == hashes, "a deleted entry was still loaded")
     return "deleted, then missed"
