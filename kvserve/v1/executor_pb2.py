@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvserve/v1/executor.proto\x12\nkvserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xdc\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\t \x01(\x04\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x19\n\reos_token_ids\x18\x0c \x03(\x05\x42\x02\x10\x01\x12\x12\n\nnum_layers\x18\r \x01(\r\x12\x12\n\nmodel_path\x18\x0e \x01(\t\x12\x13\n\x0binstance_id\x18\x0f \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x10 \x01(\t\x12\x13\n\x0bstep_socket\x18\x11 \x01(\t\x12\x10\n\x08kv_store\x18\x12 \x01(\t\x12\x1a\n\x12kv_store_namespace\x18\x13 \x01(\t\x12 \n\x18kv_store_capacity_blocks\x18\x14 \x01(\r\"\x97\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\r\x12 \n\x14suppressed_token_ids\x18\x06 \x03(\x05\x42\x02\x10\x01\x42\x07\n\x05_seed\"\xe4\x01\n\x0f\x45xecuteSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x17\n\x0b\x62lock_table\x18\x04 \x03(\rB\x02\x10\x01\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12 \n\x14store_load_block_ids\x18\x07 \x03(\rB\x02\x10\x01\x12\x19\n\x11store_load_hashes\x18\x08 \x03(\x0c\"\xfd\x01\n\x0e\x45xecuteRequest\x12\x14\n\x08\x63opy_src\x18\x01 \x03(\rB\x02\x10\x01\x12\x14\n\x08\x63opy_dst\x18\x02 \x03(\rB\x02\x10\x01\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.kvserve.v1.ExecuteSequence\x12 \n\x14store_save_block_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x19\n\x11store_save_hashes\x18\x05 \x03(\x0c\x12\x17\n\x0fstore_save_keys\x18\x06 \x03(\x0c\x12\x1b\n\x13store_delete_hashes\x18\x07 \x03(\x0c\x12\x1c\n\x14\x65xpected_instance_id\x18\x08 \x01(\t\":\n\x0bTopLogprobs\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"i\n\x0bStepTimings\x12\x0f\n\x07\x63opy_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x10\n\x08store_ms\x18\x05 \x01(\x02\"\xa7\x02\n\x0f\x45xecuteResponse\x12\x1d\n\x11sampled_token_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x1c\n\x10sampled_logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.kvserve.v1.TopLogprobs\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.kvserve.v1.StepTimings\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x1b\n\x0f\x64ropped_seq_ids\x18\x07 \x03(\x04\x42\x02\x10\x01\x12\x1c\n\x14store_missing_hashes\x18\x08 \x03(\x0c\x12\x1a\n\x0estore_saves_ok\x18\t \x03(\x08\x42\x02\x10\x01\x32\xe3\x01\n\x08\x45xecutor\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvserve.v1.DescribeRequest\x1a\x1c.kvserve.v1.DescribeResponse\x12\x42\n\x07\x45xecute\x12\x1a.kvserve.v1.ExecuteRequest\x1a\x1b.kvserve.v1.ExecuteResponse\x12L\n\rExecuteStream\x12\x1a.kvserve.v1.ExecuteRequest\x1a\x1b.kvserve.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvserve/v1/executor.proto\x12\nkvserve.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xdc\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\t \x01(\x04\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x12\n\nvocab_size\x18\x0b \x01(\r\x12\x19\n\reos_token_ids\x18\x0c \x03(\x05\x42\x02\x10\x01\x12\x12\n\nnum_layers\x18\r \x01(\r\x12\x12\n\nmodel_path\x18\x0e \x01(\t\x12\x13\n\x0binstance_id\x18\x0f \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x10 \x01(\t\x12\x13\n\x0bstep_socket\x18\x11 \x01(\t\x12\x10\n\x08kv_store\x18\x12 \x01(\t\x12\x1a\n\x12kv_store_namespace\x18\x13 \x01(\t\x12 \n\x18kv_store_capacity_blocks\x18\x14 \x01(\r\"\x99\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\x05 \x01(\r\x12 \n\x14suppressed_token_ids\x18\x06 \x03(\x05\x42\x02\x10\x01\x12\x1d\n\x15\x61llowed_token_bitmask\x18\x07 \x01(\x0c\x12 \n\x14logit_bias_token_ids\x18\x08 \x03(\x05\x42\x02\x10\x01\x12\x1d\n\x11logit_bias_values\x18\t \x03(\x02\x42\x02\x10\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12\x1d\n\x11penalty_token_ids\x18\r \x03(\x05\x42\x02\x10\x01\x12!\n\x15penalty_output_counts\x18\x0e \x03(\rB\x02\x10\x01\x12\r\n\x05min_p\x18\x0f \x01(\x02\x42\x07\n\x05_seed\"\xe4\x01\n\x0f\x45xecuteSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\ttoken_ids\x18\x02 \x03(\x05\x42\x02\x10\x01\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12\x17\n\x0b\x62lock_table\x18\x04 \x03(\rB\x02\x10\x01\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12 \n\x14store_load_block_ids\x18\x07 \x03(\rB\x02\x10\x01\x12\x19\n\x11store_load_hashes\x18\x08 \x03(\x0c\"\xfd\x01\n\x0e\x45xecuteRequest\x12\x14\n\x08\x63opy_src\x18\x01 \x03(\rB\x02\x10\x01\x12\x14\n\x08\x63opy_dst\x18\x02 \x03(\rB\x02\x10\x01\x12.\n\tsequences\x18\x03 \x03(\x0b\x32\x1b.kvserve.v1.ExecuteSequence\x12 \n\x14store_save_block_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x19\n\x11store_save_hashes\x18\x05 \x03(\x0c\x12\x17\n\x0fstore_save_keys\x18\x06 \x03(\x0c\x12\x1b\n\x13store_delete_hashes\x18\x07 \x03(\x0c\x12\x1c\n\x14\x65xpected_instance_id\x18\x08 \x01(\t\":\n\x0bTopLogprobs\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"i\n\x0bStepTimings\x12\x0f\n\x07\x63opy_ms\x18\x01 \x01(\x02\x12\x12\n\nforward_ms\x18\x02 \x01(\x02\x12\x11\n\tsample_ms\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\x12\x10\n\x08store_ms\x18\x05 \x01(\x02\"\xa7\x02\n\x0f\x45xecuteResponse\x12\x1d\n\x11sampled_token_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x1c\n\x10sampled_logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.kvserve.v1.TopLogprobs\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.kvserve.v1.StepTimings\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\x1b\n\x0f\x64ropped_seq_ids\x18\x07 \x03(\x04\x42\x02\x10\x01\x12\x1c\n\x14store_missing_hashes\x18\x08 \x03(\x0c\x12\x1a\n\x0estore_saves_ok\x18\t \x03(\x08\x42\x02\x10\x01\x32\xe3\x01\n\x08\x45xecutor\x12\x45\n\x08\x44\x65scribe\x12\x1b.kvserve.v1.DescribeRequest\x1a\x1c.kvserve.v1.DescribeResponse\x12\x42\n\x07\x45xecute\x12\x1a.kvserve.v1.ExecuteRequest\x1a\x1b.kvserve.v1.ExecuteResponse\x12L\n\rExecuteStream\x12\x1a.kvserve.v1.ExecuteRequest\x1a\x1b.kvserve.v1.ExecuteResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,6 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE'].fields_by_name['eos_token_ids']._serialized_options = b'\020\001'
   _globals['_SAMPLINGPARAMS'].fields_by_name['suppressed_token_ids']._loaded_options = None
   _globals['_SAMPLINGPARAMS'].fields_by_name['suppressed_token_ids']._serialized_options = b'\020\001'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['logit_bias_token_ids']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['logit_bias_token_ids']._serialized_options = b'\020\001'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['logit_bias_values']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['logit_bias_values']._serialized_options = b'\020\001'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['penalty_token_ids']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['penalty_token_ids']._serialized_options = b'\020\001'
+  _globals['_SAMPLINGPARAMS'].fields_by_name['penalty_output_counts']._loaded_options = None
+  _globals['_SAMPLINGPARAMS'].fields_by_name['penalty_output_counts']._serialized_options = b'\020\001'
   _globals['_EXECUTESEQUENCE'].fields_by_name['token_ids']._loaded_options = None
   _globals['_EXECUTESEQUENCE'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_EXECUTESEQUENCE'].fields_by_name['block_table']._loaded_options = None
@@ -64,17 +72,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE']._serialized_start=61
   _globals['_DESCRIBERESPONSE']._serialized_end=537
   _globals['_SAMPLINGPARAMS']._serialized_start=540
-  _globals['_SAMPLINGPARAMS']._serialized_end=691
-  _globals['_EXECUTESEQUENCE']._serialized_start=694
-  _globals['_EXECUTESEQUENCE']._serialized_end=922
-  _globals['_EXECUTEREQUEST']._serialized_start=925
-  _globals['_EXECUTEREQUEST']._serialized_end=1178
-  _globals['_TOPLOGPROBS']._serialized_start=1180
-  _globals['_TOPLOGPROBS']._serialized_end=1238
-  _globals['_STEPTIMINGS']._serialized_start=1240
-  _globals['_STEPTIMINGS']._serialized_end=1345
-  _globals['_EXECUTERESPONSE']._serialized_start=1348
-  _globals['_EXECUTERESPONSE']._serialized_end=1643
-  _globals['_EXECUTOR']._serialized_start=1646
-  _globals['_EXECUTOR']._serialized_end=1873
+  _globals['_SAMPLINGPARAMS']._serialized_end=949
+  _globals['_EXECUTESEQUENCE']._serialized_start=952
+  _globals['_EXECUTESEQUENCE']._serialized_end=1180
+  _globals['_EXECUTEREQUEST']._serialized_start=1183
+  _globals['_EXECUTEREQUEST']._serialized_end=1436
+  _globals['_TOPLOGPROBS']._serialized_start=1438
+  _globals['_TOPLOGPROBS']._serialized_end=1496
+  _globals['_STEPTIMINGS']._serialized_start=1498
+  _globals['_STEPTIMINGS']._serialized_end=1603
+  _globals['_EXECUTERESPONSE']._serialized_start=1606
+  _globals['_EXECUTERESPONSE']._serialized_end=1901
+  _globals['_EXECUTOR']._serialized_start=1904
+  _globals['_EXECUTOR']._serialized_end=2131
 # @@protoc_insertion_point(module_scope)

@@ -55,20 +55,38 @@ class DescribeResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., model_path: _Optional[str] = ..., instance_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., step_socket: _Optional[str] = ..., kv_store: _Optional[str] = ..., kv_store_namespace: _Optional[str] = ..., kv_store_capacity_blocks: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "top_logprobs", "suppressed_token_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "top_logprobs", "suppressed_token_ids", "allowed_token_bitmask", "logit_bias_token_ids", "logit_bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_token_ids", "penalty_output_counts", "min_p")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SUPPRESSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_OUTPUT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     top_logprobs: int
     suppressed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed_token_bitmask: bytes
+    logit_bias_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logit_bias_values: _containers.RepeatedScalarFieldContainer[float]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    penalty_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    penalty_output_counts: _containers.RepeatedScalarFieldContainer[int]
+    min_p: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., suppressed_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_bitmask: _Optional[bytes] = ..., logit_bias_token_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., penalty_token_ids: _Optional[_Iterable[int]] = ..., penalty_output_counts: _Optional[_Iterable[int]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class ExecuteSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "start_position", "block_table", "sample", "sampling", "store_load_block_ids", "store_load_hashes")
