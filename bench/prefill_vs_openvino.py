@@ -1,7 +1,7 @@
 """A long prompt's prefill: kvserve's executor and OpenVINO GenAI taking turns, in one run.
 
     python -m bench.prefill_vs_openvino [--quantization int8] [--tokens 551] [--cached 128]
-                                        [--rounds 12] [--threads 1] [--out FILE]
+                                        [--rounds 12] [--threads 1] [--out FILE] [--log-dir DIR]
 
 At one stream a served row's TTFT P99 (``python -m bench --concurrency 1``) is the prefill of its
 longest prompt: one measurement, taken minutes apart from the peer's row. On a shared host the
@@ -45,6 +45,8 @@ CONTENDED_FACTOR = 1.5
 BLOCK_SIZE = 16
 READY_TIMEOUT_S = 900.0  # a worker's start: model load, kernel build, OpenVINO's compile
 ANSWER_TIMEOUT_S = 300.0  # one prefill or probe
+LOG_DIR_NAME = "prefill-vs-openvino-logs"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # bench/results/ (git-ignored)
 
 
 @dataclass
@@ -304,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="compute threads of each system")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the rounds and the summary as JSON here")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help=f"the workers' logs (default: {LOG_DIR_NAME}/ beside --out, "
+                             f"else bench/results/{LOG_DIR_NAME}/)")
     parser.add_argument("--worker", choices=("kvserve",), default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return serve_worker(args)
 
-    log_dir = (args.out.parent if args.out else Path.cwd()) / "prefill-vs-openvino-logs"
+    log_dir = args.log_dir or (args.out.parent if args.out else RESULTS_DIR) / LOG_DIR_NAME
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"prefill of {args.tokens} tokens after {args.cached} cached, kvserve --quantization {args.quantization} "
           f"(K/V {args.kv_cache_dtype}) vs OpenVINO GenAI {OPENVINO_WEIGHTS[args.quantization].upper()} IR, "
