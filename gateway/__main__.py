@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from gateway.clients import ChannelSecurity
+from gateway.constraints import GrammarCompiler
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, EngineConfig
 from gateway.grpc_api import GatewayServicer
@@ -112,13 +113,14 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     engine = Engine(config, tokenizer, metrics)
     batching = {"batching": args.batching, "kv_allocation": args.kv_allocation,
                 "enable_prefix_caching": args.enable_prefix_caching}
-    servicer = GatewayServicer(engine, tokenizer, batching)
+    grammars = GrammarCompiler.for_tokenizer(tokenizer)  # structured outputs, shared by both APIs
+    servicer = GatewayServicer(engine, tokenizer, batching, grammars)
     api_key = token_or_none(args.api_key)
     tls = TlsFiles.from_args(args)
     grpc_server = GrpcServer("gateway", args.host, args.port, [Service(
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, servicer,
         gateway_pb2_grpc.add_GatewayServicer_to_server)], auth=api_key, auth_what="API key", tls=tls)
-    app = create_app(engine, tokenizer, api_key=api_key)
+    app = create_app(engine, tokenizer, api_key=api_key, grammars=grammars)
     ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl))

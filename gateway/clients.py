@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.step_socket import StepSocket, StepSocketRefused
 from gateway.store_exchange import StoreExchange, StoreOrders
-from gateway.stopping import suppressed_token_ids
 from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async
@@ -160,6 +160,7 @@ class ExecutorClient(_Client):
         self._stub = executor_pb2_grpc.ExecutorStub(self.channel)
         self._execute_timeout = execute_timeout
         self.block_size = 16
+        self.vocab_size = 0  # from Describe, before any step
         self._steps: grpc.aio.StreamStreamCall | None = None  # the open ExecuteStream
         self._steps_lock = asyncio.Lock()
         self._streaming = True  # False once the executor answers ExecuteStream with UNIMPLEMENTED
@@ -172,6 +173,7 @@ class ExecutorClient(_Client):
     async def describe(self, timeout: float = 3.0) -> ExecutorInfo:
         reply = await self._call(self._stub.Describe, executor_pb2.DescribeRequest(), timeout)
         self.block_size = reply.block_size
+        self.vocab_size = reply.vocab_size
         offer = (reply.step_socket, reply.instance_id) if reply.step_socket and self._use_step_socket else None
         if offer != self._step_socket_offer:
             self._drop_step_socket()
@@ -202,7 +204,7 @@ class ExecutorClient(_Client):
                 start_position=entry.start_position, block_table=table, sample=entry.sample,
             )
             if entry.sample:
-                _fill_sampling(sequence.sampling, entry)
+                fill_sampling(sequence.sampling, entry, self.vocab_size)
                 want_top = want_top or bool(entry.seq.request.options.logprobs)
             if entry.store_load_block_ids:
                 sequence.store_load_block_ids.extend(entry.store_load_block_ids)
@@ -357,20 +359,6 @@ class ExecutorClient(_Client):
 def _cancelling(task: asyncio.Task | None) -> int:
     """Cancellations requested of ``task`` (Python 3.11+; on 3.10, where a task cannot tell, 0)."""
     return task.cancelling() if task is not None and hasattr(task, "cancelling") else 0
-
-
-def _fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq) -> None:
-    seq = entry.seq
-    options = seq.request.options
-    params.temperature = options.temperature
-    params.top_k = options.top_k
-    params.top_p = options.top_p
-    if options.seed is not None:  # each choice draws its own stream
-        params.seed = (options.seed + seq.index) % (1 << 64)
-    if options.logprobs:
-        params.top_logprobs = options.logprobs
-    if options.min_tokens:
-        params.suppressed_token_ids.extend(suppressed_token_ids(seq))
 
 
 class KVManagerClient(_Client):

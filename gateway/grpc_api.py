@@ -1,6 +1,7 @@
 """gRPC ``kvserve.v1.Gateway``: protobuf ⇄ domain, nothing else."""
 from __future__ import annotations
 
+from gateway.constraints import ConstraintSpec, GrammarCompiler
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.params import build_options
@@ -22,10 +23,12 @@ FINISH = {
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, describe_batching: dict):
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, describe_batching: dict,
+                 grammars: GrammarCompiler | None = None):
         self._engine = engine
         self._tokenizer = tokenizer
         self._batching = describe_batching
+        self._grammars = grammars or GrammarCompiler.for_tokenizer(tokenizer)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
         engine = self._engine
@@ -45,13 +48,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         else:
             raise InvalidArgument("prompt: set text or token_ids")
         p = request.params
+        spec = _constraint_spec(p.constraint) if p.HasField("constraint") else None
+        compiled = await self._grammars.compile(spec) if spec is not None else None
         options = build_options(
             max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or None, top_k=p.top_k,
             seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, n=p.n or 1,
             logprobs=p.logprobs if p.HasField("logprobs") else None,
             enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,
-            default_temperature=0.0,
+            default_temperature=0.0, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty or None, logit_bias=dict(p.logit_bias), min_p=p.min_p,
+            constraint=compiled,
         )
         # The client's deadline: the request fails (and frees its blocks) when it passes.
         stream = await engine.submit(prompt_ids, options, request.request_id or None,
@@ -80,6 +87,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             block_size=info.block_size, num_blocks=info.num_blocks, dtype=info.dtype, device=info.device,
             attention_backend=info.attention_backend, **self._batching,
         )
+
+
+def _constraint_spec(constraint: gateway_pb2.OutputConstraint) -> ConstraintSpec | None:
+    kind = constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return ConstraintSpec.json_schema(constraint.json_schema)
+    if kind == "json_object":
+        return ConstraintSpec("json_object") if constraint.json_object else None
+    if kind == "choice":
+        return ConstraintSpec.choice(list(constraint.choice.choices))
+    return ConstraintSpec(kind, getattr(constraint, kind))
 
 
 def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.constraints import ConstraintSpec, GrammarCompiler
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.model_name import check_model_name
@@ -34,6 +35,7 @@ from gateway.openai_protocol import (
 from gateway.params import build_options
 from gateway.scheduler import RequestTooLarge
 from gateway.streams import MergedStream, RequestStream
+from gateway.tool_calls import ToolCalling, render_tool_messages
 from kvserve.auth import BearerToken
 from kvserve.errors import InvalidArgument, KVServeError
 from kvserve.logs import get_logger
@@ -166,6 +168,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         message = message.removeprefix("Value error, ")
         if message.startswith("["):  # an index inside the field: prompt[3]: ...
             where, message = f"{where}{message.split(':', 1)[0]}", message.split(":", 1)[1].strip()
+    elif first.get("type") == "extra_forbidden":
+        message = "not supported by this server (the accepted fields are listed in docs/gateway.md)"
     elif first.get("type") == "json_invalid":
         return f"body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
     return (f"{where}: {message}" if where else message), where or None
@@ -247,7 +251,7 @@ async def completions(body: CompletionBody, request: Request):
         raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
     prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
                   else list(p) for p in prompts]
-    return await _generate("completion", body, prompt_ids, body.logprobs, request)
+    return await _generate("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec())
 
 
 @router.post("/v1/chat/completions")
@@ -256,24 +260,35 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     check_model_name(body.model, engine.model_name)
     if not body.messages:
         raise InvalidArgument("messages: at least one message is needed")
-    prompt_ids = await tokenizer.chat_prompt_async(message_dicts(body.messages), body.add_generation_prompt,
-                                                   engine.max_model_len)
+    tools = ToolCalling.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
+    constraint = body.constraint_spec()
+    if tools is not None and tools.constraint() is not None:
+        if constraint is not None:
+            raise InvalidArgument("tool_choice: a required or named tool call cannot be combined with a "
+                                  "structured-output constraint (response_format, guided_*)")
+        constraint = tools.constraint()
+    messages = render_tool_messages(message_dicts(body.messages), tools)
+    prompt_ids = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, engine.max_model_len)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _generate("chat", body, [prompt_ids], logprobs, request)
+    return await _generate("chat", body, [prompt_ids], logprobs, request, constraint, tools)
 
 
-async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request):
+async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request,
+                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None):
     engine = _engine(request)
     unsupported = body.unsupported()
     if unsupported:
-        raise InvalidArgument(f"{unsupported}: not supported by this server")
+        raise InvalidArgument(f"{unsupported}: not supported by this server at {getattr(body, unsupported)!r}")
+    compiled = await request.app.state.grammars.compile(constraint) if constraint is not None else None
     options = build_options(
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
-        skip_special_tokens=body.skip_special_tokens,
+        skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled,
     )
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -289,7 +304,7 @@ async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | N
             raise
     num_choices = options.n * len(prompts)
     formatter = ResponseFormatter(kind, request_id, engine.model_name, _tokenizer(request), logprobs is not None,
-                                  num_choices)
+                                  num_choices, tools)
     if body.stream:
         return StreamingResponse(_sse(engine, stream, formatter, body.include_usage), media_type="text/event-stream")
     return await _collect(engine, stream, formatter, num_choices, request)
@@ -354,12 +369,13 @@ async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatt
 
 
 def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES,
-               api_key: BearerToken | None = None) -> FastAPI:
-    """The app: the routes reach ``engine`` and ``tokenizer`` through ``request.app.state``.
-    ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``)."""
+               api_key: BearerToken | None = None, grammars: GrammarCompiler | None = None) -> FastAPI:
+    """The app: the routes reach ``engine``, ``tokenizer`` and ``grammars`` (structured outputs)
+    through ``request.app.state``. ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``)."""
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
+    app.state.grammars = grammars or GrammarCompiler.for_tokenizer(tokenizer)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # added last = outermost: nobody unauthenticated gets a body buffered
         app.add_middleware(ApiKeyAuth, api_key=api_key)

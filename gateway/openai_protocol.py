@@ -13,8 +13,11 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, field_validator
 
+from gateway.constraints import ConstraintSpec
 from gateway.detokenizer import ModelTokenizer
-from gateway.sequence import ChoiceDelta, RequestOutput
+from gateway.sequence import ChoiceDelta, FinishReason, RequestOutput
+from gateway.tool_calls import ToolCalling
+from kvserve.errors import InvalidArgument
 
 
 def lone_surrogate_error(value: str) -> str | None:
@@ -58,15 +61,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI clients send that change nothing here at these values; any other value is refused.
+NEUTRAL_VALUES = {
+    "store": (None, False),  # nothing is stored for distillation or evals
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
+
+
 class _GenerationBody(BaseModel):
     # allow_inf_nan=False: NaN and ±Infinity (which Python's JSON parser accepts) are rejected.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # extra="forbid": a field this server does not implement is a 400 naming it, never dropped.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: Text | None = None
     max_tokens: Int | None = None
     temperature: Float | None = None
     top_p: Float | None = None
     top_k: Int | None = None
+    min_p: Float | None = None
     seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Int] | None = None
@@ -81,18 +100,96 @@ class _GenerationBody(BaseModel):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     repetition_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    # Structured outputs: OpenAI's response_format, and vLLM's guided_* and structured_outputs.
+    response_format: dict | None = None
+    guided_json: dict | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None
+    structured_outputs: dict | None = None
+    metadata: dict[str, Text] | None = None  # kept by OpenAI only with store, which is off here
+    store: bool | None = None
+    service_tier: Text | None = None
+    modalities: list[Text] | None = None
+    audio: Any = None
+    prediction: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     def unsupported(self) -> str | None:
-        """The first set parameter this server does not implement, if any."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
+        """The first field set to a value this server does not implement, if any."""
+        for name, allowed in NEUTRAL_VALUES.items():
+            if name in type(self).model_fields and getattr(self, name) not in allowed:
                 return name
+        if self.guided_decoding_backend not in (None, "", "auto", "llguidance"):
+            return "guided_decoding_backend"
         return None
+
+    def constraint_spec(self) -> ConstraintSpec | None:
+        """The structured-output constraint the body asks for (at most one way of asking)."""
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) is not None]
+        specs = [spec for spec in (_structured(name, getattr(self, name)) for name in given) if spec is not None]
+        if len(specs) > 1:
+            raise InvalidArgument(f"{' and '.join(given)}: give one structured-output constraint, not several")
+        return specs[0] if specs else None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _structured(name: str, value: Any) -> ConstraintSpec | None:
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            return _structured_outputs(value)
+        if name == "guided_json":
+            return ConstraintSpec.json_schema(value)
+        if name == "guided_choice":
+            return ConstraintSpec.choice(value)
+        return ConstraintSpec("regex" if name == "guided_regex" else "grammar", value)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{name}: {exc}") from None
+
+
+def _response_format(value: dict) -> ConstraintSpec | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object")
+    if kind == "json_schema":
+        inner = value.get("json_schema")
+        if not isinstance(inner, dict) or "schema" not in inner:
+            raise InvalidArgument('type json_schema needs "json_schema": {"name": ..., "schema": {...}}')
+        return ConstraintSpec.json_schema(inner["schema"])
+    raise InvalidArgument(f'type must be "text", "json_object" or "json_schema", got {kind!r}')
+
+
+STRUCTURED_OUTPUT_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                          "json_object": "json_object"}
+
+
+def _structured_outputs(value: dict) -> ConstraintSpec | None:
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    unknown = sorted(set(given) - set(STRUCTURED_OUTPUT_KEYS))
+    if unknown:
+        raise InvalidArgument(f"{unknown[0]}: not supported (one of {', '.join(STRUCTURED_OUTPUT_KEYS)})")
+    if len(given) != 1:
+        raise InvalidArgument(f"give exactly one of {', '.join(STRUCTURED_OUTPUT_KEYS)}")
+    (key, item), = given.items()
+    if key == "json":
+        return ConstraintSpec.json_schema(item)
+    if key == "choice":
+        return ConstraintSpec.choice(item)
+    if key == "json_object":
+        return ConstraintSpec("json_object")
+    if not isinstance(item, str):
+        raise InvalidArgument(f"{key}: must be a string")
+    return ConstraintSpec(STRUCTURED_OUTPUT_KEYS[key], item)
 
 
 def _token_ids(value: list, where: str) -> list[int]:
@@ -159,12 +256,34 @@ def _content(value: Any) -> str | list[dict] | None:
     return value
 
 
+def _tool_calls(value: Any) -> list[dict] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"must be a list, got {_json_type(value)}")
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), (str, dict))):
+            raise ValueError(f"[{i}]: expected {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             f"\"arguments\": ...}}}}")
+    return value
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Text
     # a string, a list of {"type": "text", "text": ...} parts, or null
     content: Annotated[Any, AfterValidator(_content)] = None
+    name: Text | None = None
+    tool_calls: Annotated[Any, AfterValidator(_tool_calls)] = None
+    tool_call_id: Text | None = None
+    # What a client echoes back from an earlier response; nothing to render.
+    refusal: Text | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -173,6 +292,9 @@ class ChatCompletionBody(_GenerationBody):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -182,7 +304,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
-        out.append({"role": message.role, "content": content or ""})
+        rendered = {"role": message.role, "content": content or ""}
+        if message.tool_calls:
+            rendered["tool_calls"] = message.tool_calls
+        out.append(rendered)
     return out
 
 
@@ -222,14 +347,18 @@ class ResponseFormatter:
     """Builds completion / chat.completion objects and their streamed chunks."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer: ModelTokenizer,
-                 logprobs: bool, n: int):
+                 logprobs: bool, n: int, tools: ToolCalling | None = None):
         self.kind = kind  # "completion" or "chat"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.logprobs = logprobs
+        self.tools = tools
         self._role_sent = [False] * n
+        # Streaming with tools: a choice's text is held while it may still be a call.
+        self._held = [""] * n
+        self._holding = [tools is not None] * n
 
     def _header(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -272,10 +401,15 @@ class ResponseFormatter:
                 if not self._role_sent[delta.index]:
                     message["role"] = "assistant"
                     self._role_sent[delta.index] = True
-                if delta.text or "role" in message:
-                    message["content"] = delta.text
-                choice = {"index": delta.index, "delta": message, "logprobs": lp,
-                          "finish_reason": _finish(delta)}
+                text, calls = self._tool_filter(delta)
+                if calls:
+                    message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                elif text or "role" in message:
+                    message["content"] = text
+                if not message and not delta.finish_reason and lp is None:
+                    continue  # held back: nothing to say yet
+                finish = "tool_calls" if calls else _finish(delta)
+                choice = {"index": delta.index, "delta": message, "logprobs": lp, "finish_reason": finish}
                 header = self._header("chat.completion.chunk")
             else:
                 choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
@@ -285,6 +419,19 @@ class ResponseFormatter:
                 choice["stop_reason"] = delta.stop_reason
             out.append({**header, "choices": [choice]})
         return out
+
+    def _tool_filter(self, delta: ChoiceDelta) -> tuple[str, list[dict] | None]:
+        """(content to stream now, tool calls) for one delta of a choice."""
+        index = delta.index
+        if not self._holding[index]:
+            return delta.text, None
+        self._held[index] += delta.text
+        held = self._held[index]
+        if delta.finish_reason is None and self.tools.may_be_call(held):
+            return "", None
+        self._holding[index] = False
+        calls = self.tools.parse_calls(held) if delta.finish_reason is FinishReason.STOP else None
+        return ("", calls) if calls else (held, None)
 
     def usage_chunk(self, output: RequestOutput) -> dict:
         name = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -297,8 +444,11 @@ class ResponseFormatter:
         for index, choice in enumerate(choices):
             lp = self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs)
             if self.kind == "chat":
-                body.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                             "logprobs": lp, "finish_reason": choice.finish_reason,
+                message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
+                calls = self.tools.parse_calls(choice.text) if self.tools and finish == "stop" else None
+                if calls:
+                    message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                body.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": choice.stop_reason})
             else:
                 body.append({"index": index, "text": choice.text, "logprobs": lp,

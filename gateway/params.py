@@ -10,7 +10,7 @@ every request batched with this one.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from gateway.scheduler import RequestTooLarge
 from gateway.sequence import SamplingOptions
@@ -35,6 +35,11 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_STOP_TOKEN_IDS_LISTED = 1 << 18
 # cache_salt travels in every kvmanager Allocate entry of the request.
 MAX_CACHE_SALT_CHARS = 256
+# logit_bias travels with every sampling step (OpenAI allows 300 entries, values in [-100, 100]).
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0  # presence and frequency, as in the OpenAI API
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _finite(name: str, value) -> float:
@@ -69,10 +74,15 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
                   stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                   min_tokens: int | None = 0, n: int | None = 1, logprobs: int | None = None,
                   enable_prefix_caching: bool = True, cache_salt: str = "",
-                  skip_special_tokens: bool = True, default_temperature: float = 1.0) -> SamplingOptions:
+                  skip_special_tokens: bool = True, default_temperature: float = 1.0,
+                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                  repetition_penalty: float | None = None, logit_bias: Mapping | None = None,
+                  min_p: float | None = None, constraint=None) -> SamplingOptions:
     """Checks every value and returns the options; InvalidArgument names the bad field.
 
     ``top_p`` None means 1 (off); the gRPC front end passes None for its proto default 0.
+    ``logit_bias``: token id (an int or its decimal string, as OpenAI's JSON keys) → bias.
+    ``constraint``: a compiled structured-output constraint (gateway.constraints).
     """
     if max_tokens is not None:
         max_tokens = _integer("max_tokens", max_tokens)
@@ -124,12 +134,60 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
     cache_salt = _unicode("cache_salt", cache_salt)
+    penalties = _penalties(presence_penalty, frequency_penalty, repetition_penalty)
+    min_p = 0.0 if min_p is None else _finite("min_p", min_p)
+    if not 0 <= min_p <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
     return SamplingOptions(
+        presence_penalty=penalties[0], frequency_penalty=penalties[1], repetition_penalty=penalties[2],
+        logit_bias=_logit_bias(logit_bias), min_p=min_p, constraint=constraint,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
         stop_token_ids=stop_ids, ignore_eos=bool(ignore_eos), min_tokens=min_tokens, n=n, logprobs=logprobs,
         enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         skip_special_tokens=skip_special_tokens,
     )
+
+
+def _penalties(presence, frequency, repetition) -> tuple[float, float, float]:
+    presence = 0.0 if presence is None else _finite("presence_penalty", presence)
+    frequency = 0.0 if frequency is None else _finite("frequency_penalty", frequency)
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    repetition = 1.0 if repetition is None else _finite("repetition_penalty", repetition)
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                              f"got {repetition}")
+    return presence, frequency, repetition
+
+
+def _logit_bias(bias: Mapping | None) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if not isinstance(bias, Mapping):
+        raise InvalidArgument("logit_bias must be an object mapping token ids to biases")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = key if isinstance(key, int) and not isinstance(key, bool) else int(str(key).strip())
+        except ValueError:
+            raise InvalidArgument(f"logit_bias: key {key!r} is not a token id") from None
+        value = _finite(f"logit_bias[{key}]", _integer_or_number(value, f"logit_bias[{key}]"))
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias[{key}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                  f"got {value}")
+        if token_id in out:
+            raise InvalidArgument(f"logit_bias: token id {token_id} is given twice")
+        out[token_id] = value
+    return tuple(sorted(out.items()))
+
+
+def _integer_or_number(value, name: str):
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a number, got {str(value).lower()}")
+    return value
 
 
 def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_num_seqs: int,
@@ -174,5 +232,8 @@ def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_n
             raise InvalidArgument(f"stop_token_ids: with the EOS ids they cover all {info.vocab_size} tokens of "
                                   f"the vocabulary, which min_tokens ({options.min_tokens}) keeps from being "
                                   f"sampled: nothing could be generated")
+    bad_bias = next((t for t, _ in options.logit_bias if not 0 <= t < info.vocab_size), None)
+    if bad_bias is not None:
+        raise InvalidArgument(f"logit_bias: token id {bad_bias} is outside [0, {info.vocab_size})")
     if len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} distinct ids, got {len(stop_ids)}")

@@ -41,9 +41,12 @@ def create_sequences(request: GenerationRequest, make_decoder: Callable[[], obje
     """The request's ``n`` choices; with ``n > 1`` only choice 0 prefills, the others fork from it."""
     n = request.options.n
     request.fork_pending = n > 1 and request.num_prompt_tokens >= 2
+    constraint = request.options.constraint
     for index in range(n):
-        request.sequences.append(Sequence(new_seq_id(), request, index, list(request.prompt_token_ids),
-                                          make_decoder()))
+        seq = Sequence(new_seq_id(), request, index, list(request.prompt_token_ids), make_decoder())
+        if constraint is not None:
+            seq.grammar = constraint.new_state()
+        request.sequences.append(seq)
 
 
 class RequestTooLarge(ResourceExhausted):

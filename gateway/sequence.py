@@ -44,6 +44,17 @@ class SamplingOptions:
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    min_p: float = 0.0
+    # A compiled structured-output constraint (gateway.constraints.CompiledGrammar) or None.
+    constraint: object | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass
@@ -104,6 +115,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     finish_reported: bool = False
+    # The choice's structured-output state (gateway.constraints.GrammarState) when constrained.
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -168,10 +181,17 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() by which it must have finished
     finished: bool = False
     max_stop_len: int = 0
+    _distinct_prompt: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def distinct_prompt_token_ids(self) -> list[int]:
+        """The prompt's distinct token ids (for the repetition penalty), computed once."""
+        if self._distinct_prompt is None:
+            self._distinct_prompt = list(dict.fromkeys(self.prompt_token_ids))
+        return self._distinct_prompt
 
     @property
     def num_completion_tokens(self) -> int:

@@ -1,9 +1,10 @@
 """Appending sampled tokens to a sequence: detokenize, check stop conditions, cut deltas.
 
 Stop conditions, in order: a stop token id or EOS (after ``min_tokens``, EOS
-only without ``ignore_eos``) → ``stop``, its text left out; a stop string in
-the text → ``stop``, the text cut before it; ``max_tokens`` or ``max_model_len``
-→ ``length``. While a choice runs, the last ``len(longest stop) - 1``
+only without ``ignore_eos``) → ``stop``, its text left out; a token the
+structured-output grammar refuses (the executor ignored the mask) → ``error``;
+a stop string in the text → ``stop``, the text cut before it; the grammar
+complete → ``stop``; ``max_tokens`` or ``max_model_len`` → ``length``. While a choice runs, the last ``len(longest stop) - 1``
 characters are held back so that a stop string is never streamed in part.
 """
 from __future__ import annotations
@@ -38,9 +39,17 @@ def append_token(seq: Sequence, token_id: int, logprob: float | None = None,
         _finish(seq, FinishReason.STOP, None)
         return True
 
+    grammar = seq.grammar
+    if grammar is not None and not grammar.consume(token_id):
+        # Only an executor that ignored the step's allowed-token bitmask gets here.
+        _finish(seq, FinishReason.ERROR, None)
+        return True
     previous_len = len(seq.output_text)
     seq.output_text += seq.decoder.append(token_id)
     if options.stop and _cut_at_stop_string(seq, previous_len):
+        return True
+    if grammar is not None and grammar.is_finished():
+        _finish(seq, FinishReason.STOP, None)
         return True
     if seq.num_output_tokens >= options.max_tokens or len(seq.token_ids) >= request.max_model_len:
         _finish(seq, FinishReason.LENGTH, None)
