@@ -18,7 +18,7 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import llguidance
 import numpy as np
@@ -47,6 +47,15 @@ class ConstraintSpec:
 
     kind: str
     value: str = ""
+    # Where the request gave it (named in errors); not part of what is cached.
+    source: str = field(default="", compare=False)
+
+    def named(self, source: str) -> ConstraintSpec:
+        return replace(self, source=source)
+
+    @property
+    def where(self) -> str:
+        return self.source or self.kind
 
     @classmethod
     def json_schema(cls, schema) -> ConstraintSpec:
@@ -163,13 +172,13 @@ class GrammarCompiler:
             self._cache.move_to_end(spec)
             return cached
         if len(spec.value) > MAX_CONSTRAINT_CHARS:
-            raise InvalidArgument(f"{spec.kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(spec.value)}")
+            raise InvalidArgument(f"{spec.where}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(spec.value)}")
         loop = asyncio.get_running_loop()
         try:
             compiled = await asyncio.wait_for(loop.run_in_executor(self._pool, self.compile_now, spec),
                                               COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise InvalidArgument(f"{spec.kind}: did not compile within {COMPILE_TIMEOUT_S:g} s; "
+            raise InvalidArgument(f"{spec.where}: did not compile within {COMPILE_TIMEOUT_S:g} s; "
                                   f"simplify it") from None
         self._cache[spec] = compiled
         while len(self._cache) > COMPILED_CACHE_SIZE:
@@ -181,19 +190,19 @@ class GrammarCompiler:
         try:
             grammar = spec.grammar_text()
         except ValueError as exc:
-            raise InvalidArgument(f"{spec.kind}: {exc}") from None
+            raise InvalidArgument(f"{spec.where}: {exc}") from None
         tokenizer = self._lltokenizer()
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=LIMITS)
         if failed:
-            raise InvalidArgument(f"{spec.kind}: {_first_line(messages[0])}")
+            raise InvalidArgument(f"{spec.where}: {_first_line(messages[0])}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise InvalidArgument(f"{spec.kind}: {_first_line(matcher.get_error())}")
+            raise InvalidArgument(f"{spec.where}: {_first_line(matcher.get_error())}")
         probe = matcher.deep_copy()
         mask = np.frombuffer(probe.compute_bitmask(), dtype=np.uint8)
         if probe.is_error() or not mask.any():
             reason = _first_line(probe.get_error()) or "no text satisfies it"
-            raise InvalidArgument(f"{spec.kind}: cannot be satisfied ({reason})")
+            raise InvalidArgument(f"{spec.where}: cannot be satisfied ({reason})")
         return CompiledGrammar(spec, matcher)
 
 

@@ -93,13 +93,17 @@ def _constraint_spec(constraint: gateway_pb2.OutputConstraint) -> ConstraintSpec
     kind = constraint.WhichOneof("kind")
     if kind is None:
         return None
-    if kind == "json_schema":
-        return ConstraintSpec.json_schema(constraint.json_schema)
-    if kind == "json_object":
-        return ConstraintSpec("json_object") if constraint.json_object else None
-    if kind == "choice":
-        return ConstraintSpec.choice(list(constraint.choice.choices))
-    return ConstraintSpec(kind, getattr(constraint, kind))
+    where = f"constraint.{kind}"
+    try:
+        if kind == "json_schema":
+            return ConstraintSpec.json_schema(constraint.json_schema).named(where)
+        if kind == "json_object":
+            return ConstraintSpec("json_object").named(where) if constraint.json_object else None
+        if kind == "choice":
+            return ConstraintSpec.choice(list(constraint.choice.choices)).named(where)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+    return ConstraintSpec(kind, getattr(constraint, kind), where)
 
 
 def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:

@@ -142,17 +142,22 @@ class _GenerationBody(BaseModel):
 
 def _structured(name: str, value: Any) -> ConstraintSpec | None:
     try:
-        if name == "response_format":
-            return _response_format(value)
-        if name == "structured_outputs":
-            return _structured_outputs(value)
-        if name == "guided_json":
-            return ConstraintSpec.json_schema(value)
-        if name == "guided_choice":
-            return ConstraintSpec.choice(value)
-        return ConstraintSpec("regex" if name == "guided_regex" else "grammar", value)
+        spec = _structured_spec(name, value)
     except InvalidArgument as exc:
         raise InvalidArgument(f"{name}: {exc}") from None
+    return spec.named(name) if spec is not None else None
+
+
+def _structured_spec(name: str, value: Any) -> ConstraintSpec | None:
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    if name == "guided_json":
+        return ConstraintSpec.json_schema(value)
+    if name == "guided_choice":
+        return ConstraintSpec.choice(value)
+    return ConstraintSpec("regex" if name == "guided_regex" else "grammar", value)
 
 
 def _response_format(value: dict) -> ConstraintSpec | None:

@@ -102,7 +102,8 @@ class ToolCalling:
         array = {"type": "array", "items": items, "minItems": 1,
                  "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}
         return ConstraintSpec.json_schema({"type": "object", "additionalProperties": False,
-                                           "required": ["tool_calls"], "properties": {"tool_calls": array}})
+                                           "required": ["tool_calls"], "properties": {"tool_calls": array}},
+                                          ).named("tools (their parameters)")
 
     def parse_calls(self, text: str) -> list[dict] | None:
         """The OpenAI ``tool_calls`` in ``text``, or None when it is not a call of these tools."""

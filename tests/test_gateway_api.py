@@ -259,7 +259,10 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [5] * 5000}, "too long"),
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"max_tokens": 3}, "prompt"),
-    ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": "hi", "no_such_field": 1}, "no_such_field"),
+    ("completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("completions", {"prompt": "hi", "guided_regex": "[0-9"}, "regex"),
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": "hello"}, "messages"),
 ]
