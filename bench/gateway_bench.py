@@ -17,13 +17,16 @@ import asyncio
 import json
 import random
 import re
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from bench.report import percentile
+from bench.server_metrics import scrape
+from kvserve.ports import free_port
 
 WORDS = ("river mountain story engine garden history window silver planet music language market "
          "winter bridge doctor forest village ocean kitchen letter season teacher island castle "
@@ -32,11 +35,10 @@ PHASE = re.compile(r'^kvserve:step_time_seconds_total\{[^}]*phase="([a-z_]+)"[^}
 COUNTER = re.compile(r"^(kvserve:steps_total|kvserve:step_running_seqs_total)\{[^}]*\}\s+(\S+)", re.M)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100.0 * (len(ordered) - 1))))]
+def percentile_ms(values: list[float], q: float) -> float:
+    """The q-th percentile of seconds, in milliseconds (NaN when empty)."""
+    value = percentile(values, q)
+    return float("nan") if value is None else 1000 * value
 
 
 def make_prompts(n: int, words_per_prompt: int, seed: int) -> list[str]:
@@ -45,8 +47,9 @@ def make_prompts(n: int, words_per_prompt: int, seed: int) -> list[str]:
             for i in range(n)]
 
 
-async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
-    text = (await client.get(base_url + "/metrics")).text
+async def step_counters(client: httpx.AsyncClient, base_url: str) -> dict[str, float]:
+    """The gateway's step-time phases and step counters, from one /metrics scrape."""
+    text = await scrape(client, base_url)
     values = {f"phase:{k}": float(v) for k, v in PHASE.findall(text)}
     values.update({k: float(v) for k, v in COUNTER.findall(text)})
     return values
@@ -92,24 +95,24 @@ async def run_load(base_url: str, concurrency: int, output_len: int, prompt_word
         bodies = [{"model": model, "prompt": p, "max_tokens": output_len, "min_tokens": output_len,
                    "ignore_eos": True, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}} for p in prompts]
-        begin = await scrape(client, base_url)
+        begin = await step_counters(client, base_url)
         wall0 = time.perf_counter()
         tasks = [asyncio.create_task(one_request(client, url, b, record, all_started, state)) for b in bodies]
         await asyncio.wait([asyncio.create_task(all_started.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
-        steady_begin, steady_t0 = await scrape(client, base_url), time.perf_counter()
+        steady_begin, steady_t0 = await step_counters(client, base_url), time.perf_counter()
         await first_done.wait()
-        steady_end, steady_t1 = await scrape(client, base_url), time.perf_counter()
+        steady_end, steady_t1 = await step_counters(client, base_url), time.perf_counter()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - wall0
-        end = await scrape(client, base_url)
+        end = await step_counters(client, base_url)
     ttft = [r["ttft"] for r in record]
     itl = [gap for r in record for gap in r["itl"]]
     tokens = sum(r["tokens"] for r in record)
     return {
         "model": model, "concurrency": concurrency, "output_len": output_len, "requests": len(record),
         "completion_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
-        "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
-        "itl_p50_ms": 1000 * percentile(itl, 50), "itl_p99_ms": 1000 * percentile(itl, 99),
+        "ttft_p50_ms": percentile_ms(ttft, 50), "ttft_p99_ms": percentile_ms(ttft, 99),
+        "itl_p50_ms": percentile_ms(itl, 50), "itl_p99_ms": percentile_ms(itl, 99),
         "itl_mean_ms": 1000 * statistics.fmean(itl) if itl else float("nan"),
         "steady": step_profile(steady_begin, steady_end, steady_t1 - steady_t0),
         "whole_run": step_profile(begin, end, wall),
@@ -136,12 +139,6 @@ def step_profile(begin: dict, end: dict, wall_s: float) -> dict:
         "share_executor_sampling_and_copies": (executor_total - forward) / step,
         "between_steps_share_of_wall": max(0.0, wall_s - step) / wall_s,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_stack(args):

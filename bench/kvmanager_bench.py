@@ -28,7 +28,6 @@ import gc
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -110,21 +109,17 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def over_grpc(quick: bool) -> None:
     import grpc
 
+    from kvserve.config import without_flag_env
     from kvserve.health import wait_until_serving
+    from kvserve.ports import free_port
     from kvserve.v1 import kvmanager_pb2 as pb
     from kvserve.v1 import kvmanager_pb2_grpc
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    env = without_flag_env()
     env["PYTHONPATH"] = str(REPO_ROOT)
     proc = subprocess.Popen([sys.executable, "-m", "kvmanager", "--port", str(port), "--log-level", "warning"],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL)

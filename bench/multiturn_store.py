@@ -36,8 +36,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.peers.common import free_port, lscpu_text, write_lscpu
-from bench.routing_bench import ChatTokenizer, Conversation, percentile, service_env
+from bench.peers.common import lscpu_text, write_lscpu
+from bench.report import percentile
+from bench.routing_bench import ChatTokenizer, Conversation, service_env
+from kvserve.ports import free_port
 
 BLOCK = 16
 POOL_FRACTION = 4  # the working set is this many times the pool

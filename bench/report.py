@@ -67,6 +67,17 @@ def stats_ms(values: list[float]) -> dict:
             "p99": float(np.percentile(array, 99))}
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
 def client_peak_concurrency(results: list[RequestResult]) -> int:
     """Most requests between first token and end at once (a fallback when /metrics is absent)."""
     events = []

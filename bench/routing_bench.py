@@ -46,7 +46,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -338,17 +337,6 @@ def http_sender(client, base_url: str, model: str) -> Sender:
 # --- summary and table ------------------------------------------------------------------
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 @dataclass
 class RowResult:
     """One row of the table: one configuration on the workload."""
@@ -401,6 +389,8 @@ class RowResult:
 
 
 def summarize(row: RowResult, results: list[TurnResult], wall: float) -> RowResult:
+    from bench.report import percentile
+
     ok = [r for r in results if r.ok]
     row.completed, row.failed, row.wall_s = len(ok), len(results) - len(ok), wall
     row.prompt_tokens = sum(r.prompt_len for r in ok)
@@ -479,16 +469,12 @@ def target_checks(rows: list[RowResult]) -> list[str]:
 # --- services ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def service_env(threads: int | None = None) -> dict[str, str]:
     """This environment without ``KVSERVE_*`` flag variables (only the bench's flags apply);
     with ``threads``, OpenMP/MKL limited to that many."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
+    from kvserve.config import without_flag_env
+
+    env = without_flag_env()
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
@@ -525,6 +511,7 @@ def start_cluster(config: RowConfig, args, log_dir: Path) -> Cluster:
     import httpx
 
     from kvserve.launcher import wait_healthy, spawn
+    from kvserve.ports import free_port
 
     log_dir.mkdir(parents=True, exist_ok=True)
     started = []
@@ -579,10 +566,6 @@ def start_cluster(config: RowConfig, args, log_dir: Path) -> Cluster:
     return Cluster(kvmanager, executors, gateway, url)
 
 
-async def scrape(client, url: str) -> str:
-    return (await client.get(url + "/metrics")).text
-
-
 def metric_deltas(begin: str, end: str) -> dict:
     """What the gateway counted between two /metrics scrapes."""
     from bench.server_metrics import COUNTERS, STEP_TIME, parse_labeled, parse_prometheus, pick
@@ -620,6 +603,7 @@ def time_lookup_prefix(address: str, prompts: list[list[int]], passes: int, bloc
     the gateway asks per request under ``--routing kv``), client-side round trip."""
     import grpc
 
+    from bench.report import percentile
     from kvserve.v1 import kvmanager_pb2 as pb
     from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -644,6 +628,8 @@ def time_lookup_prefix(address: str, prompts: list[list[int]], passes: int, bloc
 async def measure(cluster: Cluster, workload: list[list[Turn]], concurrency: int,
                   progress: bool) -> tuple[list[TurnResult], float, dict]:
     import httpx
+
+    from bench.server_metrics import scrape
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=30.0), limits=limits) as client:

@@ -153,6 +153,11 @@ class ServerMetrics:
         }
 
 
+async def scrape(client: httpx.AsyncClient, base_url: str) -> str:
+    """The text of ``{base_url}/metrics``, once."""
+    return (await client.get(base_url + "/metrics")).text
+
+
 class MetricsSampler:
     """Polls ``{base_url}/metrics`` in the background between ``start()`` and ``stop()``."""
 

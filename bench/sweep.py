@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvserve.config import without_flag_env
 from kvserve.launcher import StackConfig, start_stack
+from kvserve.ports import free_port
 
 from bench.report import Row
 from bench.runner import measure, model_info
@@ -131,17 +132,6 @@ def plan_budget(requests: list[BenchRequest], *, block_size: int = 16, baseline_
     return Budget(max_model_len, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, dtype)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def service_env() -> dict[str, str]:
-    """This environment without ``KVSERVE_*`` flag variables, so only the sweep's flags apply."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
-
-
 def check_applied(config: SweepConfig, info: dict, kv_cache_dtype: str = "auto") -> list[str]:
     """Where the running gateway's ModelInfo disagrees with the configuration asked for."""
     if "error" in info:
@@ -168,11 +158,11 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
                progress: bool, metrics_interval: float, startup_timeout: float = 300.0) -> tuple[Row, dict]:
     """Starts a stack with ``config``, measures the workload on it, stops it."""
     stack_config = StackConfig(
-        model_dir=Path(model_dir), kvmanager_port=_free_port(), executor_port=_free_port(),
-        gateway_port=_free_port(), http_port=_free_port(),
+        model_dir=Path(model_dir), kvmanager_port=free_port(), executor_port=free_port(),
+        gateway_port=free_port(), http_port=free_port(),
         executor_args=[*budget.executor_args(), *config.executor_args()],
         gateway_args=[*budget.gateway_args(), *config.gateway_args()], log_dir=log_dir / config.slug,
-        env=service_env(), timeout=startup_timeout,
+        env=without_flag_env(), timeout=startup_timeout,  # only the sweep's flags apply
     )
     stack_config.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

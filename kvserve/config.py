@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, NoReturn, TypeVar
 
@@ -13,6 +14,14 @@ T = TypeVar("T")
 ENV_PREFIX = "KVSERVE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+
+
+def without_flag_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: this process's) without ``KVSERVE_*`` variables, so a service
+    started with it takes only the flags it is given; ``KVSERVE_CACHE_DIR`` (where the models and
+    caches live, not a flag) stays."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith(ENV_PREFIX) or k == "KVSERVE_CACHE_DIR"}
 
 
 def env_name(flag: str) -> str:

@@ -6,16 +6,16 @@ at teardown. ``start_stack(model_dir)`` does that for all three services.
 """
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
+from kvserve.config import without_flag_env
 from kvserve.launcher import ServiceProcess, Stack, StackConfig, spawn, start_healthy
 from kvserve.launcher import start_stack as launcher_start_stack
+from kvserve.ports import free_port  # the tests import it from here too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The default model's sanity question. Asked plainly ("What is the capital of France?") its first
@@ -25,15 +25,9 @@ PARIS_QUESTION = "What is the capital of France? Answer in one sentence."
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The test's environment without KVSERVE_* variables (they would change flag defaults)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE_DIR"}
+    env = without_flag_env()
     env.setdefault("OMP_NUM_THREADS", "2")
     env.update(extra or {})
     return env

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.ports import free_port
+
 START_TIMEOUT_S = 10.0
 
 
@@ -42,12 +44,6 @@ def _unavailable(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; CI=true, where the Redis tests must run")
     pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ping(port: int) -> bool:
@@ -122,7 +118,7 @@ def start_redis(tmp_path: Path, *extra_args: str) -> RedisServer:
     data_dir = tmp_path / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
     for attempt in range(3):
-        server = RedisServer(binary, data_dir, _free_port(), extra_args)
+        server = RedisServer(binary, data_dir, free_port(), extra_args)
         try:
             server.start()
             return server

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +22,9 @@ from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest as Req
 from kvmanager.pool import PoolConfig
 from kvserve.errors import FailedPrecondition, InvalidArgument
+from kvserve.config import without_flag_env
 from kvserve.launcher import start_healthy
+from kvserve.ports import free_port
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -387,18 +388,11 @@ if msgspec is not None:
         events: list[OldBlockStored | OldBlockRemoved | OldAllBlocksCleared]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import os
     pub, replay = free_port(), free_port()
     log = tmp_path_factory.mktemp("kvmanager") / "kvmanager.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_")}
+    env = without_flag_env()
     flags = ["--shutdown-grace", "1", "--kv-events-buffer", "8"]
     if zmq is not None:
         flags += ["--kv-events-zmq", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]

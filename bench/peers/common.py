@@ -5,7 +5,6 @@ import hashlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -101,12 +100,6 @@ def write_lscpu(out_dir: Path) -> dict:
 def nice_prefix(level: int = 10) -> list[str]:
     """``nice -n level`` where there is a nice: set-up work yields the CPU to whatever else runs."""
     return ["nice", "-n", str(level)] if shutil.which("nice") else []
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_logged(cmd: list[str], log_path: Path, *, cwd: Path | None = None, env: dict | None = None,

@@ -29,7 +29,8 @@ from pathlib import Path
 import httpx
 
 from bench.peers.common import (PeerUnavailable, amx_workaround_flags, cpu_flags, cpu_flags_hash, ensure_venv,
-                                free_port, label, nice_prefix, peers_dir, run_logged, setup_allowed)
+                                label, nice_prefix, peers_dir, run_logged, setup_allowed)
+from kvserve.ports import free_port
 
 SDIST_PACKAGE = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
