@@ -57,7 +57,8 @@ clean:
 
 # make image         — build the runtime image (kvserve:latest) and the model converter (kvserve-model:latest)
 # make compose-test  — tests/test_compose.py: structural checks, and build + `docker compose up` + a question
-#                      when a Docker engine answers (docs/deploy.md, "## Docker")
+#                      (fails where no container can run; KVSERVE_SKIP_DOCKER_E2E=1 skips that on purpose;
+#                      docs/deploy.md, "## Docker")
 DOCKER ?= docker
 DOCKER_BUILD_FLAGS ?=
 .PHONY: image compose-test
@@ -68,8 +69,13 @@ image:
 
 compose-test: install
 	@# The environment's KVSERVE_DOCKER / KVSERVE_DOCKER_BUILD_FLAGS (docs/deploy.md) win over the defaults.
+	@# KVSERVE_REQUIRE_DOCKER_E2E=1: where no container can run (no docker CLI, engine, compose or BuildKit)
+	@# the end-to-end test fails with the reason instead of skipping; KVSERVE_SKIP_DOCKER_E2E=1 skips it on purpose.
+	KVSERVE_REQUIRE_DOCKER_E2E=1 \
 	KVSERVE_DOCKER="$${KVSERVE_DOCKER:-$(DOCKER)}" KVSERVE_DOCKER_BUILD_FLAGS="$${KVSERVE_DOCKER_BUILD_FLAGS:-$(DOCKER_BUILD_FLAGS)}" \
 	  $(PY) -m pytest -q -ra -s tests/test_compose.py
+	@if [ "$${KVSERVE_SKIP_DOCKER_E2E:-}" = 1 ]; then \
+	  echo "compose-test: KVSERVE_SKIP_DOCKER_E2E=1: NO container ran, only the structural checks passed" >&2; fi
 
 # make k8s-check — render the Kubernetes overlays (deploy/k8s) with kubectl kustomize into build/k8s,
 #                  validate them with kubernetes-validate (installed into the venv if missing) and
