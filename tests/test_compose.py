@@ -16,6 +16,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -210,6 +211,25 @@ def test_compose_config_validates(override):
     files = ["-f", str(COMPOSE)] + (["-f", str(OVERRIDES[override])] if override else [])
     out = subprocess.run([*command, *files, "config", "-q"], capture_output=True, text=True, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stderr
+
+
+def test_check_ports_names_a_taken_port_before_anything_starts():
+    """deploy/check-ports, which docs/deploy.md runs before `docker compose up`: a taken port would
+    fail `up` on the gateway only after the other services started, and leave them running."""
+    script = [sys.executable, str(REPO_ROOT / "deploy" / "check-ports")]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        env = {**os.environ, "KVSERVE_BIND_ADDRESS": "127.0.0.1", "KVSERVE_HTTP_PUBLISH_PORT": str(free_port()),
+               "KVSERVE_GRPC_PUBLISH_PORT": str(busy)}
+        out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1, out.stdout
+        assert f"127.0.0.1:{busy} (the gateway's gRPC API) is already in use" in out.stderr
+        assert "KVSERVE_GRPC_PUBLISH_PORT=<free port> docker compose up" in out.stderr
+        assert "HTTP" not in out.stderr
+    out = subprocess.run(script, env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "are free" in out.stdout, out.stderr
 
 
 # ------------------------------------------------------------------------------------------
