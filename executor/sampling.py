@@ -2,10 +2,14 @@
 
 Order of operations per row (one row per sequence that asked to sample):
 
-1. suppressed token ids → logit −inf (they can never be picked; a hard constraint);
-2. divide by temperature (0 = greedy: argmax of the logits);
-3. log-softmax → the reported logprobs (after temperature, before top-k/top-p);
-4. top-k, then top-p (smallest set of most likely tokens whose probability reaches p);
+1. the logit edits (``executor.logit_processors``): suppressed token ids → −inf; tokens the
+   ``allowed_token_bitmask`` leaves out → −inf; ``+ logit_bias``; the repetition penalty over
+   every penalty token id (a positive logit divided by it, a negative one multiplied); minus
+   ``frequency_penalty · count`` and ``presence_penalty`` for those generated (count > 0);
+2. divide by temperature (0 = greedy: argmax of the edited logits);
+3. log-softmax → the reported logprobs (after the edits and temperature, before min_p);
+4. min_p (drop tokens less likely than min_p times the most likely), top-k, then top-p
+   (smallest set of most likely tokens whose probability reaches p); none changes a greedy pick;
 5. draw with the exponential race: ``argmax(p_i / E_i)``, ``E_i ~ Exp(1)``, which samples
    exactly from ``p``. A seeded row draws its ``E`` from a generator seeded by
    ``(seed, position)`` alone, so the same seed gives the same token whatever batch
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from executor.logit_processors import edit_logits, min_p_filter, validate_logit_edits
 from kvserve.errors import InvalidArgument
 
 MAX_TOP_LOGPROBS = 20
@@ -36,6 +41,16 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int = 0
     suppressed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Fields 7-15 of executor.proto's SamplingParams, as they arrive (validate() checks them).
+    allowed_token_bitmask: bytes = b""
+    logit_bias_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logit_bias_values: tuple[float, ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0
+    penalty_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    penalty_output_counts: tuple[int, ...] = field(default_factory=tuple)
+    min_p: float = 0.0
 
     @property
     def is_greedy(self) -> bool:
@@ -51,8 +66,11 @@ class SamplingParams:
         for i, tid in enumerate(self.suppressed_token_ids):
             if not 0 <= tid < vocab_size:
                 raise InvalidArgument(f"{field_name}.suppressed_token_ids[{i}]: {tid} outside [0, {vocab_size})")
-        if len(self.suppressed_token_ids) >= vocab_size:
+        if len(set(self.suppressed_token_ids)) >= vocab_size:
             raise InvalidArgument(f"{field_name}.suppressed_token_ids: every token suppressed")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"{field_name}.min_p: {self.min_p} outside [0, 1]")
+        validate_logit_edits(self, field_name, vocab_size)
 
 
 @dataclass
@@ -102,12 +120,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     entry of ``params``. ``greedy``: a compiled pick for batches that are all plain greedy (see
     AttentionBackend.greedy_sample), which takes them in either dtype; the rest runs in float32."""
     rows, vocab = logits.shape
-    suppressed = [(row, tid) for row, p in enumerate(params) for tid in p.suppressed_token_ids]
-    if suppressed:
-        logits = logits.clone()
-        index = torch.tensor(suppressed, dtype=torch.long, device=logits.device)
-        logits[index[:, 0], index[:, 1]] = float("-inf")
-    # Suppressed tokens (min_tokens keeps EOS out) are -inf by now: the compiled pick takes them too.
+    logits = edit_logits(logits, params)  # a copy when any row edits its logits
+    # Edited logits (-inf masks, biases, penalties) are plain logits: the compiled pick takes them
+    # too, and min_p / top-k / top-p never change a greedy pick.
     if greedy is not None and all(p.is_greedy and not p.top_logprobs for p in params):
         token_ids, logprobs = greedy(logits)
         return SampleResult(token_ids.tolist(), logprobs.tolist(), None)
@@ -127,6 +142,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
         rand_params = [params[r] for r in random_rows]
         row_index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         candidates = scaled.index_select(0, row_index)
+        if any(p.min_p > 0.0 for p in rand_params):
+            min_p = torch.tensor([p.min_p for p in rand_params], dtype=torch.float32, device=logits.device)
+            candidates = min_p_filter(candidates, min_p)
         if any(p.top_k > 0 or 0.0 < p.top_p < 1.0 for p in rand_params):
             top_k = torch.tensor([p.top_k for p in rand_params], dtype=torch.long, device=logits.device)
             top_p = torch.tensor([p.top_p if 0.0 < p.top_p < 1.0 else 1.0 for p in rand_params],

@@ -29,6 +29,15 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
             seed=s.seed if s.HasField("seed") else None,
             top_logprobs=s.top_logprobs,
             suppressed_token_ids=tuple(s.suppressed_token_ids),
+            allowed_token_bitmask=s.allowed_token_bitmask,
+            logit_bias_token_ids=tuple(s.logit_bias_token_ids),
+            logit_bias_values=tuple(s.logit_bias_values),
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            penalty_token_ids=tuple(s.penalty_token_ids),
+            penalty_output_counts=tuple(s.penalty_output_counts),
+            min_p=s.min_p,
         )
     return SequenceInput(
         seq_id=seq.seq_id,
