@@ -146,6 +146,13 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
         for j, block in enumerate(seq.block_table):
             if block >= N:
                 raise ValueError(f"sequences[{i}].block_table[{j}]: {block} outside [0, {N})")
+        mask = seq.sampling.allowed_token_bitmask
+        if seq.sample and mask and self.flaw != "ignores_logit_edits":
+            need = -(-self.VOCAB // 8)
+            if not need <= len(mask) <= -(-need // 4) * 4:
+                raise ValueError(f"sequences[{i}].sampling.allowed_token_bitmask: {len(mask)} bytes")
+            if all(t in seq.sampling.suppressed_token_ids for t in self.allowed(mask)):
+                raise ValueError(f"sequences[{i}].sampling.allowed_token_bitmask: no allowed token left unsuppressed")
 
     def validate_copies(self, request) -> None:
         if len(request.copy_src) != len(request.copy_dst):
@@ -182,6 +189,25 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
         for src, dst in zip(request.copy_src, request.copy_dst):
             self.kv[dst * B:(dst + 1) * B] = self.kv[src * B:(src + 1) * B]
 
+    def allowed(self, mask: bytes) -> list[int]:
+        return [t for t in range(self.VOCAB) if mask[t // 8] >> (t % 8) & 1]
+
+    def edit(self, logits: list[float], params) -> None:
+        """executor.proto's order: bitmask, logit_bias, repetition, frequency and presence penalties."""
+        if params.allowed_token_bitmask:
+            allowed = set(self.allowed(params.allowed_token_bitmask))
+            for t in range(self.VOCAB):
+                if t not in allowed:
+                    logits[t] = -math.inf
+        for t, bias in zip(params.logit_bias_token_ids, params.logit_bias_values):
+            logits[t] += bias
+        rp = params.repetition_penalty
+        for t, count in zip(params.penalty_token_ids, params.penalty_output_counts):
+            if rp not in (0.0, 1.0):
+                logits[t] = logits[t] / rp if logits[t] > 0 else logits[t] * rp
+            if count > 0:
+                logits[t] -= params.frequency_penalty * count + params.presence_penalty
+
     def sample(self, seq, history: tuple) -> tuple[int, float, list[tuple[int, float]]]:
         digest = hashlib.blake2b(repr(history).encode(), digest_size=8).digest()
         gen = random.Random(int.from_bytes(digest, "little"))
@@ -189,6 +215,8 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
         params = seq.sampling
         for token in params.suppressed_token_ids:
             logits[token] = -math.inf
+        if self.flaw != "ignores_logit_edits":
+            self.edit(logits, params)
         temperature = params.temperature if params.temperature > 0 else 1.0
         scaled = [x / temperature for x in logits]
         top = max(scaled)
@@ -204,7 +232,9 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
                 rng = random.Random(f"{params.seed}:{position}")
             else:
                 rng = self.shared_rng
-            token = max(range(self.VOCAB), key=lambda v: math.exp(logprobs[v]) / rng.expovariate(1.0))
+            floor = params.min_p * math.exp(max(logprobs))  # min_p: drop the unlikely before the draw
+            token = max(range(self.VOCAB), key=lambda v: (math.exp(logprobs[v]) if math.exp(logprobs[v]) >= floor
+                                                          else 0.0) / rng.expovariate(1.0))
         ranked = sorted(range(self.VOCAB), key=lambda v: -logprobs[v])[:params.top_logprobs]
         return token, logprobs[token], [(v, logprobs[v]) for v in ranked]
 
@@ -294,6 +324,8 @@ FLAWS = {
     "changing_instance_id": {"execute.instance_id"},
     "describe_changes": {"describe.consistent"},
     "stream_repeats_first_reply": {"execute.stream"},
+    "ignores_logit_edits": {"sampling.bitmask", "sampling.bitmask_invalid", "sampling.logit_bias",
+                            "sampling.penalties"},
 }
 
 

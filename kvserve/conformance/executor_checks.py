@@ -30,8 +30,10 @@ blocks from one rule to the next.
 """
 from __future__ import annotations
 
+import math
 import random
 import re
+import struct
 import threading
 import time
 from collections import Counter
@@ -757,6 +759,164 @@ def sampling_seeded(ctx: ExecutorContext) -> str:
     return "same tokens alone, repeated and in batches (" + "; ".join(summary) + ")"
 
 
+# ---- logit edits: bitmask, logit_bias, penalties --------------------------------------------
+
+
+def bitmask(allowed, vocab_size: int, padded: bool = False, junk: bool = False) -> bytes:
+    """An ``allowed_token_bitmask`` (token t: bit t % 8 of byte t // 8) of ceil(vocab / 8) bytes, or
+    rounded up to 4 (``padded``); ``junk`` sets every bit past the vocabulary (to be ignored)."""
+    need = -(-vocab_size // 8)
+    out = bytearray(-(-need // 4) * 4 if padded else need)
+    for token in allowed:
+        out[token // 8] |= 1 << (token % 8)
+    if junk:
+        for token in range(vocab_size, len(out) * 8):
+            out[token // 8] |= 1 << (token % 8)
+    return bytes(out)
+
+
+def constraint_setup(ctx: ExecutorContext) -> tuple[Reference, list[int], list[tuple[int, float]], list[int]]:
+    """(reference, a table for the reference prompt, its top-5 after the prompt, 3 tokens outside it)."""
+    ref = ctx.reference()
+    top = list(ref.steps[0].top)
+    if ctx.info.vocab_size < 16 or len(top) < TOPK:
+        raise Skip(f"needs vocab_size >= 16 and {TOPK} top logprobs (the reference has {len(top)})")
+    listed = {token for token, _ in top}
+    outside: list[int] = []
+    while len(outside) < 3:
+        token = ctx.rng.randrange(ctx.info.vocab_size)
+        if token not in listed and token not in outside:
+            outside.append(token)
+    return ref, ctx.take(ctx.seq_blocks), top, outside
+
+
+def clear_gap(ctx: ExecutorContext, better: float, worse: float) -> bool:
+    return better - worse > 2 * ctx.tolerance.bound(better)
+
+
+@rules.rule("sampling.bitmask",
+            "allowed_token_bitmask: greedy and seeded draws pick allowed tokens only (greedy the best of them); "
+            "a bitmask allowing one token yields it with logprob 0; padding to 4 bytes and bits past the "
+            "vocabulary are accepted and ignored")
+def sampling_bitmask(ctx: ExecutorContext) -> str:
+    ref, table, top, outside = constraint_setup(ctx)
+    V = ctx.info.vocab_size
+
+    def pick(sampling: pb.SamplingParams) -> Sampled:
+        return sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, table, sampling)]), 0)
+
+    # A few allowed: the reference's 3rd and 4th best and three tokens outside its top 5.
+    allowed = {top[2][0], top[3][0], *outside}
+    best = pick(greedy(0, allowed_token_bitmask=bitmask(allowed, V))).token
+    require(best in allowed, f"greedy sampled {best}, outside the allowed {sorted(allowed)}")
+    if clear_gap(ctx, top[2][1], top[3][1]):
+        require(best == top[2][0], f"greedy sampled {best}, expected the best allowed {top[2][0]}")
+    draws = []
+    for i, seed in enumerate(SEEDS + (7,)):
+        mask = bitmask(allowed, V, padded=i > 0, junk=i == 2)
+        draws.append(pick(pb.SamplingParams(temperature=1.0, seed=seed, allowed_token_bitmask=mask)).token)
+    require(set(draws) <= allowed, f"seeded draws {draws}, outside the allowed {sorted(allowed)}")
+    # Exactly one allowed: it is sampled, greedy or not, with probability 1.
+    only = outside[0]
+    for sampling in (greedy(0, allowed_token_bitmask=bitmask([only], V, padded=True, junk=True)),
+                     pb.SamplingParams(temperature=1.0, seed=SEEDS[0], allowed_token_bitmask=bitmask([only], V))):
+        got = pick(sampling)
+        kind = "greedy" if sampling.temperature == 0 else "seeded"
+        require(got.token == only, f"a bitmask allowing only {only}: {kind} sampled {got.token}")
+        require(ctx.tolerance.close(got.logprob, 0.0),
+                f"a bitmask allowing only {only}: logprob {got.logprob:.6g}, expected 0 (after the bitmask)")
+    return f"greedy {best} and seeded draws {draws} among {sorted(allowed)}; only {only} allowed gave {only}"
+
+
+@rules.rule("sampling.bitmask_invalid",
+            "an allowed_token_bitmask of the wrong length, allowing nothing, or whose allowed tokens are all "
+            "suppressed is INVALID_ARGUMENT naming it; the executor keeps serving")
+def sampling_bitmask_invalid(ctx: ExecutorContext) -> str:
+    ref, table, _, outside = constraint_setup(ctx)
+    V = ctx.info.vocab_size
+    need, most = len(bitmask([], V)), len(bitmask([], V, padded=True))
+    past = " (every bit past the vocabulary set)" if most * 8 > V else ""
+    cases = [(f"a bitmask of {most + 1} bytes (at most {most})", bitmask([0], V, padded=True) + b"\x00", ()),
+             ("a bitmask allowing no token" + past, bitmask([], V, padded=True, junk=True), ()),
+             ("a bitmask whose only allowed token is suppressed", bitmask([outside[0]], V), (outside[0],))]
+    if need > 1:
+        cases.insert(0, (f"a bitmask of {need - 1} bytes (at least {need})", bitmask([0], V)[:need - 1], ()))
+    for what, mask, suppressed in cases:
+        sampling = greedy(0, allowed_token_bitmask=mask, suppressed_token_ids=list(suppressed))
+        request = pb.ExecuteRequest(sequences=[sequence(ctx.seq_id(), ref.prompt, 0, table, sampling)])
+        error = expect_status(lambda r=request: ctx.stub.Execute(r, timeout=ctx.timeout), INVALID, what)
+        require("allowed_token_bitmask" in (error.details() or ""),
+                f"{what}: INVALID_ARGUMENT does not name allowed_token_bitmask: {error.details()!r}")
+    comparison = Comparison(ctx.tolerance)
+    comparison.add(ref.steps[0], ctx.prefill_greedy(ctx.seq_id(), ref.prompt, 0, table), "after the rejected calls")
+    comparison.verdict()
+    return f"{len(cases)} refused ({'; '.join(what for what, _, _ in cases)}); the next step agrees"
+
+
+def logprob_after_shift(top: list[tuple[int, float]], index: int, shift: float, of: int) -> float:
+    """The logprob of ``top[of]`` after adding ``shift`` to ``top[index]``'s logit (temperature 0:
+    logprob differences are logit differences; the normalizer changes by 1 - p + p·e^shift)."""
+    p = math.exp(top[index][1])
+    log_norm = math.log1p(p * math.expm1(shift))
+    return top[of][1] + (shift if of == index else 0.0) - log_norm
+
+
+def as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+@rules.rule("sampling.logit_bias",
+            "logit_bias: +100 on a token outside the top 5 (and -100 on the greedy one) makes greedy pick it; a "
+            "bias lifting the 2nd best 1 above the best makes it the pick, with the logprob that bias implies")
+def sampling_logit_bias(ctx: ExecutorContext) -> str:
+    ref, table, top, outside = constraint_setup(ctx)
+    lifted = outside[1]
+    sampling = greedy(0, logit_bias_token_ids=[lifted, top[0][0]], logit_bias_values=[100.0, -100.0])
+    got = sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, table, sampling)]), 0)
+    require(got.token == lifted, f"a bias of +100 on {lifted}: greedy sampled {got.token}")
+    # The 2nd best lifted 1 above the best: the pick and its logprob follow from the reference's.
+    shift = as_float32(top[0][1] - top[1][1] + 1.0)
+    if shift > 100.0:
+        return f"+100 on {lifted} gave {lifted} (the 2nd best is too far behind to lift it by <= 100)"
+    sampling = greedy(0, logit_bias_token_ids=[top[1][0]], logit_bias_values=[shift])
+    got = sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, table, sampling)]), 0)
+    require(got.token == top[1][0], f"a bias of {shift:.4g} on the 2nd best {top[1][0]}: greedy sampled {got.token}")
+    expected = logprob_after_shift(top, 1, shift, 1)
+    require(ctx.tolerance.close(got.logprob, expected),
+            f"a bias of {shift:.4g} on {top[1][0]}: logprob {got.logprob:.6g}, expected {expected:.6g} "
+            "(log-softmax after the bias)")
+    return f"+100 on {lifted} gave {lifted}; {shift:+.3g} on {top[1][0]} gave it with logprob {got.logprob:.4g}"
+
+
+@rules.rule("sampling.penalties",
+            "penalties: frequency 2 x count 50 on the greedy token moves the pick off it (presence spares a listed "
+            "token of count 0); presence 2 alone lowers the greedy token's logit by 2, as its logprob shows")
+def sampling_penalties(ctx: ExecutorContext) -> str:
+    ref, table, top, _ = constraint_setup(ctx)
+    best, second = top[0][0], top[1][0]
+
+    def pick(**penalties) -> Sampled:
+        sampling = greedy(0, **penalties)
+        return sampled_from(ctx.execute([sequence(ctx.seq_id(), ref.prompt, 0, table, sampling)]), 0)
+
+    got = pick(frequency_penalty=2.0, presence_penalty=2.0, penalty_token_ids=[best, second],
+               penalty_output_counts=[50, 0])
+    require(got.token != best, f"frequency 2 x 50 on the greedy token {best}: still sampled it")
+    if clear_gap(ctx, top[1][1], top[2][1]):
+        require(got.token == second, f"the greedy token {best} penalized, {second} listed with count 0: sampled "
+                                     f"{got.token}, expected {second} (presence applies to counts > 0 only)")
+    # Presence alone, count 1: the best logit drops by 2.
+    got = pick(presence_penalty=2.0, penalty_token_ids=[best], penalty_output_counts=[1])
+    winner = 0 if top[0][1] - 2.0 > top[1][1] else 1
+    if clear_gap(ctx, *sorted((top[0][1] - 2.0, top[1][1]), reverse=True)):
+        require(got.token == top[winner][0], f"presence 2 on {best}: sampled {got.token}, expected {top[winner][0]}")
+    if got.token == top[winner][0]:
+        expected = logprob_after_shift(top, 0, -2.0, winner)
+        require(ctx.tolerance.close(got.logprob, expected),
+                f"presence 2 on {best}: logprob of {got.token} {got.logprob:.6g}, expected {expected:.6g}")
+    return f"frequency moved the pick off {best}; presence 2 gave {got.token} (logprob {got.logprob:.4g})"
+
+
 # ---- bad batches -------------------------------------------------------------------------
 
 
@@ -890,6 +1050,9 @@ def execute_instance_id(ctx: ExecutorContext) -> str:
 
 
 NOTES = (
+    ("sampling.unchecked",
+     "not checked: repetition_penalty (its effect depends on the sign of a logit, which logprobs do not show), "
+     "min_p, top_k and top_p"),
     ("layout.same_step_visibility",
      "not checked: a batch in which one sequence reads KV that another sequence of the same Execute writes "
      "(the proto lets an executor run a batch's sequences in any order, so such a batch has no defined result)"),
