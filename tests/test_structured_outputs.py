@@ -22,7 +22,7 @@ import pytest
 
 from conftest import start_stack
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
-from structured_schemas import SCHEMAS
+from bench.structured_schemas import SCHEMAS
 
 pytestmark = pytest.mark.timeout(900)
 
