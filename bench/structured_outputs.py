@@ -3,6 +3,7 @@ requests unconstrained, on one stack.
 
     python -m bench.structured_outputs                   # 64 requests, concurrency 32
     python -m bench.structured_outputs --num-requests 32 --concurrency 16 --threads 1
+    python -m bench.structured_outputs --peers llama-server   # and llama.cpp's server, side by side
 
 The requests are the schemas of ``bench/structured_schemas.py`` (cycled to ``--num-requests``),
 each its prompt through ``/v1/chat/completions`` at temperature 0. Row ``json_schema``: each
@@ -14,7 +15,9 @@ time; TTFT and end-to-end latency are per request. A first pass sends every prom
 token), so both rows find the prompts in the prefix cache and the schemas compiled. Also reported: the share of constrained
 replies that parse and validate (``jsonschema``), and the gateway's mask time per token
 measured in process (``GrammarState.allowed_bitmask``). The rows alternate ``--rounds``
-times on one warm stack, so that machine noise falls on both. Writes ``--out``/results.json and
+times on one warm stack, so that machine noise falls on both. ``--peers llama-server`` runs
+the same rounds on llama.cpp's server (its ``response_format`` json_schema becomes a GBNF
+grammar), built once by ``bench.peers.llama_server``. Writes ``--out``/results.json and
 lscpu.txt.
 """
 from __future__ import annotations
@@ -117,6 +120,70 @@ def mask_cost_us(model_dir: Path, workload: list[tuple[str, str, dict]], replies
     return total / max(count, 1) * 1e6
 
 
+def measure(url: str, workload: list[tuple[str, str, dict]], args) -> list[dict]:
+    """The rounds on one warm server at ``url`` (an OpenAI-compatible chat completions URL)."""
+    # Every prompt once, so that both rows find the same prompts in the prefix cache; and
+    # every schema compiled once (the gateway caches compiled grammars).
+    asyncio.run(run_row(url, [schema_body(n, p, s, 1) for n, p, s in workload], args.concurrency))
+    rounds = []
+    for _ in range(args.rounds):
+        constrained = asyncio.run(run_row(url, [schema_body(n, p, s, args.max_tokens) for n, p, s in workload],
+                                          args.concurrency))
+        lengths = [max(r["tokens"], 1) for r in constrained["results"]]
+        plain = asyncio.run(run_row(url, [plain_body(p, k) for (_, p, _), k in zip(workload, lengths)],
+                                    args.concurrency))
+        rounds.append({"json_schema": constrained, "unconstrained": plain,
+                       "ratio": constrained["output_tok_s"] / plain["output_tok_s"],
+                       "valid": validity(constrained["results"], [s for _, _, s in workload])})
+    return rounds
+
+
+def run_kvserve(model: Path, workload, args) -> list[dict]:
+    executor_args = ["--num-threads", str(args.threads)] if args.threads else []
+    config = StackConfig(model_dir=model, kvmanager_port=free_port(), executor_port=free_port(),
+                         gateway_port=free_port(), http_port=free_port(), executor_args=executor_args,
+                         gateway_args=["--max-num-seqs", str(max(args.concurrency, 8))],
+                         log_dir=args.out / "logs", env=service_env())
+    stack = start_stack(config)
+    try:
+        return measure(stack.http_url + "/v1/chat/completions", workload, args)
+    finally:
+        stack.stop()
+
+
+def run_llama_server(workload, args) -> list[dict]:
+    """The same rounds on llama.cpp's server: the embedded Q4_1 GGUF (what a llama.cpp user runs),
+    ``--peer-threads``, one slot per concurrent request, a unified KV of 512 tokens a slot; its
+    structured outputs turn the JSON schema into a GBNF grammar."""
+    import subprocess
+
+    from bench.peers.llama_server import _wait_ready, embedded_gguf, server_command, setup
+
+    binary, _, _ = setup()
+    gguf = embedded_gguf()
+    port = free_port()
+    cmd = server_command(binary, gguf, port=port, threads=args.peer_threads, parallel=args.concurrency,
+                         ctx=512 * args.concurrency, alias="smollm2")
+    log_path = args.out / "logs" / "llama-server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}", proc, 300, log_path)
+            return measure(f"http://127.0.0.1:{port}/v1/chat/completions", workload, args)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def print_rounds(system: str, rounds: list[dict]) -> None:
+    for i, r in enumerate(rounds, 1):
+        for slug in ("json_schema", "unconstrained"):
+            row = r[slug]
+            valid = f"{r['valid']:.0%}" if slug == "json_schema" else ""
+            print(f"| {system} | {i} | {slug} | {row['output_tok_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
+                  f"{row['ttft_p99_ms']:.0f} | {valid} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     from executor.prepare_model import default_model_dir, prepare
 
@@ -126,54 +193,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="executor --num-threads (default: its own)")
+    parser.add_argument("--peers", default="", help="comma-separated: llama-server")
+    parser.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=Path("bench/results/structured-outputs"))
     args = parser.parse_args(argv)
     model = args.model or prepare(default_model_dir())
     workload = [SCHEMAS[i % len(SCHEMAS)] for i in range(args.num_requests)]
-    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "logs").mkdir(parents=True, exist_ok=True)
     cpu = write_lscpu(args.out)
-    executor_args = ["--num-threads", str(args.threads)] if args.threads else []
-    config = StackConfig(model_dir=model, kvmanager_port=free_port(), executor_port=free_port(),
-                         gateway_port=free_port(), http_port=free_port(), executor_args=executor_args,
-                         gateway_args=["--max-num-seqs", str(max(args.concurrency, 8))],
-                         log_dir=args.out / "logs", env=service_env())
-    (args.out / "logs").mkdir(exist_ok=True)
-    stack = start_stack(config)
-    url = stack.http_url + "/v1/chat/completions"
-    rounds = []
-    try:
-        # Every prompt once, so that both rows find the same prompts in the prefix cache; and
-        # every schema compiled once (the gateway caches compiled grammars).
-        asyncio.run(run_row(url, [schema_body(n, p, s, 1) for n, p, s in workload], args.concurrency))
-        for _ in range(args.rounds):
-            constrained = asyncio.run(run_row(url, [schema_body(n, p, s, args.max_tokens) for n, p, s in workload],
-                                              args.concurrency))
-            lengths = [max(r["tokens"], 1) for r in constrained["results"]]
-            plain = asyncio.run(run_row(url, [plain_body(p, k) for (_, p, _), k in zip(workload, lengths)],
-                                        args.concurrency))
-            rounds.append({"json_schema": constrained, "unconstrained": plain,
-                           "ratio": constrained["output_tok_s"] / plain["output_tok_s"],
-                           "valid": validity(constrained["results"], [s for _, _, s in workload])})
-    finally:
-        stack.stop()
-    mask_us = mask_cost_us(model, workload, rounds[-1]["json_schema"]["results"])
+    systems = {"kvserve": run_kvserve(model, workload, args)}
+    for peer in filter(None, args.peers.split(",")):
+        if peer != "llama-server":
+            parser.error(f"--peers: unknown peer {peer!r} (llama-server)")
+        systems[peer] = run_llama_server(workload, args)
+    mask_us = mask_cost_us(model, workload, systems["kvserve"][-1]["json_schema"]["results"])
     summary = {"command": "python -m bench.structured_outputs " + " ".join(sys.argv[1:] if argv is None else argv),
                "args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu, "lscpu": lscpu_text(),
-               "nproc": os.cpu_count(), "mask_us_per_token": mask_us, "rounds": rounds}
+               "nproc": os.cpu_count(), "mask_us_per_token": mask_us, "systems": systems}
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     print(f"{args.num_requests} requests, concurrency {args.concurrency}, CPU: {cpu}")
-    print("| round | row | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | valid |")
-    print("|---|---|---:|---:|---:|---:|")
-    for i, r in enumerate(rounds, 1):
-        for slug in ("json_schema", "unconstrained"):
-            row = r[slug]
-            valid = f"{r['valid']:.0%}" if slug == "json_schema" else ""
-            print(f"| {i} | {slug} | {row['output_tok_s']:.1f} | {row['ttft_p50_ms']:.0f} | "
-                  f"{row['ttft_p99_ms']:.0f} | {valid} |")
-    ratios = [r["ratio"] for r in rounds]
-    print(f"constrained / unconstrained output tok/s: {', '.join(f'{x:.3f}' for x in ratios)} "
-          f"(target >= 0.9: {'met' if min(ratios) >= 0.9 else 'missed'}); mask {mask_us:.0f} us a token")
+    print("| system | round | row | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | valid |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for system, rounds in systems.items():
+        print_rounds(system, rounds)
+    for system, rounds in systems.items():
+        ratios = [r["ratio"] for r in rounds]
+        print(f"{system}: constrained / unconstrained output tok/s {', '.join(f'{x:.3f}' for x in ratios)}")
+    ratios = [r["ratio"] for r in systems["kvserve"]]
+    print(f"kvserve target >= 0.9: {'met' if min(ratios) >= 0.9 else 'missed'}; gateway mask {mask_us:.0f} us a token")
     return 0
 
 
