@@ -6,7 +6,9 @@ at teardown. ``start_stack(model_dir)`` does that for all three services.
 """
 from __future__ import annotations
 
+import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -120,3 +122,42 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(interval)
+
+
+class CompletionStream(threading.Thread):
+    """A streaming ``/v1/completions`` read in the background (ask for ``logprobs`` to get
+    ``token_texts`` and ``logprobs``); ``started`` is set once ``started_after`` tokens came,
+    or when the stream ends."""
+
+    def __init__(self, url: str, body: dict, started_after: int = 20):
+        super().__init__(daemon=True)
+        self.url = url
+        self.body = {**body, "stream": True}
+        self.started_after = started_after
+        self.text = ""
+        self.token_texts: list[str] = []
+        self.logprobs: list[float] = []
+        self.finish_reason = None
+        self.error = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        import httpx
+
+        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=180) as reply:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    self.error = chunk["error"]
+                    break
+                choice = chunk["choices"][0]
+                self.text += choice["text"]
+                logprobs = choice.get("logprobs") or {}
+                self.token_texts += logprobs.get("tokens") or []
+                self.logprobs += logprobs.get("token_logprobs") or []
+                self.finish_reason = choice["finish_reason"] or self.finish_reason
+                if len(self.logprobs) >= self.started_after:
+                    self.started.set()
+        self.started.set()

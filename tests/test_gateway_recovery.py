@@ -7,14 +7,12 @@ with 503 and the reason.
 """
 from __future__ import annotations
 
-import json
 import signal
-import threading
 
 import httpx
 import pytest
 
-from conftest import free_port, wait_for
+from conftest import CompletionStream, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,34 +26,8 @@ def body(**extra) -> dict:
     return {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": 0, **extra}
 
 
-class Stream(threading.Thread):
-    """A streaming /v1/completions read in the background."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url = url
-        self.tokens: list[float] = []
-        self.text = ""
-        self.finish_reason = None
-        self.error = None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        with httpx.stream("POST", self.url + "/v1/completions", json=body(stream=True), timeout=120) as reply:
-            for line in reply.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    self.error = chunk["error"]
-                    break
-                choice = chunk["choices"][0]
-                self.text += choice["text"]
-                self.tokens += (choice.get("logprobs") or {}).get("token_logprobs") or []
-                self.finish_reason = choice["finish_reason"] or self.finish_reason
-                if len(self.tokens) >= 20:
-                    self.started.set()
-        self.started.set()
+def Stream(url: str) -> CompletionStream:
+    return CompletionStream(url, body())
 
 
 @pytest.fixture
@@ -90,9 +62,9 @@ def preemptions(url: str) -> float:
 
 def assert_identical(stream: Stream, reference: tuple[str, list[float]], what: str) -> None:
     assert stream.error is None, f"{what}: the stream failed: {stream.error}"
-    assert stream.finish_reason == "length" and len(stream.tokens) == MAX_TOKENS, what
+    assert stream.finish_reason == "length" and len(stream.logprobs) == MAX_TOKENS, what
     assert stream.text == reference[0], what
-    worst = max(abs(a - b) for a, b in zip(stream.tokens, reference[1]))
+    worst = max(abs(a - b) for a, b in zip(stream.logprobs, reference[1]))
     assert worst < LOGPROB_TOLERANCE, f"{what}: logprobs differ from a fresh run by {worst:.2g}"
 
 

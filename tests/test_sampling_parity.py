@@ -5,15 +5,13 @@ so a recomputed sequence samples exactly what it would have sampled where it was
 """
 from __future__ import annotations
 
-import json
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from conftest import free_port, start_stack
+from conftest import CompletionStream, free_port, start_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -152,36 +150,6 @@ def test_min_p_drops_what_is_less_likely_than_its_share_of_the_best(small_stack,
     assert kept["c"] == 0 and kept["a"] > 0 and kept["b"] > 0, kept
 
 
-class PenalizedStream(threading.Thread):
-    """A streaming greedy completion with penalties, read in the background."""
-
-    def __init__(self, url: str, prompt: list[int], max_tokens: int):
-        super().__init__(daemon=True)
-        self.body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                     "logprobs": 0, "stream": True, **PENALTIES}
-        self.url = url
-        self.tokens: list[str] = []
-        self.logprobs: list[float] = []
-        self.error = None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=180) as reply:
-            for line in reply.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    self.error = chunk["error"]
-                    break
-                logprobs = chunk["choices"][0].get("logprobs") or {}
-                self.tokens += logprobs.get("tokens") or []
-                self.logprobs += logprobs.get("token_logprobs") or []
-                if len(self.tokens) >= 20:
-                    self.started.set()
-        self.started.set()
-
-
 def test_penalties_are_exact_across_an_executor_restart(start_service, tiny_model_dir, reference_model):
     kvmanager = start_service("kvmanager")
     executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
@@ -191,7 +159,8 @@ def test_penalties_are_exact_across_an_executor_restart(start_service, tiny_mode
                   "--unavailable-timeout", "60")
     url = f"http://127.0.0.1:{http_port}"
     prompt = [(11 * j) % 2000 + 300 for j in range(30)]
-    stream = PenalizedStream(url, prompt, 240)
+    stream = CompletionStream(url, {"prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+                                    "logprobs": 0, **PENALTIES})
     stream.start()
     assert stream.started.wait(60) and stream.error is None
     executor.proc.kill()
@@ -200,5 +169,5 @@ def test_penalties_are_exact_across_an_executor_restart(start_service, tiny_mode
     stream.join(180)
     assert not stream.is_alive() and stream.error is None
     assert preemptions(url) >= 1  # recomputed on the new executor
-    assert_matches((stream.tokens, stream.logprobs), reference_greedy(reference_model, prompt, 240, **PENALTIES),
+    assert_matches((stream.token_texts, stream.logprobs), reference_greedy(reference_model, prompt, 240, **PENALTIES),
                    tiny_model_dir, "executor restarted mid-stream")
