@@ -1,7 +1,8 @@
 """Multi-turn chats whose KV outgrows the executor's pool: the KV store tier against recompute.
 
-    python -m bench.multiturn_store                     # 16 conversations x 3 turns, all four rows
+    python -m bench.multiturn_store                     # 16 conversations x 3 turns, all six rows
     python -m bench.multiturn_store --rows off,directory --num-conversations 8 --turns 2
+    python -m bench.multiturn_store --rows two-off,two-directory
 
 A seeded draw of ShareGPT conversations, each cut to its first ``--turns`` user turns (user
 messages truncated so that the context at the last turn stays within ``--max-context``).
@@ -12,13 +13,16 @@ sessions' turns. The executor's pool holds about 1/4 of all conversations' last-
 Rows, each a fresh kvmanager + executor + gateway on free ports: ``off`` (no ``--kv-store``),
 ``directory`` (a temp dir), ``redis`` (a redis-server started here), ``restart`` (directory;
 the executor is SIGKILLed between rounds 1 and 2, once kvmanager has the round's saves, and
-started again on its port with the same flags). Over rounds 2+: TTFT p50/p90 (first streamed
-chunk), output tokens / wall time, prefix hit rate (sum of usage ``cached_tokens`` /
-``prompt_tokens``: pool + store hits), ``kvserve:kv_store_hit_tokens_total``. Then, in this
-process: the best of 3 512-token prefills (``ModelRunner.execute``) against the best of 10 loads
-of its 32 blocks (``BlockMover.load``) from the directory store (files in the page cache) and
-Redis (``--dtype auto``: the executor's choice, reported with the prefill). Writes
-``--out``/results.json (every number, per-turn records, lscpu), lscpu.txt, logs/.
+started again on its port with the same flags); ``two-off`` and ``two-directory`` (both on one
+temp dir) have two executors (the gateway's ``--executor-address A,B``, routing ``kv``), each
+with half the pool rounded up (never less than the longest conversation needs). Over rounds 2+:
+TTFT p50/p90 (first streamed chunk), output tokens / wall time, prefix hit rate (sum of usage
+``cached_tokens`` / ``prompt_tokens``: pool + store hits), ``kvserve:kv_store_hit_tokens_total``;
+kvmanager's GetStats of every pool. Then, in this process: the best of 3 512-token prefills
+(``ModelRunner.execute``) against the best of 10 loads of its 32 blocks (``BlockMover.load``) from
+the directory store (files in the page cache) and Redis (``--dtype auto``: the executor's choice,
+reported with the prefill). Writes ``--out``/results.json (every number, per-turn records, lscpu),
+lscpu.txt, logs/.
 """
 from __future__ import annotations
 
@@ -32,19 +36,31 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.peers.common import lscpu_text, write_lscpu
 from bench.report import percentile
-from bench.routing_bench import ChatTokenizer, Conversation, service_env
+from bench.routing_bench import EXECUTOR_UP, ChatTokenizer, Cluster, Conversation, service_env
 from kvserve.ports import free_port
 
 BLOCK = 16
 POOL_FRACTION = 4  # the working set is this many times the pool
-ROWS = {"off": "store off", "directory": "directory store", "redis": "redis store",
-        "restart": "directory store, executor restarted"}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    executors: int = 1  # each an executor process with its own pool, behind one gateway
+    store: str = "directory"  # --kv-store: "" (none), "directory" (a temp dir, shared by the executors), "redis"
+    restart: bool = False  # SIGKILL and restart the executor between rounds 1 and 2
+
+
+ROWS = {"off": Row("store off", store=""), "directory": Row("directory store"),
+        "redis": Row("redis store", store="redis"), "restart": Row("directory store, executor restarted", restart=True),
+        "two-off": Row("two executors, store off", 2, store=""),
+        "two-directory": Row("two executors, one shared directory store", 2)}
 STORE_HITS = ("kvserve:kv_store_hit_tokens_total", "kvserve:kv_store_hit_tokens")
 
 
@@ -91,11 +107,15 @@ def build_chats(conversations: list[Conversation], tokenizer: ChatTokenizer, *, 
 
 def plan_pool(chats: list[Chat], block_size: int = BLOCK, fraction: int = POOL_FRACTION) -> dict:
     """``--num-blocks`` (one of them the null block) for a pool of 1/``fraction`` of the working set,
-    never less than one conversation's last turn needs."""
+    and for each of two executors' pools half of it rounded up; never less than one conversation's
+    last turn needs (a request that cannot fit an executor's pool fails)."""
     total = sum(c.context_tokens for c in chats)
-    blocks = max(total // fraction // block_size, -(-max(c.context_tokens for c in chats) // block_size) + 1)
+    least = -(-max(c.context_tokens for c in chats) // block_size) + 1
+    blocks = max(total // fraction // block_size, least)
+    half = max(-(-blocks // 2), least)
     return {"working_set_tokens": total, "num_blocks": blocks + 1, "pool_tokens": blocks * block_size,
-            "ratio": total / (blocks * block_size)}
+            "ratio": total / (blocks * block_size), "two_num_blocks": half + 1,
+            "two_ratio": total / (2 * half * block_size)}
 
 
 # --- one row -------------------------------------------------------------------------------
@@ -188,58 +208,97 @@ def pool_stats(kvmanager_address: str, executor_address: str) -> dict:
     return MessageToDict(reply, preserving_proto_field_name=True)
 
 
-def restart_executor(stack, executor_args: list[str], env: dict, log_dir: Path) -> float:
-    """Once kvmanager's count of saves stands still for 1 s: SIGKILL the executor, start it again
-    on its port with the same flags, wait for the gateway's /health 200. Returns the seconds."""
+def wait_ready(stack: Cluster, deadline: float) -> None:
+    """Until the gateway's /health is 200 with every executor up (``kvserve:executor_up``)."""
     import httpx
 
+    from bench.server_metrics import parse_labeled
+
+    with httpx.Client(timeout=10) as client:
+        while time.monotonic() < deadline:
+            with suppress(httpx.HTTPError):
+                if client.get(stack.http_url + "/health").status_code == 200:  # sets kvserve:executor_up
+                    up = parse_labeled(client.get(stack.http_url + "/metrics").text, EXECUTOR_UP, "executor")
+                    if all(up.get(e.address) == 1 for e in stack.executors):
+                        return
+            if dead := [s for s in stack.services() if not s.alive()]:
+                raise RuntimeError(f"{dead[0].module} exited:\n{dead[0].logs()[-2000:]}")
+            time.sleep(0.2)
+    raise RuntimeError("the gateway does not have every executor up after 300 s")
+
+
+def start_row_stack(executors: int, executor_args: list[str], model: Path, env: dict, log_dir: Path) -> Cluster:
+    """kvmanager, ``executors`` executors (``executor_args`` each) and a gateway with all of them in its
+    ``--executor-address``, on free ports, spawned together; returns once the gateway has them all up."""
+    from kvserve.launcher import spawn
+
+    started = []
+
+    def start(module: str, flags: list[str]):
+        port = free_port()
+        started.append(spawn(module, flags, port=port, log_path=log_dir / f"{module}-{port}.log", env=env))
+        return started[-1]
+
+    try:
+        kvmanager = start("kvmanager", [])
+        pools = [start("executor", executor_args) for _ in range(executors)]
+        http_port = free_port()
+        gateway = start("gateway", ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                                    "--executor-address", ",".join(e.address for e in pools),
+                                    "--model", str(model), "--unavailable-timeout", "300"])
+        stack = Cluster(kvmanager, pools, gateway, f"http://{gateway.host}:{http_port}")
+        wait_ready(stack, time.monotonic() + 300)
+    except BaseException:
+        for service in reversed(started):
+            service.stop(signal.SIGKILL)
+        raise
+    return stack
+
+
+def restart_executor(stack: Cluster, executor_args: list[str], env: dict, log_dir: Path) -> float:
+    """Once kvmanager's count of saves stands still for 1 s: SIGKILL the (first) executor, start it
+    again on its port with the same flags, wait for the gateway to have it up. Returns the seconds."""
     from kvserve.launcher import start_healthy
 
+    executor = stack.executors[0]
     saves, deadline = None, time.monotonic() + 60
     while time.monotonic() < deadline:
-        now = pool_stats(stack.kvmanager.address, stack.executor.address).get("num_store_saves")
+        now = pool_stats(stack.kvmanager.address, executor.address).get("num_store_saves")
         if now == saves:
             break
         saves = now
         time.sleep(1.0)
     t0 = time.perf_counter()
-    stack.executor.proc.kill()
-    stack.executor.proc.wait()
-    stack.executor = start_healthy("executor", executor_args, port=stack.executor.port, timeout=300, env=env,
-                                   log_path=log_dir / f"executor-{stack.executor.port}-restarted.log")
-    while httpx.get(stack.http_url + "/health", timeout=10).status_code != 200:
-        if time.perf_counter() - t0 > 300:
-            raise RuntimeError("the gateway's /health is not 200 five minutes after the executor restart")
-        time.sleep(0.2)
+    executor.proc.kill()
+    executor.proc.wait()
+    stack.executors[0] = start_healthy("executor", executor_args, port=executor.port, timeout=300, env=env,
+                                       log_path=log_dir / f"executor-{executor.port}-restarted.log")
+    wait_ready(stack, time.monotonic() + 300)
     return time.perf_counter() - t0
 
 
 def run_row(slug: str, chats: list[Chat], pool: dict, args, redis_url: str) -> dict:
     """A fresh stack for the row, the rounds on it, its numbers over rounds 2+."""
-    from kvserve.launcher import StackConfig, start_stack
-
+    spec = ROWS[slug]
     log_dir = args.out / "logs" / slug
     log_dir.mkdir(parents=True, exist_ok=True)
     store_dir = tempfile.mkdtemp(prefix=f"kvserve-bench-{slug}-")
-    store = {"off": [], "redis": ["--kv-store", redis_url]}.get(slug, ["--kv-store", store_dir])
-    executor_args = ["--dtype", args.dtype, "--num-blocks", str(pool["num_blocks"]), "--block-size", str(BLOCK),
-                     "--max-model-len", "2048", "--num-threads", str(args.num_threads), *store]
+    store = {"": [], "redis": ["--kv-store", redis_url]}.get(spec.store, ["--kv-store", store_dir])
+    blocks = pool["num_blocks"] if spec.executors == 1 else pool["two_num_blocks"]
+    executor_args = ["--model", str(args.model), "--dtype", args.dtype, "--num-blocks", str(blocks),
+                     "--block-size", str(BLOCK), "--max-model-len", "2048", "--num-threads", str(args.num_threads),
+                     *store]
     env = service_env(args.num_threads)
-    row = {"slug": slug, "name": ROWS[slug], "executor_args": executor_args}
+    row = {"slug": slug, "name": spec.name, "executors": spec.executors, "executor_args": executor_args}
     t0 = time.perf_counter()
-    stack = start_stack(StackConfig(
-        model_dir=args.model, kvmanager_port=free_port(), executor_port=free_port(), gateway_port=free_port(),
-        http_port=free_port(), executor_args=executor_args, gateway_args=["--unavailable-timeout", "300"],
-        log_dir=log_dir, env=env, timeout=300))
+    stack = start_row_stack(spec.executors, executor_args, args.model, env, log_dir)
     row["startup_s"] = time.perf_counter() - t0
-
-    def between() -> None:
-        row["restart_s"] = restart_executor(stack, ["--model", str(args.model), *executor_args], env, log_dir)
-
+    restart = lambda: row.update(restart_s=restart_executor(stack, executor_args, env, log_dir))  # noqa: E731
     try:
         rounds, row["gateway_counters"] = asyncio.run(play(stack.http_url, chats, args,
-                                                          between if slug == "restart" else None))
-        row["kvmanager_stats"] = pool_stats(stack.kvmanager.address, stack.executor.address)
+                                                          restart if spec.restart else None))
+        row["kvmanager_stats"] = {f"executor@{e.address}": pool_stats(stack.kvmanager.address, e.address)
+                                  for e in stack.executors}
     finally:
         stack.stop()
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -329,7 +388,8 @@ def format_report(results: dict) -> str:
     w, p = results["workload"], results["pool"]
     lines = [f"{w['conversations']} ShareGPT conversations x {w['turns']} turns, max_tokens {w['max_tokens']}, "
              f"concurrency {w['concurrency']}: working set {p['working_set_tokens']} tokens at the last turn vs "
-             f"pool {p['pool_tokens']} tokens ({p['num_blocks']} blocks incl. the null block) = {p['ratio']:.1f}x",
+             f"pool {p['pool_tokens']} tokens ({p['num_blocks']} blocks incl. the null block) = {p['ratio']:.1f}x; "
+             f"two executors: {p['two_num_blocks']} blocks each = {p['two_ratio']:.1f}x",
              "", "| row | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | prefix hit rate | store hit tokens |",
              "|---|---:|---:|---:|---:|---:|"]
     done = {r["slug"]: r for r in results["rows"] if not r.get("skipped")}
@@ -338,11 +398,13 @@ def format_report(results: dict) -> str:
                      f"| {r['name']} | {fmt(r['ttft_p50_ms'], '.0f')} | {fmt(r['ttft_p90_ms'], '.0f')} | "
                      f"{fmt(r['output_tok_s'], '.1f')} | {fmt(r['hit_rate'], '.1%')} | {r['store_hit_tokens']:.0f} |")
     lines.append("")
-    off = done.get("off")
-    for r in (r for slug, r in done.items() if off and slug != "off"):
+    pairs = [(done.get("off"), r, "off/store", "store/off") for slug, r in done.items()
+             if slug != "off" and ROWS[slug].executors == 1]
+    pairs.append((done.get("two-off"), done.get("two-directory"), "two-off/two-directory", "two-directory/two-off"))
+    for off, r, p50_label, tput_label in (pair for pair in pairs if pair[0] and pair[1]):
         p50 = off["ttft_p50_ms"] / r["ttft_p50_ms"] if off["ttft_p50_ms"] and r["ttft_p50_ms"] else None
         tput = r["output_tok_s"] / off["output_tok_s"] if off["output_tok_s"] else None
-        lines.append(f"- {r['name']}: TTFT p50 off/store = {fmt(p50, '.2f')}x, throughput store/off = "
+        lines.append(f"- {r['name']}: TTFT p50 {p50_label} = {fmt(p50, '.2f')}x, throughput {tput_label} = "
                      f"{fmt(tput, '.2f')}x")
     restart, same = done.get("restart"), done.get("directory")
     if restart and same and restart["hit_rate"] is not None and same["hit_rate"]:
@@ -397,12 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     save = lambda: (args.out / "results.json").write_text(json.dumps(results, indent=1))  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-") as tmp, redis_server(Path(tmp)) as (redis_url, redis):
         for slug in wanted:
-            print(f"== {ROWS[slug]}", file=sys.stderr, flush=True)
+            print(f"== {ROWS[slug].name}", file=sys.stderr, flush=True)
             redis.flushall()
             try:
                 row = run_row(slug, chats, results["pool"], args, redis_url)
             except Exception as exc:  # a broken row must not lose the others
-                row = {"slug": slug, "name": ROWS[slug], "skipped": f"{type(exc).__name__}: {exc}"[:1500]}
+                row = {"slug": slug, "name": ROWS[slug].name, "skipped": f"{type(exc).__name__}: {exc}"[:1500]}
             results["rows"].append(row)
             save()
         print("== load vs prefill, in-process", file=sys.stderr, flush=True)

@@ -33,15 +33,21 @@ def test_conversations_fit_their_context_the_pool_is_a_quarter_of_them_and_the_r
     assert pool["working_set_tokens"] == sum(c.context_tokens for c in chats)
     assert pool["pool_tokens"] == (pool["num_blocks"] - 1) * mts.BLOCK  # one block is the null block
     assert pool["ratio"] >= 4 and pool["pool_tokens"] >= max(c.context_tokens for c in chats)
+    half = pool["two_num_blocks"] - 1  # each of two executors: half the pool rounded up, the longest chat fits
+    assert half >= -(-(pool["num_blocks"] - 1) // 2) and half * mts.BLOCK >= max(c.context_tokens for c in chats)
+    assert pool["two_ratio"] == pool["working_set_tokens"] / (2 * half * mts.BLOCK)
+    assert mts.plan_pool([mts.Chat([], 400)] * 15)["two_num_blocks"] == 47 + 1  # a pool of 93 blocks: 47 each
+    assert mts.plan_pool([mts.Chat([], 400)] * 8)["two_num_blocks"] == 26 + 1  # of 50: a 400-token chat needs 26
 
     def row(slug, p50, tput, hit, store):
-        return {"slug": slug, "name": mts.ROWS[slug], "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50,
+        return {"slug": slug, "name": mts.ROWS[slug].name, "ttft_p50_ms": p50, "ttft_p90_ms": 2 * p50,
                 "output_tok_s": tput, "hit_rate": hit, "store_hit_tokens": store, "failed": 0, "errors": []}
 
     results = {"workload": {"conversations": 16, "turns": 3, "max_tokens": 32, "concurrency": 4}, "pool": pool,
                "rows": [row("off", 900.0, 10.0, 0.1, 0.0), row("directory", 300.0, 20.0, 0.8, 5000.0),
-                        {"slug": "redis", "name": mts.ROWS["redis"], "skipped": "RuntimeError: no redis"},
-                        row("restart", 450.0, 15.0, 0.76, 7000.0)],
+                        {"slug": "redis", "name": mts.ROWS["redis"].name, "skipped": "RuntimeError: no redis"},
+                        row("restart", 450.0, 15.0, 0.76, 7000.0), row("two-off", 800.0, 12.0, 0.2, 0.0),
+                        row("two-directory", 400.0, 18.0, 0.85, 6000.0)],
                "load_vs_prefill": {"tokens": 512, "dtype": "bfloat16", "threads": 2, "prefill_us_per_token": 2000.0,
                                    "stores": {"directory": {"load_us_per_token": 20.0, "MB_per_s": 900.0,
                                                             "load_over_prefill": 0.01}}},
@@ -51,7 +57,11 @@ def test_conversations_fit_their_context_the_pool_is_a_quarter_of_them_and_the_r
     assert "| directory store | 300 | 600 | 20.0 | 80.0% | 5000 |" in text
     assert "| redis store | skipped: RuntimeError: no redis |" in text
     assert "directory store: TTFT p50 off/store = 3.00x, throughput store/off = 2.00x" in text
+    assert "| two executors, one shared directory store | 400 | 800 | 18.0 | 85.0% | 6000 |" in text
+    assert "two executors, one shared directory store: TTFT p50 two-off/two-directory = 2.00x, " \
+           "throughput two-directory/two-off = 1.50x" in text
+    assert text.count("TTFT p50 off/store") == 2, "directory and restart; two-executor rows compare with two-off"
     assert "76.0% vs 80.0% without the restart = 95% (target >= 90%: HOLDS)" in text
     assert "= 1.0% (target <= 5%: HOLDS)" in text
-    assert f"= {pool['ratio']:.1f}x" in text.splitlines()[0]
+    assert f"= {pool['ratio']:.1f}x; two executors: {pool['two_num_blocks']} blocks each" in text.splitlines()[0]
     assert "line 19" in text and "line 20" not in text  # lscpu | head -20
