@@ -15,7 +15,9 @@ Rows, each a fresh kvmanager + executor + gateway on free ports: ``off`` (no ``-
 the executor is SIGKILLed between rounds 1 and 2, once kvmanager has the round's saves, and
 started again on its port with the same flags); ``two-off`` and ``two-directory`` (both on one
 temp dir) have two executors (the gateway's ``--executor-address A,B``, routing ``kv``), each
-with half the pool rounded up (never less than the longest conversation needs). Over rounds 2+:
+with half the pool rounded up (never less than the longest conversation needs) and half of
+``--num-threads`` (at least 1: on the default 2, ``--num-threads 1`` each, so the two share the
+cores one executor has; the single-executor rows keep ``--num-threads``). Over rounds 2+:
 TTFT p50/p90 (first streamed chunk), output tokens / wall time, prefix hit rate (sum of usage
 ``cached_tokens`` / ``prompt_tokens``: pool + store hits), ``kvserve:kv_store_hit_tokens_total``;
 kvmanager's GetStats of every pool. Then, in this process: the best of 3 512-token prefills
@@ -47,6 +49,7 @@ from kvserve.ports import free_port
 
 BLOCK = 16
 POOL_FRACTION = 4  # the working set is this many times the pool
+MAX_MODEL_LEN = 2048  # every executor's --max-model-len
 
 
 @dataclass(frozen=True)
@@ -227,9 +230,26 @@ def wait_ready(stack: Cluster, deadline: float) -> None:
     raise RuntimeError("the gateway does not have every executor up after 300 s")
 
 
-def start_row_stack(executors: int, executor_args: list[str], model: Path, env: dict, log_dir: Path) -> Cluster:
-    """kvmanager, ``executors`` executors (``executor_args`` each) and a gateway with all of them in its
-    ``--executor-address``, on free ports, spawned together; returns once the gateway has them all up."""
+def row_setup(slug: str, pool: dict, args, store_dir: str, redis_url: str) -> dict:
+    """A row's services, decided before any starts: ``executors``, each executor's flags (the same
+    ``--kv-store`` for all: one directory, or Redis); ``threads``, each executor's ``--num-threads``:
+    ``args.num_threads`` split among the row's executors (at least 1; two executors on the default
+    2 get 1 each, a single executor keeps all of them); ``env``, the services' environment (OpenMP
+    and MKL limited to ``threads``)."""
+    spec = ROWS[slug]
+    threads = max(1, args.num_threads // spec.executors)
+    store = {"": [], "redis": ["--kv-store", redis_url]}.get(spec.store, ["--kv-store", store_dir])
+    blocks = pool["num_blocks"] if spec.executors == 1 else pool["two_num_blocks"]
+    flags = ["--model", str(args.model), "--dtype", args.dtype, "--num-blocks", str(blocks), "--block-size",
+             str(BLOCK), "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", str(threads), *store]
+    return {"executors": [list(flags) for _ in range(spec.executors)], "threads": threads,
+            "env": service_env(threads)}
+
+
+def start_row_stack(executor_args: list[list[str]], model: Path, env: dict, log_dir: Path) -> Cluster:
+    """kvmanager, one executor per entry of ``executor_args`` (its flags) and a gateway with all of
+    them in its ``--executor-address``, on free ports, spawned together; returns once the gateway
+    has them all up."""
     from kvserve.launcher import spawn
 
     started = []
@@ -241,7 +261,7 @@ def start_row_stack(executors: int, executor_args: list[str], model: Path, env: 
 
     try:
         kvmanager = start("kvmanager", [])
-        pools = [start("executor", executor_args) for _ in range(executors)]
+        pools = [start("executor", flags) for flags in executor_args]
         http_port = free_port()
         gateway = start("gateway", ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
                                     "--executor-address", ",".join(e.address for e in pools),
@@ -283,15 +303,12 @@ def run_row(slug: str, chats: list[Chat], pool: dict, args, redis_url: str) -> d
     log_dir = args.out / "logs" / slug
     log_dir.mkdir(parents=True, exist_ok=True)
     store_dir = tempfile.mkdtemp(prefix=f"kvserve-bench-{slug}-")
-    store = {"": [], "redis": ["--kv-store", redis_url]}.get(spec.store, ["--kv-store", store_dir])
-    blocks = pool["num_blocks"] if spec.executors == 1 else pool["two_num_blocks"]
-    executor_args = ["--model", str(args.model), "--dtype", args.dtype, "--num-blocks", str(blocks),
-                     "--block-size", str(BLOCK), "--max-model-len", "2048", "--num-threads", str(args.num_threads),
-                     *store]
-    env = service_env(args.num_threads)
-    row = {"slug": slug, "name": spec.name, "executors": spec.executors, "executor_args": executor_args}
+    setup = row_setup(slug, pool, args, store_dir, redis_url)
+    executor_args, env = setup["executors"][0], setup["env"]
+    row = {"slug": slug, "name": spec.name, "executors": spec.executors, "threads_per_executor": setup["threads"],
+           "executor_args": executor_args}
     t0 = time.perf_counter()
-    stack = start_row_stack(spec.executors, executor_args, args.model, env, log_dir)
+    stack = start_row_stack(setup["executors"], args.model, env, log_dir)
     row["startup_s"] = time.perf_counter() - t0
     restart = lambda: row.update(restart_s=restart_executor(stack, executor_args, env, log_dir))  # noqa: E731
     try:
@@ -431,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn at most (greedy)")
     parser.add_argument("--max-context", type=int, default=1024, help="a conversation's tokens at its last turn")
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-threads", type=int, default=2, help="executor --num-threads (and this process's)")
+    parser.add_argument("--num-threads", type=int, default=2,
+                        help="the cores of a row: a single executor's --num-threads, split evenly among the "
+                        "two-executor rows' executors (1 each at 2); this process's for load vs prefill")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     parser.add_argument("--dtype", default="auto", help="executor --dtype (auto: the executor's choice, "
                         "bfloat16 where the CPU runs it natively, else float32)")

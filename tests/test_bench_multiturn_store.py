@@ -1,6 +1,8 @@
 """bench.multiturn_store without services: the conversations, the pool sizing and the report."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from bench import multiturn_store as mts
 from bench.routing_bench import Conversation, ModelChatTokenizer, load_conversations
 
@@ -65,3 +67,30 @@ def test_conversations_fit_their_context_the_pool_is_a_quarter_of_them_and_the_r
     assert "= 1.0% (target <= 5%: HOLDS)" in text
     assert f"= {pool['ratio']:.1f}x; two executors: {pool['two_num_blocks']} blocks each" in text.splitlines()[0]
     assert "line 19" in text and "line 20" not in text  # lscpu | head -20
+
+
+def flag_values(flags: list[str], name: str) -> list[str]:
+    return [flags[i + 1] for i, flag in enumerate(flags) if flag == name]
+
+
+def test_two_executor_rows_get_one_thread_each_and_share_one_store_directory(tmp_path):
+    args = SimpleNamespace(model=tmp_path / "model", dtype="auto", num_threads=2)  # the defaults: 2 cores
+    pool = mts.plan_pool([mts.Chat([], 1000)] * 16)
+    store_dir, redis_url = str(tmp_path / "store"), "redis://127.0.0.1:6379/0"
+    for slug, spec in mts.ROWS.items():
+        setup = mts.row_setup(slug, pool, args, store_dir, redis_url)
+        assert len(setup["executors"]) == spec.executors
+        threads = 1 if spec.executors == 2 else 2  # two executors split the 2 cores, one keeps both
+        assert setup["threads"] == threads and setup["env"]["OMP_NUM_THREADS"] == str(threads)
+        blocks = pool["two_num_blocks"] if spec.executors == 2 else pool["num_blocks"]
+        for flags in setup["executors"]:
+            assert flag_values(flags, "--num-threads") == [str(threads)]
+            assert flag_values(flags, "--num-blocks") == [str(blocks)]
+            assert flag_values(flags, "--model") == [str(args.model)]
+        stores = {tuple(flag_values(flags, "--kv-store")) for flags in setup["executors"]}
+        expected = {"": (), "redis": (redis_url,), "directory": (store_dir,)}[spec.store]
+        assert stores == {expected}, f"{slug}: every executor of the row on the same store"
+    assert mts.ROWS["two-directory"].executors == 2 and mts.ROWS["two-directory"].store == "directory"
+    assert mts.ROWS["two-off"].executors == 2 and mts.ROWS["two-off"].store == ""
+    four = mts.row_setup("two-directory", pool, SimpleNamespace(**{**vars(args), "num_threads": 4}), store_dir, "")
+    assert [flag_values(f, "--num-threads") for f in four["executors"]] == [["2"], ["2"]]
