@@ -3,9 +3,24 @@
     python -m bench.multiturn_store                     # 16 conversations x 3 turns, all six rows
     python -m bench.multiturn_store --rows off,directory --num-conversations 8 --turns 2
     python -m bench.multiturn_store --rows two-off,two-directory
+    python -m bench.multiturn_store --workload long-context --rows off,directory,redis,restart
 
-A seeded draw of ShareGPT conversations, each cut to its first ``--turns`` user turns (user
-messages truncated so that the context at the last turn stays within ``--max-context``).
+Two workloads, both a seeded draw of ShareGPT conversations with ``--turns``+ exchanges.
+``--workload sharegpt`` (the default): each conversation cut to its first ``--turns`` user turns
+(user messages truncated so that the context at the last turn stays within ``--max-context``).
+ShareGPT turns are short, so a round is mostly decoding and the store has little prefill to
+save. ``--workload long-context``, the shape of coding-session and document-QA traffic (a long
+shared context, short turns): the first user turn pastes a document, the conversation's
+assistant replies joined and cut to ``--document-tokens`` (768), then asks a question; each later
+turn asks one more. The questions are the conversation's user turns cut to ``--question-tokens``
+(48). Where the last turn would pass ``--max-context``, the document shrinks to fit (results.json's
+``workload`` has ``kind``, the document tokens asked for and the least/mean/most kept; the
+report's first line too). Every turn of a conversation starts with its document; no two
+conversations' documents open alike. Defaults: 16 conversations x 3 turns, a working set of about
+15.9k tokens (4x the pool); the four single-executor rows take an estimated 8 minutes on 2 cores
+(2.3 ms/token prefill, about 0.12 s a decode step), the two-executor rows about 5.
+Results go to ``bench/results/multiturn-store-long-context`` unless ``--out`` says otherwise.
+
 Turn *k*'s prompt is the history, with the replies the model generated (greedy, streamed
 ``/v1/chat/completions`` with usage), plus user turn *k*. Round *k* sends turn *k* of every
 conversation, ``--concurrency`` in flight, so a conversation returns only after the other
@@ -44,7 +59,7 @@ from pathlib import Path
 
 from bench.peers.common import lscpu_text, write_lscpu
 from bench.report import percentile
-from bench.routing_bench import EXECUTOR_UP, ChatTokenizer, Cluster, Conversation, service_env
+from bench.routing_bench import EXECUTOR_UP, ChatTokenizer, Cluster, Conversation, service_env, truncate
 from kvserve.ports import free_port
 
 BLOCK = 16
@@ -70,10 +85,15 @@ STORE_HITS = ("kvserve:kv_store_hit_tokens_total", "kvserve:kv_store_hit_tokens"
 # --- the workload --------------------------------------------------------------------------
 
 
+WORKLOADS = ("sharegpt", "long-context")
+DOCUMENT_INTRO = "Here is a document. Read it, then answer my questions about it.\n\n"
+
+
 @dataclass
 class Chat:
     user_turns: list[str]
     context_tokens: int  # at the last turn, its reply included (estimated: replies of max_tokens)
+    document_tokens: int = 0  # long-context: the document's tokens (it opens the first user turn)
 
 
 def fair_caps(lengths: list[int], budget: int) -> list[int]:
@@ -106,6 +126,71 @@ def build_chats(conversations: list[Conversation], tokenizer: ChatTokenizer, *, 
             if len(chats) == num:
                 return chats
     raise ValueError(f"only {len(chats)} ShareGPT conversations have {turns}+ turns; asked for {num}")
+
+
+def build_long_context_chats(conversations: list[Conversation], tokenizer: ChatTokenizer, *, num: int, turns: int,
+                              max_tokens: int, max_context: int, document_tokens: int, question_tokens: int,
+                              seed: int) -> list[Chat]:
+    """``num`` document-QA conversations (seeded draw of ShareGPT ones with ``turns``+ exchanges): the
+    first user turn pastes a document, the ShareGPT conversation's assistant replies joined and cut
+    to ``document_tokens`` (conversations with fewer reply tokens, or a document opening like an
+    earlier one's, are passed over), then asks its first question; each later turn asks one more.
+    The questions are the conversation's user turns cut to ``question_tokens``. The document shrinks
+    until the last turn (template, document, questions, ``max_tokens`` per reply) fits ``max_context``."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    chats, openings = [], set()
+    for i in order:
+        exchanges = conversations[i].exchanges
+        if len(exchanges) < turns:
+            continue
+        questions = [truncate(tokenizer, user, question_tokens).strip() for user, _ in exchanges[:turns]]
+        replies = "\n\n".join(reply.strip() for _, reply in exchanges)[:16 * document_tokens]  # ample for the cut
+        ids = tokenizer.encode(replies)
+        if not all(questions) or len(ids) < document_tokens or tuple(ids[:2 * BLOCK]) in openings:
+            continue
+        size = document_tokens
+        while True:
+            document = tokenizer.decode(ids[:size]).strip()
+            user_turns = [f"{DOCUMENT_INTRO}{document}\n\n{questions[0]}", *questions[1:]]
+            skeleton = [{"role": role, "content": text if role == "user" else ""}
+                        for text in user_turns for role in ("user", "assistant")][:-1]
+            context = len(tokenizer.chat_ids(skeleton)) + turns * max_tokens
+            if context <= max_context:
+                break
+            size -= context - max_context
+            if size < 2 * BLOCK:
+                raise ValueError(f"--max-context {max_context} leaves no room for a document after {turns} "
+                                 f"questions of up to {question_tokens} tokens and replies of {max_tokens}")
+        openings.add(tuple(ids[:2 * BLOCK]))
+        chats.append(Chat(user_turns, context, len(tokenizer.encode(document))))
+        if len(chats) == num:
+            return chats
+    raise ValueError(f"only {len(chats)} ShareGPT conversations have {turns}+ turns and {document_tokens}+ "
+                     f"reply tokens; asked for {num}")
+
+
+def build_workload(conversations: list[Conversation], tokenizer: ChatTokenizer, args) -> list[Chat]:
+    """``args.workload``'s conversations: ``build_chats`` (sharegpt) or ``build_long_context_chats``."""
+    common = {"num": args.num_conversations, "turns": args.turns, "max_tokens": args.max_tokens,
+              "max_context": args.max_context, "seed": args.seed}
+    if args.workload == "long-context":
+        return build_long_context_chats(conversations, tokenizer, document_tokens=args.document_tokens,
+                                        question_tokens=args.question_tokens, **common)
+    return build_chats(conversations, tokenizer, **common)
+
+
+def describe_workload(args, chats: list[Chat]) -> dict:
+    """results.json's ``workload``: its kind, its parameters (long-context: the document tokens asked
+    for and the least, mean and most pasted) and every conversation."""
+    out = {"kind": args.workload, "conversations": len(chats), "turns": args.turns, "max_tokens": args.max_tokens,
+           "max_context": args.max_context, "concurrency": args.concurrency, "seed": args.seed}
+    if args.workload == "long-context":
+        docs = [c.document_tokens for c in chats]
+        out.update(document_tokens=args.document_tokens, question_tokens=args.question_tokens,
+                   document_tokens_min=min(docs), document_tokens_mean=sum(docs) / len(docs),
+                   document_tokens_max=max(docs))
+    return {**out, "chats": [asdict(c) for c in chats]}
 
 
 def plan_pool(chats: list[Chat], block_size: int = BLOCK, fraction: int = POOL_FRACTION) -> dict:
@@ -403,7 +488,13 @@ def fmt(value, spec: str) -> str:
 def format_report(results: dict) -> str:
     """The Markdown table, the ratios, the load-vs-prefill lines and ``lscpu | head -20``."""
     w, p = results["workload"], results["pool"]
-    lines = [f"{w['conversations']} ShareGPT conversations x {w['turns']} turns, max_tokens {w['max_tokens']}, "
+    if w.get("kind", "sharegpt") == "long-context":
+        what = (f"{w['conversations']} long-context conversations (workload long-context: a pasted document of "
+                f"{w['document_tokens']} tokens asked, {w['document_tokens_min']}-{w['document_tokens_max']} kept, "
+                f"mean {w['document_tokens_mean']:.0f}; questions of up to {w['question_tokens']} tokens)")
+    else:
+        what = f"{w['conversations']} ShareGPT conversations"
+    lines = [f"{what} x {w['turns']} turns, max_tokens {w['max_tokens']}, "
              f"concurrency {w['concurrency']}: working set {p['working_set_tokens']} tokens at the last turn vs "
              f"pool {p['pool_tokens']} tokens ({p['num_blocks']} blocks incl. the null block) = {p['ratio']:.1f}x; "
              f"two executors: {p['two_num_blocks']} blocks each = {p['two_ratio']:.1f}x",
@@ -438,11 +529,17 @@ def format_report(results: dict) -> str:
     return "\n".join(lines + ["", "lscpu | head -20:", *results.get("lscpu", "").splitlines()[:20]])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The flags (``--out`` resolved for the workload) and the rows asked for."""
     from kvserve.paths import default_model_dir
 
     parser = argparse.ArgumentParser(prog="python -m bench.multiturn_store", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=WORKLOADS, default="sharegpt",
+                        help="sharegpt: ShareGPT's user turns; long-context: a pasted document, then short questions")
+    parser.add_argument("--document-tokens", type=int, default=768,
+                        help="long-context: the document's tokens (fewer where --max-context needs)")
+    parser.add_argument("--question-tokens", type=int, default=48, help="long-context: a question's tokens at most")
     parser.add_argument("--num-conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3, help="user turns per conversation (= rounds)")
     parser.add_argument("--max-tokens", type=int, default=32, help="reply tokens per turn at most (greedy)")
@@ -456,23 +553,30 @@ def main(argv: list[str] | None = None) -> int:
                         "bfloat16 where the CPU runs it natively, else float32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", type=Path, default=default_model_dir())
-    parser.add_argument("--out", type=Path, default=Path("bench/results/multiturn-store"))
+    parser.add_argument("--out", type=Path, help="default: bench/results/multiturn-store (sharegpt), "
+                        "bench/results/multiturn-store-long-context (long-context)")
     args = parser.parse_args(argv)
+    suffix = "-long-context" if args.workload == "long-context" else ""
+    args.out = args.out or Path(f"bench/results/multiturn-store{suffix}")
     wanted = [s.strip() for s in args.rows.split(",") if s.strip()]
     if not wanted or set(wanted) - ROWS.keys() or args.turns < 2:
         parser.error(f"--rows: a comma list of {', '.join(ROWS)}; --turns: at least 2")
+    if args.max_context > MAX_MODEL_LEN:
+        parser.error(f"--max-context: at most the executors' --max-model-len {MAX_MODEL_LEN}")
+    return args, wanted
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, wanted = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(1))  # unwinds through the stacks' stop()
     started = time.perf_counter()
     from bench.routing_bench import ModelChatTokenizer, load_conversations
 
-    chats = build_chats(load_conversations(min_turns=args.turns), ModelChatTokenizer(args.model),
-                        num=args.num_conversations, turns=args.turns, max_tokens=args.max_tokens,
-                        max_context=args.max_context, seed=args.seed)
+    chats = build_workload(load_conversations(min_turns=args.turns), ModelChatTokenizer(args.model), args)
     results = {"command": "python -m bench.multiturn_store " + " ".join(sys.argv[1:] if argv is None else argv),
                "started_at": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: str(v) for k, v in vars(args).items()},
                "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-               "workload": {"conversations": len(chats), "turns": args.turns, "max_tokens": args.max_tokens,
-                            "concurrency": args.concurrency, "chats": [asdict(c) for c in chats]},
+               "workload": describe_workload(args, chats),
                "pool": plan_pool(chats), "lscpu": lscpu_text(), "lscpu_summary": write_lscpu(args.out), "rows": []}
     print(format_report(results).split("\n")[0], file=sys.stderr)
     save = lambda: (args.out / "results.json").write_text(json.dumps(results, indent=1))  # noqa: E731

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from bench import multiturn_store as mts
 from bench.routing_bench import Conversation, ModelChatTokenizer, load_conversations
 
@@ -94,3 +96,70 @@ def test_two_executor_rows_get_one_thread_each_and_share_one_store_directory(tmp
     assert mts.ROWS["two-off"].executors == 2 and mts.ROWS["two-off"].store == ""
     four = mts.row_setup("two-directory", pool, SimpleNamespace(**{**vars(args), "num_threads": 4}), store_dir, "")
     assert [flag_values(f, "--num-threads") for f in four["executors"]] == [["2"], ["2"]]
+
+
+def long_context(**overrides) -> SimpleNamespace:
+    """The flags of ``--workload long-context`` at their defaults, with ``overrides``."""
+    args, _ = mts.parse_args(["--workload", "long-context"])
+    return SimpleNamespace(**{**vars(args), **overrides})
+
+
+def turn_prompts(tokenizer: ModelChatTokenizer, chat: mts.Chat, reply: str) -> list[list[int]]:
+    """Each turn's rendered prompt, every earlier reply ``reply``."""
+    messages, prompts = [], []
+    for user in chat.user_turns:
+        messages.append({"role": "user", "content": user})
+        prompts.append(tokenizer.chat_ids(messages))
+        messages.append({"role": "assistant", "content": reply})
+    return prompts
+
+
+def test_long_context_turns_share_their_document_fit_their_context_and_outgrow_the_pool(default_model_dir):
+    tokenizer = ModelChatTokenizer(default_model_dir)
+    conversations = load_conversations(min_turns=3)
+    reply = tokenizer.decode(tokenizer.encode(" word" * 32))  # a reply of max_tokens tokens
+    args = long_context()
+    assert (args.document_tokens, args.question_tokens, args.num_conversations, args.max_context) == (768, 48, 16, 1024)
+    assert args.out.name == "multiturn-store-long-context"
+    chats = mts.build_workload(conversations, tokenizer, args)
+    assert chats == mts.build_workload(conversations, tokenizer, long_context()), "the draw is seeded"
+    assert chats != mts.build_workload(conversations, tokenizer, long_context(seed=1))
+    assert len(chats) == 16 and all(len(c.user_turns) == 3 for c in chats)
+    firsts = []
+    for chat in chats:
+        assert chat.context_tokens <= 1024 and chat.user_turns[0].startswith(mts.DOCUMENT_INTRO)
+        prompts = turn_prompts(tokenizer, chat, reply)
+        assert len(prompts[-1]) + len(tokenizer.encode(reply)) <= 1024 + 8  # re-encoding a cut text may shift a few
+        assert all(p[:len(prompts[0])] == prompts[0] for p in prompts[1:]), "every turn starts with the document"
+        assert len(prompts[0]) >= chat.document_tokens and chat.document_tokens <= 768
+        assert all(0 < len(tokenizer.encode(q)) <= 48 + 2 for q in chat.user_turns[1:])  # short questions
+        firsts.append(tuple(prompts[0][:4 * mts.BLOCK]))
+    assert len(set(firsts)) == 16, "no two documents open alike: at most the template's blocks are shared"
+    assert sum(c.document_tokens == 768 for c in chats) >= 8, "most documents are whole at --max-context 1024"
+
+    pool = mts.plan_pool(chats)
+    assert pool["ratio"] >= 4 and pool["pool_tokens"] >= max(c.context_tokens for c in chats)
+    assert pool["working_set_tokens"] >= 16 * 900, "the working set is mostly documents"
+    two = pool["two_num_blocks"] - 1
+    assert two * mts.BLOCK >= max(c.context_tokens for c in chats) and 2 * two <= pool["num_blocks"]
+
+    small = mts.build_workload(conversations, tokenizer, long_context(max_context=600, num_conversations=4))
+    assert all(c.context_tokens <= 600 and c.document_tokens < 600 for c in small), "the document shrinks to fit"
+    assert all(len(turn_prompts(tokenizer, c, reply)[-1]) + 32 <= 600 + 8 for c in small)
+    with pytest.raises(ValueError, match="no room for a document"):
+        mts.build_workload(conversations, tokenizer, long_context(max_context=300))
+
+    workload = mts.describe_workload(args, chats)
+    assert workload["kind"] == "long-context" and workload["document_tokens"] == 768
+    docs = [c.document_tokens for c in chats]
+    assert (workload["document_tokens_min"], workload["document_tokens_max"]) == (min(docs), max(docs))
+    assert [c["document_tokens"] for c in workload["chats"]] == docs
+    text = mts.format_report({"workload": workload, "pool": pool, "rows": [], "lscpu": ""})
+    assert text.startswith(f"16 long-context conversations (workload long-context: a pasted document of 768 tokens "
+                           f"asked, {min(docs)}-{max(docs)} kept, mean ")
+    assert "questions of up to 48 tokens) x 3 turns" in text.splitlines()[0]
+    sharegpt, _ = mts.parse_args([])
+    assert sharegpt.workload == "sharegpt" and str(sharegpt.out) == "bench/results/multiturn-store"
+    plain = mts.describe_workload(sharegpt, chats)
+    assert plain["kind"] == "sharegpt" and "document_tokens" not in plain
+    assert mts.format_report({"workload": plain, "pool": pool, "rows": []}).startswith("16 ShareGPT conversations x 3")
