@@ -17,7 +17,8 @@ replies that parse and validate (``jsonschema``), and the gateway's mask time pe
 measured in process (``GrammarState.allowed_bitmask``). The rows alternate ``--rounds``
 times on one warm stack, so that machine noise falls on both. ``--peers llama-server`` runs
 the same rounds on llama.cpp's server (its ``response_format`` json_schema becomes a GBNF
-grammar), built once by ``bench.peers.llama_server``. Writes ``--out``/results.json and
+grammar), built once by ``bench.peers.llama_server``; the schemas it refuses are left out for
+every system, so all rows run the same requests. Writes ``--out``/results.json and
 lscpu.txt.
 """
 from __future__ import annotations
@@ -151,28 +152,42 @@ def run_kvserve(model: Path, workload, args) -> list[dict]:
         stack.stop()
 
 
-def run_llama_server(workload, args) -> list[dict]:
-    """The same rounds on llama.cpp's server: the embedded Q4_1 GGUF (what a llama.cpp user runs),
-    ``--peer-threads``, one slot per concurrent request, a unified KV of 512 tokens a slot; its
-    structured outputs turn the JSON schema into a GBNF grammar."""
-    import subprocess
+async def accepted(url: str, workload) -> list[bool]:
+    """Which schemas the server takes (llama-server refuses some shapes, e.g. ``prefixItems``)."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def takes(item) -> bool:
+            reply = await client.post(url, json={**schema_body(*item, 1), "stream": False})
+            return reply.status_code == 200
+        return list(await asyncio.gather(*(takes(item) for item in workload)))
 
-    from bench.peers.llama_server import _wait_ready, embedded_gguf, server_command, setup
 
-    binary, _, _ = setup()
-    gguf = embedded_gguf()
-    port = free_port()
-    cmd = server_command(binary, gguf, port=port, threads=args.peer_threads, parallel=args.concurrency,
-                         ctx=512 * args.concurrency, alias="smollm2")
-    log_path = args.out / "logs" / "llama-server.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            _wait_ready(f"http://127.0.0.1:{port}", proc, 300, log_path)
-            return measure(f"http://127.0.0.1:{port}/v1/chat/completions", workload, args)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+class LlamaServer:
+    """llama.cpp's server on the embedded Q4_1 GGUF (what a llama.cpp user runs), ``--peer-threads``,
+    one slot per concurrent request, a unified KV of 512 tokens a slot; its structured outputs turn
+    the JSON schema into a GBNF grammar."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def __enter__(self) -> str:
+        import subprocess
+
+        from bench.peers.llama_server import _wait_ready, embedded_gguf, server_command, setup
+
+        binary, _, _ = setup()
+        port = free_port()
+        cmd = server_command(binary, embedded_gguf(), port=port, threads=self.args.peer_threads,
+                             parallel=self.args.concurrency, ctx=512 * self.args.concurrency, alias="smollm2")
+        log_path = self.args.out / "logs" / "llama-server.log"
+        self.log = log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _wait_ready(f"http://127.0.0.1:{port}", self.proc, 300, log_path)
+        return f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
 
 
 def print_rounds(system: str, rounds: list[dict]) -> None:
@@ -202,17 +217,28 @@ def main(argv: list[str] | None = None) -> int:
     workload = [SCHEMAS[i % len(SCHEMAS)] for i in range(args.num_requests)]
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     cpu = write_lscpu(args.out)
+    peers = [p for p in args.peers.split(",") if p]
+    if any(p != "llama-server" for p in peers):
+        parser.error(f"--peers: only llama-server is known, got {args.peers!r}")
+    refused = []
+    if peers:  # every system runs the schemas every system takes
+        with LlamaServer(args) as url:
+            takes = asyncio.run(accepted(url, workload))
+        refused = sorted({name for (name, _, _), ok in zip(workload, takes) if not ok})
+        workload = [item for item, ok in zip(workload, takes) if ok]
     systems = {"kvserve": run_kvserve(model, workload, args)}
-    for peer in filter(None, args.peers.split(",")):
-        if peer != "llama-server":
-            parser.error(f"--peers: unknown peer {peer!r} (llama-server)")
-        systems[peer] = run_llama_server(workload, args)
+    if peers:
+        with LlamaServer(args) as url:
+            systems["llama-server"] = measure(url, workload, args)
     mask_us = mask_cost_us(model, workload, systems["kvserve"][-1]["json_schema"]["results"])
     summary = {"command": "python -m bench.structured_outputs " + " ".join(sys.argv[1:] if argv is None else argv),
                "args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu, "lscpu": lscpu_text(),
-               "nproc": os.cpu_count(), "mask_us_per_token": mask_us, "systems": systems}
+               "nproc": os.cpu_count(), "mask_us_per_token": mask_us, "refused_by_a_peer": refused,
+               "num_requests_run": len(workload), "systems": systems}
     (args.out / "results.json").write_text(json.dumps(summary, indent=1))
-    print(f"{args.num_requests} requests, concurrency {args.concurrency}, CPU: {cpu}")
+    print(f"{len(workload)} requests, concurrency {args.concurrency}, CPU: {cpu}")
+    if refused:
+        print(f"schemas a peer refuses, left out for every system: {', '.join(refused)}")
     print("| system | round | row | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | valid |")
     print("|---|---|---|---:|---:|---:|---:|")
     for system, rounds in systems.items():
