@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve.config import without_flag_env
@@ -129,11 +130,12 @@ class CompletionStream(threading.Thread):
     ``token_texts`` and ``logprobs``); ``started`` is set once ``started_after`` tokens came,
     or when the stream ends."""
 
-    def __init__(self, url: str, body: dict, started_after: int = 20):
+    def __init__(self, url: str, body: dict, started_after: int = 20, timeout: float = 180):
         super().__init__(daemon=True)
         self.url = url
         self.body = {**body, "stream": True}
         self.started_after = started_after
+        self.timeout = timeout
         self.text = ""
         self.token_texts: list[str] = []
         self.logprobs: list[float] = []
@@ -142,16 +144,25 @@ class CompletionStream(threading.Thread):
         self.started = threading.Event()
 
     def run(self) -> None:
-        import httpx
+        try:
+            self._read()
+        except httpx.HTTPError as exc:
+            self.error = {"code": None, "message": repr(exc)}
+        finally:
+            self.started.set()
 
-        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=180) as reply:
+    def _read(self) -> None:
+        with httpx.stream("POST", self.url + "/v1/completions", json=self.body, timeout=self.timeout) as reply:
+            if reply.status_code != 200:
+                self.error = {"code": reply.status_code, "message": reply.read().decode()}
+                return
             for line in reply.iter_lines():
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     self.error = chunk["error"]
-                    break
+                    return
                 choice = chunk["choices"][0]
                 self.text += choice["text"]
                 logprobs = choice.get("logprobs") or {}
@@ -160,4 +171,3 @@ class CompletionStream(threading.Thread):
                 self.finish_reason = choice["finish_reason"] or self.finish_reason
                 if len(self.logprobs) >= self.started_after:
                     self.started.set()
-        self.started.set()

@@ -10,7 +10,6 @@ on the same executors).
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import signal
@@ -20,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import free_port, wait_for
+from conftest import CompletionStream, free_port, wait_for
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(420)
@@ -30,41 +29,12 @@ LOGPROB_TOLERANCE = 1e-3
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-class Stream(threading.Thread):
-    """One streaming /v1/completions, read in the background."""
-
-    def __init__(self, url: str, prompt: list[int], max_tokens: int):
-        super().__init__(daemon=True)
-        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
-        self.text = ""
-        self.logprobs: list[float] = []
-        self.finish_reason = None
-        self.error = None
-
-    def run(self) -> None:
-        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0, "stream": True}
-        try:
-            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as reply:
-                if reply.status_code != 200:
-                    self.error = {"code": reply.status_code, "message": reply.read().decode()}
-                    return
-                for line in reply.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]
-                        return
-                    choice = chunk["choices"][0]
-                    self.text += choice["text"]
-                    self.logprobs += (choice.get("logprobs") or {}).get("token_logprobs") or []
-                    self.finish_reason = choice["finish_reason"] or self.finish_reason
-        except httpx.HTTPError as exc:
-            self.error = {"code": None, "message": repr(exc)}
+def Stream(url: str, prompt: list[int], max_tokens: int) -> CompletionStream:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    return CompletionStream(url, body, timeout=300)
 
 
-def start_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[Stream]:
+def start_streams(url: str, prompts: list[list[int]], max_tokens: int) -> list[CompletionStream]:
     streams = [Stream(url, prompt, max_tokens) for prompt in prompts]
     for stream in streams:
         stream.start()
@@ -78,14 +48,14 @@ def fresh(url: str, prompt: list[int], max_tokens: int) -> tuple[str, list[float
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
-def assert_all_identical_to_fresh(url: str, streams: list[Stream], what: str) -> None:
+def assert_all_identical_to_fresh(url: str, streams: list[CompletionStream], what: str) -> None:
     for i, stream in enumerate(streams):
         stream.join(300)
         assert not stream.is_alive(), f"{what}: stream {i} hangs"
         assert stream.error is None, f"{what}: stream {i} failed: {stream.error}"
-        assert stream.finish_reason == "length" and len(stream.logprobs) == stream.max_tokens, (what, i)
+        assert stream.finish_reason == "length" and len(stream.logprobs) == stream.body["max_tokens"], (what, i)
     for i, stream in enumerate(streams):
-        text, logprobs = fresh(url, stream.prompt, stream.max_tokens)
+        text, logprobs = fresh(url, stream.body["prompt"], stream.body["max_tokens"])
         assert stream.text == text, f"{what}: stream {i} differs from a fresh run"
         worst = max(abs(a - b) for a, b in zip(stream.logprobs, logprobs))
         assert worst < LOGPROB_TOLERANCE, f"{what}: stream {i} logprobs differ by {worst:.2g}"
