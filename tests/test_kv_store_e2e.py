@@ -171,7 +171,7 @@ def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60) and stream.error is None
-    assert wait_for(lambda: len(stream.tokens) >= 40, 60)  # a few blocks of output are written and saved
+    assert wait_for(lambda: len(stream.logprobs) >= 40, 60)  # a few blocks of output are written and saved
     kill9(executor)
     start_service("executor", *executor_args, port=executor.port, timeout=300)
     stream.join(180)
