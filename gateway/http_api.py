@@ -262,11 +262,12 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
         raise InvalidArgument("messages: at least one message is needed")
     tools = ToolCalling.parse(body.tools, body.tool_choice, body.parallel_tool_calls)
     constraint = body.constraint_spec()
-    if tools is not None and tools.constraint() is not None:
+    call_grammar = tools.constraint() if tools is not None else None
+    if call_grammar is not None:
         if constraint is not None:
             raise InvalidArgument("tool_choice: a required or named tool call cannot be combined with a "
                                   "structured-output constraint (response_format, guided_*)")
-        constraint = tools.constraint()
+        constraint = call_grammar
     messages = render_tool_messages(message_dicts(body.messages), tools)
     prompt_ids = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, engine.max_model_len)
     if body.max_completion_tokens is not None and body.max_tokens is None:
