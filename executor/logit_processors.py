@@ -57,13 +57,8 @@ def validate_logit_edits(p: SamplingParams, field_name: str, vocab_size: int) ->
     if p.allowed_token_bitmask:
         _validate_bitmask(p, f, vocab_size)
     ids, values = p.logit_bias_token_ids, p.logit_bias_values
-    if len(ids) != len(values):
-        raise InvalidArgument(f"{f}.logit_bias_values: {len(values)} values for {len(ids)} "
-                              "logit_bias_token_ids; they are index-aligned")
+    _distinct_aligned_ids(f, "logit_bias_token_ids", ids, "logit_bias_values", values, "values", vocab_size)
     if ids:
-        _ids_in_vocab(f"{f}.logit_bias_token_ids", ids, vocab_size)
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument(f"{f}.logit_bias_token_ids: {_first_repeat(ids)} is listed twice")
         for i, v in enumerate(values):
             if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                 raise InvalidArgument(f"{f}.logit_bias_values[{i}]: {v} is not a finite number in "
@@ -78,16 +73,22 @@ def validate_logit_edits(p: SamplingParams, field_name: str, vocab_size: int) ->
     if p.repetition_penalty < 0:
         raise InvalidArgument(f"{f}.repetition_penalty: {p.repetition_penalty} < 0 (0 or 1 = off)")
     ids, counts = p.penalty_token_ids, p.penalty_output_counts
-    if len(ids) != len(counts):
-        raise InvalidArgument(f"{f}.penalty_output_counts: {len(counts)} counts for {len(ids)} "
-                              "penalty_token_ids; they are index-aligned")
+    _distinct_aligned_ids(f, "penalty_token_ids", ids, "penalty_output_counts", counts, "counts", vocab_size)
     if ids:
-        _ids_in_vocab(f"{f}.penalty_token_ids", ids, vocab_size)
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument(f"{f}.penalty_token_ids: {_first_repeat(ids)} is listed twice")
         if min(counts) < 0:
             i = next(i for i, c in enumerate(counts) if c < 0)
             raise InvalidArgument(f"{f}.penalty_output_counts[{i}]: {counts[i]} < 0")
+
+
+def _distinct_aligned_ids(f: str, ids_name: str, ids, other_name: str, other, noun: str, vocab_size: int) -> None:
+    """``ids``: distinct token ids in the vocabulary, index-aligned with ``other``."""
+    if len(ids) != len(other):
+        raise InvalidArgument(f"{f}.{other_name}: {len(other)} {noun} for {len(ids)} {ids_name}; "
+                              "they are index-aligned")
+    if ids:
+        _ids_in_vocab(f"{f}.{ids_name}", ids, vocab_size)
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"{f}.{ids_name}: {_first_repeat(ids)} is listed twice")
 
 
 def _validate_bitmask(p: SamplingParams, f: str, vocab_size: int) -> None:
