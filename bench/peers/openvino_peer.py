@@ -31,6 +31,7 @@ VENV_PACKAGES = ["openvino-genai", "optimum-intel[openvino]", "nncf"]
 # exporting a text model never needs it.
 VENV_REMOVE = ["torchvision"]
 RUNNER = Path(__file__).with_name("openvino_runner.py")
+STRUCTURED_RUNNER = Path(__file__).with_name("openvino_structured_runner.py")
 # int4 in groups of 32 inputs with a scale and a zero point, as kvserve's int4 and llama.cpp's Q4_1
 # (nncf's default group of 128 does not divide this model's 576 inputs, and its export fails);
 # every projection in int4 (ratio 1.0), the embedding and head in nncf's int8 backup precision.
@@ -181,3 +182,31 @@ def run_peer(requests, *, model_dir: Path, variants: list[str], concurrency: int
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
             skipped.append(f"OpenVINO GenAI {weight_format} failed: {type(exc).__name__}: {exc}"[:800])
     return rows, skipped, facts
+
+
+def run_structured(python: Path, job: dict, log_dir: Path, name: str, log=print) -> dict:
+    """``openvino_structured_runner.py`` on ``job`` (its ``mode``: probe or measure) in the venv's
+    python; returns its JSON. ``job["inference_precision"]`` None is the CPU plugin's default, and a
+    run that dies there with SIGFPE (bf16 on some CPUs) runs again in f32, its facts saying why."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    job_path, out_path = log_dir / f"{name}-job.json", log_dir / f"{name}-result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": str(job.get("threads") or os.cpu_count() or 1)}
+
+    def once(job: dict) -> dict:
+        job_path.write_text(json.dumps(job))
+        out_path.unlink(missing_ok=True)
+        run_logged([str(python), str(STRUCTURED_RUNNER), str(job_path), str(out_path)], log_dir / f"{name}.log",
+                   env=env, timeout=3 * 3600)
+        return json.loads(out_path.read_text())
+
+    try:
+        return once(job)
+    except PeerCrashed as exc:
+        if job.get("inference_precision") or exc.signal_name != "SIGFPE":
+            raise
+        log(f"   OpenVINO GenAI ({name}) died with {exc.signal_name} in the CPU plugin's default precision: "
+            f"running it in f32")
+        payload = once({**job, "inference_precision": "f32"})
+        payload.setdefault("facts", {})["fallback"] = (f"run in f32: in the CPU plugin's default precision it "
+                                                       f"died with {exc.signal_name}")
+        return payload
