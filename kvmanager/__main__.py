@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
+from pathlib import Path
 
 from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM
 from kvmanager.pool import SAVE_POLICIES
@@ -29,6 +31,13 @@ def build_parser() -> EnvArgumentParser:
     )
     add_server_flags(parser, default_port=DEFAULT_KVMANAGER_PORT)
     add_service_token_flag(parser)
+    parser.add_argument("--admin-key", default=None, secret=True,
+                        help="enable the admin calls (SetTenantPolicy, PinPrefix, GetPin, UnpinPrefix): they must "
+                             "carry 'kvserve-admin-key: <key>' metadata; the gateway's --admin-key must match")
+    parser.add_argument("--tenants", default="", metavar="FILE",
+                        help='tenant policies at start, a JSON file: {"tenants": {"NAME": {"weight": 1.0, '
+                             '"quota_blocks": 0, "store_quota_blocks": 0}}} (0: no quota); "shared" names the '
+                             "shared namespace; SetTenantPolicy changes them later")
     parser.add_argument("--default-session-ttl-ms", type=int, default=30_000,
                         help="lease length of a session opened with ttl_ms=0")
     parser.add_argument("--reap-interval-ms", type=int, default=250,
@@ -99,7 +108,8 @@ async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
 
 async def serve(args, manager: KVManager) -> None:
     server = GrpcServer(PROG, args.host, args.port, [
-        Service(SERVICE_NAME, KVManagerService(manager), kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
+        Service(SERVICE_NAME, KVManagerService(manager, token_or_none(args.admin_key)),
+                kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
     ], auth=token_or_none(args.service_token), auth_what="service token", tls=TlsFiles.from_args(args))
     await server.start()
     reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
@@ -121,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
                             store_save_policy=args.kv_store_save)
     except InvalidArgument as exc:
         parser.error(parser.in_flag_terms(str(exc).replace("event_buffer_size", "kv_events_buffer")))
+    if args.tenants:
+        try:
+            manager.tenant_policies.load(json.loads(Path(args.tenants).read_text()))
+        except (OSError, ValueError, InvalidArgument) as exc:
+            parser.error(f"--tenants: {exc}")
     if args.reap_interval_ms <= 0:
         parser.error("--reap-interval-ms: must be > 0")
     if args.kv_events_replay_buffer < 0:

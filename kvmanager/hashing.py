@@ -53,11 +53,41 @@ def root_hash(model_fingerprint: str) -> bytes:
     return xxhash.xxh3_128_digest(_DOMAIN + _field(model_fingerprint))
 
 
-def extra_keys(cache_salt: str, adapter_id: str) -> bytes:
-    """Bytes hashed into every block of a sequence (tenant salt, LoRA adapter)."""
-    if not cache_salt and not adapter_id:
-        return b""
-    return _field(cache_salt) + _field(adapter_id)
+# The hash namespace of a prompt's shareable range: blocks every tenant may hit.
+SHARED_NAMESPACE = "shared"
+DEFAULT_TENANT = "default"
+
+
+def extra_keys(cache_salt: str, adapter_id: str, namespace: str = "") -> bytes:
+    """Bytes hashed into a block besides its tokens: the request's cache salt, the LoRA
+    adapter and the tenant (or ``SHARED_NAMESPACE``). The default tenant adds nothing, so
+    its hashes are those of a deployment without tenants."""
+    if namespace == DEFAULT_TENANT:
+        namespace = ""
+    if not namespace:
+        return _field(cache_salt) + _field(adapter_id) if cache_salt or adapter_id else b""
+    return _field(cache_salt) + _field(adapter_id) + _field(namespace)
+
+
+class BlockExtras:
+    """What a sequence hashes into each of its blocks: the first ``num_shared_blocks``
+    in the shared namespace (one system prompt cached once for every tenant), the rest
+    in its tenant's. ``tail(i)`` is block i's ``key_prefix`` after the parent hash."""
+
+    __slots__ = ("private", "shared", "num_shared_blocks", "_private_tail", "_shared_tail")
+
+    def __init__(self, cache_salt: str = "", adapter_id: str = "", tenant: str = "", num_shared_blocks: int = 0):
+        self.private = extra_keys(cache_salt, adapter_id, tenant)
+        self.shared = extra_keys(cache_salt, adapter_id, SHARED_NAMESPACE) if num_shared_blocks else self.private
+        self.num_shared_blocks = num_shared_blocks if self.shared != self.private else 0
+        self._private_tail = key_prefix(b"", self.private)
+        self._shared_tail = key_prefix(b"", self.shared)
+
+    def of_block(self, i: int) -> bytes:
+        return self.shared if i < self.num_shared_blocks else self.private
+
+    def tail(self, i: int) -> bytes:
+        return self._shared_tail if i < self.num_shared_blocks else self._private_tail
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -105,30 +135,45 @@ def split_key(key: bytes) -> tuple[bytes, bytes, bytes]:
     return key[:HASH_BYTES], key[start:start + extra_len], key[start + extra_len:]
 
 
+def _fields_of_extra(extra: bytes) -> list[str]:
+    fields = []
+    offset = 0
+    while offset < len(extra):
+        (length,) = struct.unpack_from("<I", extra, offset)
+        fields.append(extra[offset + 4:offset + 4 + length].decode("utf-8"))
+        offset += 4 + length
+    return fields
+
+
 def adapter_of_extra(extra: bytes) -> str:
-    """The adapter id inside ``extra_keys(cache_salt, adapter_id)``."""
-    if not extra:
-        return ""
-    (salt_len,) = struct.unpack_from("<I", extra, 0)
-    return extra[8 + salt_len:].decode("utf-8")
+    """The adapter id inside ``extra_keys(cache_salt, adapter_id, namespace)``."""
+    fields = _fields_of_extra(extra)
+    return fields[1] if len(fields) > 1 else ""
 
 
-def chain_hashes(parent_hash: bytes, extra: bytes, packed_tokens: bytes, block_size: int,
+def namespace_of_extra(extra: bytes) -> str:
+    """The tenant (or ``SHARED_NAMESPACE``) a block was hashed for: ``DEFAULT_TENANT`` when none."""
+    fields = _fields_of_extra(extra)
+    return fields[2] if len(fields) > 2 else DEFAULT_TENANT
+
+
+def chain_hashes(parent_hash: bytes, extras: BlockExtras, packed_tokens: bytes, block_size: int,
                  num_blocks: int) -> list[bytes]:
     """The chained hashes of the first ``num_blocks`` full blocks of ``packed_tokens``
     (``pack_tokens`` output), the first one's parent being ``parent_hash``."""
-    tail = _U32(len(extra)) + extra
     step = 4 * block_size
     digest = xxhash.xxh3_128_digest
     hashes = []
-    for offset in range(0, num_blocks * step, step):
-        parent_hash = digest(parent_hash + tail + packed_tokens[offset:offset + step])
+    for i in range(num_blocks):
+        offset = i * step
+        parent_hash = digest(parent_hash + extras.tail(i) + packed_tokens[offset:offset + step])
         hashes.append(parent_hash)
     return hashes
 
 
 def prefix_block_hashes(model_fingerprint: str, block_size: int, token_ids: Sequence[int],
-                        cache_salt: str = "", adapter_id: str = "") -> list[bytes]:
+                        cache_salt: str = "", adapter_id: str = "", tenant: str = "",
+                        num_shared_tokens: int = 0) -> list[bytes]:
     """The hashes a prompt's lookup walks: its first ``(len(token_ids) - 1) // block_size``
     full blocks (a hit always leaves the last prompt token to compute), as a pool
     registered with ``model_fingerprint`` and ``block_size`` hashes them. What a gateway
@@ -136,5 +181,5 @@ def prefix_block_hashes(model_fingerprint: str, block_size: int, token_ids: Sequ
     ``hashes_model_fingerprint``) so that the kvmanager does not hash the prompt again."""
     num_blocks = max(0, (len(token_ids) - 1) // block_size)
     packed = pack_tokens(token_ids)
-    return chain_hashes(root_hash(model_fingerprint), extra_keys(cache_salt, adapter_id), packed,
-                        block_size, num_blocks)
+    extras = BlockExtras(cache_salt, adapter_id, tenant, num_shared_tokens // block_size)
+    return chain_hashes(root_hash(model_fingerprint), extras, packed, block_size, num_blocks)

@@ -19,13 +19,15 @@ import numpy as np
 from kvmanager.events import (
     DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, BlockRemoved, EventBatch, EventHub, Subscriber,
 )
-from kvmanager.hashing import HASH_BYTES, checked_pack_tokens, extra_keys, root_hash
+from kvmanager.governance import Governance, TenantStatsView
+from kvmanager.hashing import HASH_BYTES, BlockExtras, checked_pack_tokens, root_hash
 from kvmanager.pool import (
     SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator,
     StepAllocation, match_cached_prefix, snapshot_events,
 )
 from kvmanager.sessions import Session, SessionRegistry
 from kvmanager.store_index import StoreIndex
+from kvmanager.tenants import TenantPolicies, check_tenant_name
 from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
 )
@@ -51,6 +53,7 @@ MAX_PREFIX_QUERIES = 1024
 MAX_MEDIUM_LEN = 64
 MAX_STORE_URL_LEN = 4096
 MAX_STORE_REPORT = 1 << 17  # hashes in one StoreReport field
+MAX_CACHE_TTL_MS = 7 * 24 * 3600 * 1000  # a week: longer is a pin's job
 # A snapshot is sent in batches of about this many tokens (~0.3 MB of protobuf): far
 # below gRPC's default 4 MB message limit, and the event loop is free between batches.
 SNAPSHOT_BATCH_TOKENS = 1 << 16
@@ -88,6 +91,9 @@ class PoolStatsView:
     num_store_save_failures: int = 0
     num_store_load_failures: int = 0
     num_store_evictions: int = 0
+    num_expired_blocks: int = 0
+    num_pins: int = 0
+    tenants: list[TenantStatsView] = dataclasses.field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -177,6 +183,9 @@ class KVManager:
         self.sessions = SessionRegistry(clock)
         self.hubs: dict[str, EventHub] = {}
         self.event_sinks: list[EventSink] = []
+        self.clock = clock
+        self.tenant_policies = TenantPolicies()
+        self.governance = Governance(self)
 
     # -- pools ---------------------------------------------------------------
 
@@ -217,7 +226,7 @@ class KVManager:
                 )
             self._emit(config.pool_id, [AllBlocksCleared()], existing.medium)
             existing.block_pool.unlink()
-        pool = self.pools[config.pool_id] = SequenceAllocator(config)
+        pool = self.pools[config.pool_id] = SequenceAllocator(config, self.tenant_policies, self.clock)
         pool.executor_instance_id = executor_instance_id
         pool.medium = medium or self.default_medium
         pool.save_policy = self.store_save_policy
@@ -255,7 +264,8 @@ class KVManager:
         key = (store.url, store.namespace)
         index = self.stores.get(key)
         if index is None:
-            index = self.stores[key] = StoreIndex(store.url, store.namespace, store.medium, store.capacity_blocks)
+            index = self.stores[key] = StoreIndex(store.url, store.namespace, store.medium, store.capacity_blocks,
+                                                  self.tenant_policies)
             self._new_stores.append(index)
             log.info("kv_store_attached", pool_id=pool.config.pool_id, namespace=store.namespace,
                      capacity_blocks=store.capacity_blocks, medium=store.medium)
@@ -288,6 +298,7 @@ class KVManager:
         self.reap_expired()
         pool = self.pool(pool_id)
         blocks = pool.block_pool
+        blocks.expire(self.clock())
         return PoolStatsView(
             pool_id=pool_id, num_blocks=blocks.num_blocks, block_size=blocks.block_size,
             num_free_blocks=blocks.num_free_blocks, num_used_blocks=blocks.num_used_blocks,
@@ -299,6 +310,8 @@ class KVManager:
             allocation_policy=int(pool.config.allocation_policy),
             enable_prefix_caching=pool.config.enable_prefix_caching,
             num_sessions=self.sessions.count_for_pool(pool_id),
+            num_expired_blocks=blocks.num_expired, num_pins=len(pool.pins.pins),
+            tenants=self.governance.tenant_stats(pool),
             **self._store_stats(pool),
         )
 
@@ -436,7 +449,9 @@ class KVManager:
             if max_len and num_tokens + (len(seq.token_ids) if seq is not None else 0) > max_len:
                 raise InvalidArgument(f"sequences[{i}].token_ids: sequence {seq_id} would hold more than the "
                                       f"pool's max_model_len of {max_len} tokens")
-            num_admitted += seq is None
+            if seq is None:
+                num_admitted += 1
+                self._check_cache_terms(i, request, num_tokens)
             plan.append((seq, tokens, request))
         if num_admitted and len(sequences) - len(freeing) + num_admitted > MAX_SEQUENCES_PER_POOL:
             raise ResourceExhausted(f"sequences: the pool holds at most {MAX_SEQUENCES_PER_POOL} live sequences")
@@ -450,6 +465,20 @@ class KVManager:
                    else pool.admit(session_id, request) for seq, tokens, request in plan]
         self._publish(pool)
         return results, pool.block_pool.usage
+
+    def _check_cache_terms(self, i: int, request, num_tokens: int) -> None:
+        """A new sequence's tenant, shareable range, TTL and priority (read at creation only)."""
+        tenant = getattr(request, "tenant", "")
+        if tenant:
+            check_tenant_name(f"sequences[{i}].tenant", tenant)
+            self.tenant_policies.get(tenant)  # RESOURCE_EXHAUSTED past MAX_TENANTS, before any change
+        if not 0 <= getattr(request, "num_shared_tokens", 0) <= num_tokens:
+            raise InvalidArgument(f"sequences[{i}].num_shared_tokens: must be 0..len(token_ids) ({num_tokens})")
+        if not 0 <= getattr(request, "cache_ttl_ms", 0) <= MAX_CACHE_TTL_MS:
+            raise InvalidArgument(f"sequences[{i}].cache_ttl_ms: must be 0 (none) .. {MAX_CACHE_TTL_MS} (a week); "
+                                  "pin what must stay longer")
+        if getattr(request, "cache_priority", 0) not in (0, 1):
+            raise InvalidArgument(f"sequences[{i}].cache_priority: CACHE_PRIORITY_UNSPECIFIED or CACHE_PRIORITY_LOW")
 
     def fork(self, pool_id: str, session_id: str, parent_seq_id: int, child_seq_ids: list[int]) -> list[int]:
         """Children share the parent's blocks; returns the shared block table."""
@@ -580,6 +609,9 @@ class KVManager:
             if pool.config.enable_prefix_caching:
                 groups.setdefault((pool.root_hash, pool.block_size), []).append(j)
         group_pools = {key: [pools[j] for j in members] for key, members in groups.items()}
+        now = self.clock()
+        for pool in pools:
+            pool.block_pool.expire(now)
         roots: dict[str, bytes] = {}
         out = []
         for i, query in enumerate(queries):
@@ -596,17 +628,21 @@ class KVManager:
             if len(hashes):
                 hashes = list(hashes)  # one pass over a protobuf field, then plain indexing
                 hashes_for = self._check_query_hashes(i, query, hashes, roots)
+            tenant = getattr(query, "tenant", "")
+            if tenant:
+                check_tenant_name(f"queries[{i}].tenant", tenant)
+            num_shared_tokens = getattr(query, "num_shared_tokens", 0)
             if packed is not None or hashes_for is not None:
-                extra = extra_keys(query.cache_salt, query.adapter_id)
                 for key, members in groups.items():
+                    extras = BlockExtras(query.cache_salt, query.adapter_id, tenant, num_shared_tokens // key[1])
                     given = hashes if key == hashes_for else ()
                     if packed is None and not given:
                         continue  # hashes for another fingerprint or block size, and no tokens: 0
-                    hits = match_cached_prefix(group_pools[key], extra, packed, len(tokens), given)
+                    hits = match_cached_prefix(group_pools[key], extras, packed, len(tokens), given)
                     for j, num_blocks in zip(members, hits):
                         counts[j] = num_blocks * key[1]
                         if with_store and packed is not None and pools[j].store is not None:
-                            store_counts[j] = pools[j].store_extension(extra, packed, len(tokens),
+                            store_counts[j] = pools[j].store_extension(extras, packed, len(tokens),
                                                                        num_blocks) * key[1]
             if with_store:
                 out.append([(pool.config.pool_id, n, m) for pool, n, m in zip(pools, counts, store_counts)])
@@ -697,6 +733,10 @@ class KVManager:
         if hub is None:
             hub = self.hubs[pool_id] = EventHub(pool_id, self.event_buffer_size)
         return hub
+
+    def publish_events(self, pool: SequenceAllocator) -> None:
+        """Sends what the pool recorded (admin changes evict too)."""
+        self._publish(pool)
 
     def _publish(self, pool: SequenceAllocator) -> None:
         events = pool.drain_events()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import itertools
 import sys
+import time
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,12 +37,16 @@ from dataclasses import dataclass, field
 from kvmanager.block_pool import BlockPool, KVCacheBlock
 from kvmanager.events import AllBlocksCleared, BlockStored, EventRecorder, KVEvent
 from kvmanager.hashing import (
-    HASH_BYTES, adapter_of_extra, block_key, extra_keys, hash_key, key_prefix, pack_tokens, root_hash, split_key,
+    DEFAULT_TENANT, HASH_BYTES, SHARED_NAMESPACE, BlockExtras, adapter_of_extra, hash_key, pack_tokens, root_hash,
+    split_key,
 )
+from kvmanager.pins import PoolPins
 from kvmanager.store_index import StoreIndex
+from kvmanager.tenants import TenantLedger, TenantPolicies
 
 # When published blocks are saved to the pool's store (kvmanager's --kv-store-save).
 SAVE_POLICIES = ("all", "free", "off")
+CACHE_PRIORITY_LOW = 1  # kvserve.v1.CachePriority: cached blocks evicted before others
 
 
 class AllocationPolicy(enum.IntEnum):
@@ -77,6 +82,10 @@ class AllocationRequest:
     cache_salt: str = ""
     adapter_id: str = ""
     num_lookahead_slots: int = 0
+    tenant: str = ""
+    num_shared_tokens: int = 0
+    cache_ttl_ms: int = 0
+    cache_priority: int = 0  # CachePriority: LOW (1) blocks are evicted first
 
 
 @dataclass(slots=True)
@@ -114,9 +123,11 @@ class KVSequence:
     """
 
     __slots__ = ("seq_id", "session_id", "token_ids", "num_computed", "num_written", "block_table",
-                 "block_hashes", "publishes", "extra", "adapter_id")
+                 "block_hashes", "publishes", "extras", "adapter_id", "owner", "shared_owner", "cache_ttl_s",
+                 "evict_first")
 
-    def __init__(self, seq_id: int, session_id: str, publishes: bool, extra: bytes, adapter_id: str):
+    def __init__(self, seq_id: int, session_id: str, publishes: bool, extras: BlockExtras, adapter_id: str,
+                 owner: TenantLedger, shared_owner: TenantLedger | None = None):
         self.seq_id = seq_id
         self.session_id = session_id
         self.token_ids: list[int] = []
@@ -125,11 +136,18 @@ class KVSequence:
         self.block_table: list[KVCacheBlock] = []
         self.block_hashes: list[bytes] = []  # chained hashes of block_table[:len], all published or tried
         self.publishes = publishes  # written full blocks become findable (prefix caching, not invalidated)
-        self.extra = extra  # hashed into every block: cache salt, adapter id
+        self.extras = extras  # hashed into each block: cache salt, adapter id, tenant or the shared namespace
         self.adapter_id = adapter_id
+        self.owner = owner  # the tenant: its published blocks, the evictions it causes
+        self.shared_owner = shared_owner  # owns the published blocks of the shareable range
+        self.cache_ttl_s: float | None = None  # published blocks stop being findable this long after
+        self.evict_first = False  # published blocks are evicted before others once free
 
     def fork(self, seq_id: int) -> KVSequence:
-        child = KVSequence(seq_id, self.session_id, self.publishes, self.extra, self.adapter_id)
+        child = KVSequence(seq_id, self.session_id, self.publishes, self.extras, self.adapter_id, self.owner,
+                           self.shared_owner)
+        child.cache_ttl_s = self.cache_ttl_s
+        child.evict_first = self.evict_first
         child.token_ids = self.token_ids.copy()
         child.num_computed = self.num_computed
         child.num_written = self.num_written
@@ -150,11 +168,14 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class SequenceAllocator:
     """One paged KV cache: its blocks, its sequences and its counters."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, policies: TenantPolicies | None = None,
+                 clock=time.monotonic) -> None:
         self.config = config
         self.block_size = config.block_size
         self.events = EventRecorder()
-        self.block_pool = BlockPool(config.num_blocks, config.block_size, self.events)
+        self.block_pool = BlockPool(config.num_blocks, config.block_size, self.events, policies)
+        self.pins = PoolPins(self.block_pool)
+        self.clock = clock
         self.root_hash = root_hash(config.model_fingerprint)
         self.sequences: dict[int, KVSequence] = {}
         self.session_seq_ids: dict[str, set[int]] = {}
@@ -198,12 +219,12 @@ class SequenceAllocator:
     def admit(self, session_id: str, request: AllocationRequest) -> StepAllocation:
         """Creates a sequence (prefix-cache lookup first), or returns NO_ROOM and creates nothing."""
         prefix_caching = self.config.enable_prefix_caching and request.enable_prefix_caching
-        seq = KVSequence(request.seq_id, session_id, prefix_caching,
-                         extra_keys(request.cache_salt, request.adapter_id), request.adapter_id)
+        seq = self._new_sequence(session_id, request, prefix_caching)
         hit_blocks: list[KVCacheBlock] = []
         store_hashes: list[bytes] = []
         if prefix_caching:
-            hit_blocks, seq.block_hashes, store_hashes = self._find_cached_prefix(seq.extra, request.token_ids)
+            self.block_pool.expire(self.clock())
+            hit_blocks, seq.block_hashes, store_hashes = self._find_cached_prefix(seq.extras, request.token_ids)
         bs = self.block_size
         seq.block_table = hit_blocks.copy()
         seq.num_written = len(hit_blocks) * bs
@@ -216,10 +237,25 @@ class SequenceAllocator:
             if prefix_caching:
                 self.prefix_cache_queries += len(request.token_ids)
                 self.prefix_cache_hits += len(hit_blocks) * bs
+                seq.owner.queries += len(request.token_ids)
+                seq.owner.hits += len(hit_blocks) * bs
             result.num_cached_tokens = len(hit_blocks) * bs
             if store_hashes:
                 self._order_loads(seq, len(hit_blocks), store_hashes, result)
         return result
+
+    def _new_sequence(self, session_id: str, request: AllocationRequest, prefix_caching: bool) -> KVSequence:
+        """A sequence with its hashing and cache terms (validated by ``KVManager.allocate``)."""
+        num_shared_blocks = getattr(request, "num_shared_tokens", 0) // self.block_size
+        tenant = getattr(request, "tenant", "")
+        extras = BlockExtras(request.cache_salt, request.adapter_id, tenant, num_shared_blocks)
+        owner = self.block_pool.ledger(tenant or DEFAULT_TENANT)
+        shared_owner = self.block_pool.ledger(SHARED_NAMESPACE) if extras.num_shared_blocks else None
+        seq = KVSequence(request.seq_id, session_id, prefix_caching, extras, request.adapter_id, owner, shared_owner)
+        ttl_ms = getattr(request, "cache_ttl_ms", 0)
+        seq.cache_ttl_s = ttl_ms / 1000 if ttl_ms else None
+        seq.evict_first = getattr(request, "cache_priority", 0) == CACHE_PRIORITY_LOW
+        return seq
 
     def _order_loads(self, seq: KVSequence, first: int, store_hashes: list[bytes], result: StepAllocation) -> None:
         """The blocks after the pool's hit get the store's entries loaded instead of computed."""
@@ -232,14 +268,18 @@ class SequenceAllocator:
         result.store_load_block_ids = [b.block_id for b in loaded]
         result.store_load_hashes = store_hashes
 
-    def cached_prefix_length(self, prompt: Sequence[int], cache_salt: str = "", adapter_id: str = "") -> int:
-        """Tokens of ``prompt`` an admission would find cached now (routing; changes nothing)."""
+    def cached_prefix_length(self, prompt: Sequence[int], cache_salt: str = "", adapter_id: str = "",
+                             tenant: str = "", num_shared_tokens: int = 0) -> int:
+        """Tokens of ``prompt`` an admission would find cached now (routing; changes nothing
+        but expiring what has outlived its TTL)."""
         if not self.config.enable_prefix_caching:
             return 0
-        hits, _, _ = self._find_cached_prefix(extra_keys(cache_salt, adapter_id), prompt)
+        self.block_pool.expire(self.clock())
+        extras = BlockExtras(cache_salt, adapter_id, tenant, num_shared_tokens // self.block_size)
+        hits, _, _ = self._find_cached_prefix(extras, prompt)
         return len(hits) * self.block_size
 
-    def _find_cached_prefix(self, extra: bytes, prompt: Sequence[int],
+    def _find_cached_prefix(self, extras: BlockExtras, prompt: Sequence[int],
                             ) -> tuple[list[KVCacheBlock], list[bytes], list[bytes]]:
         """Longest run of consecutive published full blocks, leaving at least the last
         prompt token to compute (a hit covers at most len(prompt) - 1 tokens), with their
@@ -255,11 +295,12 @@ class SequenceAllocator:
         step = 4 * bs
         packed = pack_tokens(prompt)  # once, then byte slices: no per-token work per block
         lookup = self.block_pool.lookup
-        tail = key_prefix(b"", extra)
+        tail = extras.tail
         parent = self.root_hash
         store = self.store
-        for offset in range(0, max_hit_blocks * step, step):
-            key = parent + tail + packed[offset:offset + step]
+        for i in range(max_hit_blocks):
+            offset = i * step
+            key = parent + tail(i) + packed[offset:offset + step]
             parent = hash_key(key)
             if not store_hashes:
                 block = lookup(parent, key)
@@ -272,7 +313,7 @@ class SequenceAllocator:
             store_hashes.append(parent)
         return hits, hashes, store_hashes
 
-    def store_extension(self, extra: bytes, packed_tokens: bytes, num_tokens: int, num_hit_blocks: int) -> int:
+    def store_extension(self, extras: BlockExtras, packed_tokens: bytes, num_tokens: int, num_hit_blocks: int) -> int:
         """Blocks after the first ``num_hit_blocks`` of a prompt that the store holds (routing;
         changes nothing)."""
         store = self.store
@@ -281,11 +322,10 @@ class SequenceAllocator:
         if store is None or not len(store) or num_hit_blocks >= max_blocks:
             return 0
         step = 4 * bs
-        tail = key_prefix(b"", extra)
         parent = self.root_hash
         num_store_blocks = 0
         for i, offset in enumerate(range(0, max_blocks * step, step)):
-            key = parent + tail + packed_tokens[offset:offset + step]
+            key = parent + extras.tail(i) + packed_tokens[offset:offset + step]
             parent = hash_key(key)
             if i < num_hit_blocks:
                 continue
@@ -350,7 +390,7 @@ class SequenceAllocator:
         seq.token_ids.extend(new_token_ids)
         copy_src = copy_dst = _EMPTY
         if num_append or cow_indices:
-            new_blocks = pool.get_new_blocks(num_append + len(cow_indices))
+            new_blocks = pool.get_new_blocks(num_append + len(cow_indices), seq.owner)
             if cow_indices:
                 copy_src, copy_dst = self._copy_on_write(table, cow_indices, new_blocks, start)
             table.extend(new_blocks)
@@ -402,16 +442,25 @@ class SequenceAllocator:
         findable; one ``BlockStored`` per run of consecutive newly cached blocks."""
         bs = self.block_size
         hashes = seq.block_hashes
+        extras = seq.extras
+        block_pool = self.block_pool
+        cached = block_pool.cached_blocks
+        expires_at = self.clock() + seq.cache_ttl_s if seq.cache_ttl_s else None
         run: BlockStored | None = None
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else self.root_hash
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            key = block_key(parent, seq.extra, tokens)
+            key = parent + extras.tail(i) + pack_tokens(tokens)
             h = hash_key(key)
             hashes.append(h)
-            if not self.block_pool.cache_block(seq.block_table[i], h, key):
-                run = None  # identical content is already findable in another block
+            owner = seq.shared_owner if i < extras.num_shared_blocks else seq.owner
+            block = seq.block_table[i]
+            # A block whose parent is not findable (refused by a quota, evicted) would never be found.
+            if (i and parent not in cached) or not block_pool.cache_block(block, h, key, owner, seq.evict_first,
+                                                                           expires_at):
+                run = None  # identical content is already findable in another block, or not cached
                 continue
+            self.pins.on_published(h, block)
             if self.save_policy == "all":
                 self._order_save(seq.block_table[i], h, key)
             if run is None:
@@ -506,6 +555,7 @@ class SequenceAllocator:
         for seq in self.sequences.values():
             seq.publishes = False
         self.release_saves()  # their blocks' KV may be gone: never saved, never findable
+        self.pins.on_invalidated()
         return self.block_pool.invalidate_prefix_cache()
 
     # -- fork / free --------------------------------------------------------
@@ -602,7 +652,7 @@ def snapshot_events(keys: list[tuple[bytes, bytes]], root: bytes, block_size: in
             yield run
 
 
-def match_cached_prefix(pools: Sequence[SequenceAllocator], extra: bytes, packed_tokens: bytes | None,
+def match_cached_prefix(pools: Sequence[SequenceAllocator], extras: BlockExtras, packed_tokens: bytes | None,
                         num_tokens: int, block_hashes: Sequence[bytes] = ()) -> list[int]:
     """Cached prefix length in blocks, per pool, of one prompt, for pools that hash alike
     (same root hash, i.e. model fingerprint, and block size): the chain is hashed once
@@ -628,7 +678,7 @@ def match_cached_prefix(pools: Sequence[SequenceAllocator], extra: bytes, packed
     if not max_blocks:
         return [0] * len(pools)
     step = 4 * bs
-    tail = key_prefix(b"", extra)
+    tail = extras.tail
     parent = first.root_hash
     digest = hash_key
     if len(caches) == 1:  # the common cases, without the per-pool bookkeeping
@@ -640,14 +690,14 @@ def match_cached_prefix(pools: Sequence[SequenceAllocator], extra: bytes, packed
             return [max_blocks]
         if not num_hashes:
             for i, offset in enumerate(range(0, max_blocks * step, step)):
-                key = parent + tail + packed_tokens[offset:offset + step]
+                key = parent + tail(i) + packed_tokens[offset:offset + step]
                 parent = digest(key)
                 block = get(parent)
                 if block is None or block.block_key != key:
                     return [i]
             return [max_blocks]
         for i, offset in enumerate(range(0, max_blocks * step, step)):
-            key = parent + tail + packed_tokens[offset:offset + step]
+            key = parent + tail(i) + packed_tokens[offset:offset + step]
             parent = block_hashes[i] if i < num_hashes else digest(key)
             block = get(parent)
             if block is None or block.block_key != key:
@@ -661,7 +711,7 @@ def match_cached_prefix(pools: Sequence[SequenceAllocator], extra: bytes, packed
             parent = block_hashes[i]
         else:
             offset = i * step
-            key = parent + tail + packed_tokens[offset:offset + step]
+            key = parent + tail(i) + packed_tokens[offset:offset + step]
             parent = block_hashes[i] if i < num_hashes else digest(key)
         still = []
         for j in active:

@@ -13,7 +13,8 @@ from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventB
 from kvmanager.manager import KVManager, StoreConfig, StoreOrdersView
 from kvmanager.pool import PoolConfig
 from kvmanager.store_index import StoreIndex
-from kvserve.errors import InvalidArgument, ResourceExhausted
+from kvserve.auth import BearerToken
+from kvserve.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from kvserve.kv_store import StoreError, describe_url, open_store
 from kvserve.logs import get_logger
 from kvserve.v1 import kvmanager_pb2 as pb
@@ -22,6 +23,9 @@ from kvserve.v1 import kvmanager_pb2_grpc
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVManager"].full_name
 # A watcher that falls this many batches behind is dropped (it can reconnect and resync).
 MAX_PENDING_EVENT_BATCHES = 10_000
+
+# The admin calls' credential travels in this metadata key (the service token keeps "authorization").
+ADMIN_METADATA_KEY = "kvserve-admin-key"
 
 _OK = pb.ALLOCATION_STATUS_OK
 _NO_ROOM = pb.ALLOCATION_STATUS_NO_ROOM
@@ -76,9 +80,24 @@ def event_batch_to_proto(batch: EventBatch) -> pb.KVEventBatch:
     return out
 
 
+def check_admin(admin_key: BearerToken | None, context) -> None:
+    """PERMISSION_DENIED unless the call carries the admin key; FAILED_PRECONDITION when none is set."""
+    if admin_key is None:
+        raise FailedPrecondition("admin calls are disabled: start kvmanager with --admin-key (KVSERVE_ADMIN_KEY)")
+    values = [value for key, value in context.invocation_metadata() or () if key == ADMIN_METADATA_KEY]
+    if len(values) != 1 or not admin_key.matches_secret(values[0]):
+        raise PermissionDenied(f"an admin call: send the admin key as '{ADMIN_METADATA_KEY}' metadata")
+
+
+def pinned_to_proto(pin_id: int, pools) -> pb.PinPrefixResponse:
+    return pb.PinPrefixResponse(pin_id=pin_id, pools=[
+        pb.PinnedPool(pool_id=p.pool_id, num_blocks=p.num_blocks, num_blocks_held=p.num_blocks_held) for p in pools])
+
+
 class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
-    def __init__(self, manager: KVManager) -> None:
+    def __init__(self, manager: KVManager, admin_key: BearerToken | None = None) -> None:
         self.manager = manager
+        self.admin_key = admin_key
         self._rebuilds: set[asyncio.Task] = set()
 
     async def RegisterPool(self, request, context):
@@ -155,6 +174,26 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
 
     async def GetStats(self, request, context):
         return pb.PoolStats(**dataclasses.asdict(self.manager.stats(request.pool_id)))
+
+    async def SetTenantPolicy(self, request, context):
+        check_admin(self.admin_key, context)
+        self.manager.governance.set_policy(request.tenant, request.weight, request.quota_blocks,
+                                           request.store_quota_blocks)
+        return pb.SetTenantPolicyResponse()
+
+    async def PinPrefix(self, request, context):
+        check_admin(self.admin_key, context)
+        pin_id, pools = self.manager.governance.pin(list(request.pool_ids), request.tenant, request.token_ids,
+                                                    request.shared, request.cache_salt, request.adapter_id)
+        return pinned_to_proto(pin_id, pools)
+
+    async def GetPin(self, request, context):
+        check_admin(self.admin_key, context)
+        return pinned_to_proto(request.pin_id, self.manager.governance.pin_status(request.pin_id))
+
+    async def UnpinPrefix(self, request, context):
+        check_admin(self.admin_key, context)
+        return pb.UnpinPrefixResponse(num_blocks_released=self.manager.governance.unpin(request.pin_id))
 
     async def ResetPrefixCache(self, request, context):
         return pb.ResetPrefixCacheResponse(num_blocks_cleared=self.manager.reset_prefix_cache(request.pool_id))

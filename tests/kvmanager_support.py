@@ -61,12 +61,21 @@ def check_invariants(pool: SequenceAllocator) -> None:
     for h, block in bp.cached_blocks.items():
         assert block.block_hash == h and pool_module.hash_key(block.block_key) == h
     assert bp.num_cached_free_blocks == sum(1 for b in hashed if b.ref_cnt == 0)
+    for name, ledger in bp.tenants.items():  # tenants: what each holds, and its quota
+        owned = [b for b in hashed if b.owner is ledger]
+        assert ledger.num_cached == len(owned), f"tenant {name}: cached count"
+        assert set(ledger.free_cached) == {b.block_id for b in owned if b.ref_cnt == 0}, f"tenant {name}: free LRU"
+        quota = ledger.policy.quota_blocks
+        assert not quota or ledger.num_cached <= quota, f"tenant {name} holds {ledger.num_cached} > quota {quota}"
+        assert ledger.num_pinned == sum(b.num_pins for b in owned)
+    assert all(b.owner is not None for b in hashed)
+    assert all(b.ref_cnt >= b.num_pins for b in bp.blocks)
 
     for seq in pool.sequences.values():
         assert len(seq.block_hashes) <= seq.num_written // bs  # only written blocks are ever hashed
         parent = pool.root_hash
         for i, h in enumerate(seq.block_hashes):
-            key = block_key(parent, seq.extra, seq.token_ids[i * bs:(i + 1) * bs])
+            key = block_key(parent, seq.extras.of_block(i), seq.token_ids[i * bs:(i + 1) * bs])
             assert pool_module.hash_key(key) == h, f"seq {seq.seq_id} block {i}: stale hash"
             block = seq.block_table[i]
             if block.block_hash is not None:  # a cached block holds exactly these tokens

@@ -7,6 +7,11 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class CachePriority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CACHE_PRIORITY_UNSPECIFIED: _ClassVar[CachePriority]
+    CACHE_PRIORITY_LOW: _ClassVar[CachePriority]
+
 class AllocationPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ALLOCATION_POLICY_UNSPECIFIED: _ClassVar[AllocationPolicy]
@@ -18,6 +23,8 @@ class AllocationStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALLOCATION_STATUS_UNSPECIFIED: _ClassVar[AllocationStatus]
     ALLOCATION_STATUS_OK: _ClassVar[AllocationStatus]
     ALLOCATION_STATUS_NO_ROOM: _ClassVar[AllocationStatus]
+CACHE_PRIORITY_UNSPECIFIED: CachePriority
+CACHE_PRIORITY_LOW: CachePriority
 ALLOCATION_POLICY_UNSPECIFIED: AllocationPolicy
 ALLOCATION_POLICY_PAGED: AllocationPolicy
 ALLOCATION_POLICY_RESERVE: AllocationPolicy
@@ -142,7 +149,7 @@ class StoreOrders(_message.Message):
     def __init__(self, save_block_ids: _Optional[_Iterable[int]] = ..., save_hashes: _Optional[_Iterable[bytes]] = ..., save_keys: _Optional[_Iterable[bytes]] = ..., delete_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots")
+    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots", "tenant", "num_shared_tokens", "cache_ttl_ms", "cache_priority")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +157,10 @@ class SequenceAllocation(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
@@ -157,7 +168,11 @@ class SequenceAllocation(_message.Message):
     cache_salt: str
     adapter_id: str
     num_lookahead_slots: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
+    tenant: str
+    num_shared_tokens: int
+    cache_ttl_ms: int
+    cache_priority: CachePriority
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ..., tenant: _Optional[str] = ..., num_shared_tokens: _Optional[int] = ..., cache_ttl_ms: _Optional[int] = ..., cache_priority: _Optional[_Union[CachePriority, str]] = ...) -> None: ...
 
 class SequenceAllocationResult(_message.Message):
     __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst", "num_store_tokens", "store_load_block_ids", "store_load_hashes")
@@ -246,7 +261,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "usage", "num_sequences", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copies", "num_stored_tokens", "num_allocated_slots", "allocation_policy", "enable_prefix_caching", "num_sessions", "kv_store", "kv_store_medium", "num_store_blocks", "store_hits", "num_store_saves", "num_store_save_failures", "num_store_load_failures", "num_store_evictions")
+    __slots__ = ("pool_id", "num_blocks", "block_size", "num_free_blocks", "num_used_blocks", "num_cached_blocks", "usage", "num_sequences", "prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_copies", "num_stored_tokens", "num_allocated_slots", "allocation_policy", "enable_prefix_caching", "num_sessions", "kv_store", "kv_store_medium", "num_store_blocks", "store_hits", "num_store_saves", "num_store_save_failures", "num_store_load_failures", "num_store_evictions", "num_expired_blocks", "num_pins", "tenants")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +287,9 @@ class PoolStats(_message.Message):
     NUM_STORE_SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_STORE_LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     NUM_STORE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPIRED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     block_size: int
@@ -297,7 +315,108 @@ class PoolStats(_message.Message):
     num_store_save_failures: int
     num_store_load_failures: int
     num_store_evictions: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_sequences: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_allocated_slots: _Optional[int] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., enable_prefix_caching: _Optional[bool] = ..., num_sessions: _Optional[int] = ..., kv_store: _Optional[str] = ..., kv_store_medium: _Optional[str] = ..., num_store_blocks: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_saves: _Optional[int] = ..., num_store_save_failures: _Optional[int] = ..., num_store_load_failures: _Optional[int] = ..., num_store_evictions: _Optional[int] = ...) -> None: ...
+    num_expired_blocks: int
+    num_pins: int
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_sequences: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_copies: _Optional[int] = ..., num_stored_tokens: _Optional[int] = ..., num_allocated_slots: _Optional[int] = ..., allocation_policy: _Optional[_Union[AllocationPolicy, str]] = ..., enable_prefix_caching: _Optional[bool] = ..., num_sessions: _Optional[int] = ..., kv_store: _Optional[str] = ..., kv_store_medium: _Optional[str] = ..., num_store_blocks: _Optional[int] = ..., store_hits: _Optional[int] = ..., num_store_saves: _Optional[int] = ..., num_store_save_failures: _Optional[int] = ..., num_store_load_failures: _Optional[int] = ..., num_store_evictions: _Optional[int] = ..., num_expired_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "weight", "quota_blocks", "store_quota_blocks", "num_cached_blocks", "num_pinned_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_evictions_caused", "num_evictions_suffered", "num_quota_refusals", "num_store_blocks", "num_store_quota_evictions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUOTA_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STORE_QUOTA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    quota_blocks: int
+    store_quota_blocks: int
+    num_cached_blocks: int
+    num_pinned_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_evictions_caused: int
+    num_evictions_suffered: int
+    num_quota_refusals: int
+    num_store_blocks: int
+    num_store_quota_evictions: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., quota_blocks: _Optional[int] = ..., store_quota_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_evictions_caused: _Optional[int] = ..., num_evictions_suffered: _Optional[int] = ..., num_quota_refusals: _Optional[int] = ..., num_store_blocks: _Optional[int] = ..., num_store_quota_evictions: _Optional[int] = ...) -> None: ...
+
+class SetTenantPolicyRequest(_message.Message):
+    __slots__ = ("tenant", "weight", "quota_blocks", "store_quota_blocks")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    weight: float
+    quota_blocks: int
+    store_quota_blocks: int
+    def __init__(self, tenant: _Optional[str] = ..., weight: _Optional[float] = ..., quota_blocks: _Optional[int] = ..., store_quota_blocks: _Optional[int] = ...) -> None: ...
+
+class SetTenantPolicyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PinPrefixRequest(_message.Message):
+    __slots__ = ("pool_ids", "tenant", "token_ids", "shared", "cache_salt", "adapter_id")
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    tenant: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    shared: bool
+    cache_salt: str
+    adapter_id: str
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., shared: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ...) -> None: ...
+
+class PinnedPool(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "num_blocks_held")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    num_blocks_held: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_blocks_held: _Optional[int] = ...) -> None: ...
+
+class PinPrefixResponse(_message.Message):
+    __slots__ = ("pin_id", "pools")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    pools: _containers.RepeatedCompositeFieldContainer[PinnedPool]
+    def __init__(self, pin_id: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PinnedPool, _Mapping]]] = ...) -> None: ...
+
+class GetPinRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    def __init__(self, pin_id: _Optional[int] = ...) -> None: ...
+
+class UnpinPrefixRequest(_message.Message):
+    __slots__ = ("pin_id",)
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    def __init__(self, pin_id: _Optional[int] = ...) -> None: ...
+
+class UnpinPrefixResponse(_message.Message):
+    __slots__ = ("num_blocks_released",)
+    NUM_BLOCKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_released: int
+    def __init__(self, num_blocks_released: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool_id",)
@@ -382,20 +501,24 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefixQuery(_message.Message):
-    __slots__ = ("token_ids", "cache_salt", "adapter_id", "block_hashes", "hashes_block_size", "hashes_model_fingerprint")
+    __slots__ = ("token_ids", "cache_salt", "adapter_id", "block_hashes", "hashes_block_size", "hashes_model_fingerprint", "tenant", "num_shared_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HASHES_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASHES_MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     adapter_id: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     hashes_block_size: int
     hashes_model_fingerprint: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hashes_block_size: _Optional[int] = ..., hashes_model_fingerprint: _Optional[str] = ...) -> None: ...
+    tenant: str
+    num_shared_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., hashes_block_size: _Optional[int] = ..., hashes_model_fingerprint: _Optional[str] = ..., tenant: _Optional[str] = ..., num_shared_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupPrefixRequest(_message.Message):
     __slots__ = ("pool_ids", "queries")

@@ -90,6 +90,26 @@ class KVManagerStub:
                 request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.SerializeToString,
                 response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.FromString,
                 _registered_method=True)
+        self.SetTenantPolicy = channel.unary_unary(
+                '/kvserve.v1.KVManager/SetTenantPolicy',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyResponse.FromString,
+                _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/kvserve.v1.KVManager/PinPrefix',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.GetPin = channel.unary_unary(
+                '/kvserve.v1.KVManager/GetPin',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPinRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/kvserve.v1.KVManager/UnpinPrefix',
+                request_serializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVManagerServicer:
@@ -191,6 +211,44 @@ class KVManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTenantPolicy(self, request, context):
+        """Admin calls: each needs the admin credential (metadata "kvserve-admin-key"
+        equal to kvmanager's --admin-key) besides any service token:
+        PERMISSION_DENIED without it, FAILED_PRECONDITION when no admin key is set.
+
+        Sets a tenant's eviction weight and block quotas (0: none). A lowered
+        quota applies at once: the tenant's least recently used cached blocks stop
+        being findable until it is within it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinPrefix(self, request, context):
+        """Pins a prefix's full blocks for a tenant (or in the shared namespace): held
+        as soon as they are cached (now, or when a client computes the prefix),
+        never evicted while pinned, counted against the tenant's quota.
+        RESOURCE_EXHAUSTED over the quota; INVALID_ARGUMENT for a prefix larger
+        than a pool; FAILED_PRECONDITION when pins would hold over half a pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPin(self, request, context):
+        """How much of a pin is held now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Releases a pin: its blocks become evictable. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +306,26 @@ def add_KVManagerServicer_to_server(servicer, server):
                     servicer.LookupPrefix,
                     request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.FromString,
                     response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.SerializeToString,
+            ),
+            'SetTenantPolicy': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTenantPolicy,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'GetPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPin,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.GetPinRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -548,6 +626,114 @@ class KVManager:
             '/kvserve.v1.KVManager/LookupPrefix',
             kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixRequest.SerializeToString,
             kvserve_dot_v1_dot_kvmanager__pb2.LookupPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTenantPolicy(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManager/SetTenantPolicy',
+            kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.SetTenantPolicyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManager/PinPrefix',
+            kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManager/GetPin',
+            kvserve_dot_v1_dot_kvmanager__pb2.GetPinRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.v1.KVManager/UnpinPrefix',
+            kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixRequest.SerializeToString,
+            kvserve_dot_v1_dot_kvmanager__pb2.UnpinPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
