@@ -30,6 +30,8 @@ def check_invariants(pool: SequenceAllocator) -> None:
     for order in pool.save_orders + [o for pending in pool.pending_saves.values() for o in pending.values()]:
         saving[order.block.block_id] += 1
     holders.update(saving)
+    pinned = Counter(b.block_id for pin in pool.pins.pins.values() for b in pin.held.values())
+    holders.update(pinned)
     for seq in pool.sequences.values():
         ids = [b.block_id for b in seq.block_table]
         assert len(ids) == len(set(ids)), f"seq {seq.seq_id} holds a block twice"
@@ -45,7 +47,7 @@ def check_invariants(pool: SequenceAllocator) -> None:
             filled[block.block_id] = max(filled[block.block_id], n)
 
     for block in bp.blocks[1:]:
-        if block.ref_cnt and not saving[block.block_id]:
+        if block.ref_cnt and not saving[block.block_id] and not pinned[block.block_id]:
             assert block.num_tokens == filled[block.block_id], block
         assert block.ref_cnt >= 0
         assert block.ref_cnt == holders[block.block_id], (block, holders[block.block_id])
@@ -69,7 +71,10 @@ def check_invariants(pool: SequenceAllocator) -> None:
         assert not quota or ledger.num_cached <= quota, f"tenant {name} holds {ledger.num_cached} > quota {quota}"
         assert ledger.num_pinned == sum(b.num_pins for b in owned)
     assert all(b.owner is not None for b in hashed)
-    assert all(b.ref_cnt >= b.num_pins for b in bp.blocks)
+    assert all(b.num_pins == pinned[b.block_id] for b in bp.blocks)
+    for pin in pool.pins.pins.values():  # a pin holds blocks cached under its tenant, with its hashes
+        for block_hash, block in pin.held.items():
+            assert block.block_hash == block_hash and block.owner is pin.ledger
 
     for seq in pool.sequences.values():
         assert len(seq.block_hashes) <= seq.num_written // bs  # only written blocks are ever hashed
