@@ -18,6 +18,7 @@ from gateway.http_api import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.routing import ROUTING_POLICIES
 from gateway.scheduler import SchedulerConfig
+from gateway.tenants import TenantResolver, load_api_keys, parse_tenant_list
 from kvserve.auth import token_or_none
 from kvserve.config import EnvArgumentParser, add_server_flags, check_server_flags, config_from_args
 from kvserve.errors import StartupError
@@ -83,6 +84,19 @@ def build_parser() -> EnvArgumentParser:
                         help="require 'Authorization: Bearer <key>' on the OpenAI API (/v1/*; 401 otherwise) and "
                              "'authorization: Bearer <key>' gRPC metadata on kvserve.v1.Gateway (UNAUTHENTICATED); "
                              "/health, /metrics, gRPC health and reflection stay open")
+    parser.add_argument("--api-keys-file", default=None,
+                        help="JSON object {\"<key>\": \"<tenant>\", ...}: each key is accepted like --api-key and "
+                             "names the tenant of the requests it authenticates (its own cached KV, docs/gateway.md "
+                             "Tenants); the X-Kvserve-Tenant header is then ignored. --api-key beside it is the "
+                             "default tenant's key")
+    parser.add_argument("--tenants", default=None,
+                        help="comma-separated tenant names a request may pick with the 'X-Kvserve-Tenant' header "
+                             "(gRPC metadata 'x-kvserve-tenant') when no --api-keys-file names tenants; without the "
+                             "header a request is the default tenant's")
+    parser.add_argument("--admin-key", default=None, secret=True,
+                        help="enable the admin HTTP API (/admin/v1/*: tenant policies, pins) for 'Authorization: "
+                             "Bearer <key>'; sent to kvmanager as 'kvserve-admin-key' metadata (start kvmanager "
+                             "with the same --admin-key)")
     parser.add_argument("--service-token", default=None, secret=True,
                         help="sent as 'authorization: Bearer <token>' on every call to kvmanager and executor "
                              "(their --service-token)")
@@ -114,13 +128,21 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     batching = {"batching": args.batching, "kv_allocation": args.kv_allocation,
                 "enable_prefix_caching": args.enable_prefix_caching}
     grammars = GrammarCompiler.for_tokenizer(tokenizer)  # structured outputs, shared by both APIs
-    servicer = GatewayServicer(engine, tokenizer, batching, grammars)
-    api_key = token_or_none(args.api_key)
+    if args.api_keys_file:
+        api_key = load_api_keys(args.api_keys_file, args.api_key or None)
+        if args.tenants:
+            raise StartupError("--tenants: the keys of --api-keys-file name the tenants; give one or the other")
+        tenants = TenantResolver(api_key)
+    else:
+        api_key = token_or_none(args.api_key)
+        tenants = TenantResolver(None, parse_tenant_list(args.tenants))
+    servicer = GatewayServicer(engine, tokenizer, batching, grammars, tenants)
     tls = TlsFiles.from_args(args)
     grpc_server = GrpcServer("gateway", args.host, args.port, [Service(
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, servicer,
         gateway_pb2_grpc.add_GatewayServicer_to_server)], auth=api_key, auth_what="API key", tls=tls)
-    app = create_app(engine, tokenizer, api_key=api_key, grammars=grammars)
+    app = create_app(engine, tokenizer, api_key=api_key, grammars=grammars, tenants=tenants,
+                     admin_key=args.admin_key or None)
     ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl))
@@ -136,6 +158,8 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     log.info("gateway_started", grpc=grpc_server.address, http=f"{args.host}:{args.http_port}",
              model=metrics.model_name, batching=args.batching, kv_allocation=args.kv_allocation,
              prefix_caching=args.enable_prefix_caching, api_key=api_key is not None, tls=tls is not None,
+             tenants_by=("api key" if tenants.by_key else "header" if tenants.tenants else "none"),
+             admin_api=bool(args.admin_key),
              service_token=bool(args.service_token), dependencies_tls=bool(args.tls_ca_file))
     signal_task = asyncio.create_task(wait_for_shutdown_signal())
     done, _ = await asyncio.wait({signal_task, http_task}, return_when=asyncio.FIRST_COMPLETED)

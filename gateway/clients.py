@@ -44,6 +44,8 @@ STEP_SOCKET_OPEN_TIMEOUT_S = 3.0
 # costs 4-5 % of the prefill it replaces (python -m bench.multiturn_store, docs/benchmarks.md).
 STORE_TOKEN_WEIGHT = 0.95
 OK = kvmanager_pb2.ALLOCATION_STATUS_OK
+# Metadata of kvmanager's admin calls (its --admin-key).
+ADMIN_METADATA_KEY = "kvserve-admin-key"
 POLICIES = {"paged": kvmanager_pb2.ALLOCATION_POLICY_PAGED, "reserve": kvmanager_pb2.ALLOCATION_POLICY_RESERVE}
 log = get_logger("gateway.clients")
 
@@ -408,6 +410,11 @@ class KVManagerClient(_Client):
                 options = entry.seq.request.options
                 sequence.enable_prefix_caching = prefix_caching and options.enable_prefix_caching
                 sequence.cache_salt = options.cache_salt
+                sequence.tenant = options.tenant
+                sequence.num_shared_tokens = options.num_shared_tokens
+                sequence.cache_ttl_ms = options.cache_ttl_ms
+                if options.cache_priority_low:
+                    sequence.cache_priority = kvmanager_pb2.CACHE_PRIORITY_LOW
             sequences.append(sequence)
         request = kvmanager_pb2.AllocateRequest(
             pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences,
@@ -458,16 +465,46 @@ class KVManagerClient(_Client):
         return await self._call(self._stub.GetStats, kvmanager_pb2.GetStatsRequest(pool_id=pool_id), timeout)
 
     async def lookup_prefix(self, pool_ids: list[str], token_ids: list[int], cache_salt: str = "",
-                            timeout: float = 1.0) -> dict[str, int]:
+                            timeout: float = 1.0, tenant: str = "", num_shared_tokens: int = 0) -> dict[str, int]:
         """Tokens of ``token_ids`` whose KV each pool has published (the routing question), a
-        store hit after them counted at ``STORE_TOKEN_WEIGHT`` of a pool hit (it costs a load)."""
-        query = kvmanager_pb2.PrefixQuery(token_ids=token_ids, cache_salt=cache_salt)
+        store hit after them counted at ``STORE_TOKEN_WEIGHT`` of a pool hit (it costs a load).
+        Asked as ``tenant`` (with its shareable range): another tenant's blocks are never counted."""
+        query = kvmanager_pb2.PrefixQuery(token_ids=token_ids, cache_salt=cache_salt, tenant=tenant,
+                                          num_shared_tokens=num_shared_tokens)
         request = kvmanager_pb2.LookupPrefixRequest(pool_ids=pool_ids, queries=[query])
         reply = await self._call(self._stub.LookupPrefix, request, timeout)
         if not reply.matches:
             return {}
         return {hit.pool_id: hit.num_cached_tokens + int(hit.num_store_tokens * STORE_TOKEN_WEIGHT)
                 for hit in reply.matches[0].pools}
+
+    # --- admin calls (need kvmanager's --admin-key, sent as ADMIN_METADATA_KEY) ---------------
+
+    async def _admin(self, method, request, admin_key: str, timeout: float | None = None):
+        try:
+            return await method(request, timeout=timeout or self._timeout,
+                                metadata=((ADMIN_METADATA_KEY, admin_key),))
+        except grpc.aio.AioRpcError as exc:
+            raise DependencyError(self.service, self.address, exc) from exc
+
+    async def set_tenant_policy(self, admin_key: str, tenant: str, weight: float, quota_blocks: int,
+                                store_quota_blocks: int) -> None:
+        request = kvmanager_pb2.SetTenantPolicyRequest(tenant=tenant, weight=weight, quota_blocks=quota_blocks,
+                                                       store_quota_blocks=store_quota_blocks)
+        await self._admin(self._stub.SetTenantPolicy, request, admin_key)
+
+    async def pin_prefix(self, admin_key: str, pool_ids: list[str], tenant: str, token_ids: list[int],
+                         shared: bool) -> kvmanager_pb2.PinPrefixResponse:
+        request = kvmanager_pb2.PinPrefixRequest(pool_ids=pool_ids, tenant=tenant, token_ids=token_ids,
+                                                 shared=shared)
+        return await self._admin(self._stub.PinPrefix, request, admin_key)
+
+    async def get_pin(self, admin_key: str, pin_id: int) -> kvmanager_pb2.PinPrefixResponse:
+        return await self._admin(self._stub.GetPin, kvmanager_pb2.GetPinRequest(pin_id=pin_id), admin_key)
+
+    async def unpin_prefix(self, admin_key: str, pin_id: int) -> int:
+        reply = await self._admin(self._stub.UnpinPrefix, kvmanager_pb2.UnpinPrefixRequest(pin_id=pin_id), admin_key)
+        return reply.num_blocks_released
 
     async def reset_prefix_cache(self, pool_id: str) -> int:
         request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)

@@ -222,9 +222,12 @@ class Engine:
         return info.max_model_len if info else None
 
     async def submit(self, prompt_token_ids: list[int], options: SamplingOptions,
-                     request_id: str | None = None, timeout_s: float | None = None) -> RequestStream:
+                     request_id: str | None = None, timeout_s: float | None = None,
+                     pool_id: str | None = None) -> RequestStream:
         """Validates, routes and queues a request; raises InvalidArgument, ResourceExhausted or Unavailable.
-        It fails with DEADLINE_EXCEEDED after ``timeout_s`` or ``request_timeout_s``, whichever is shorter."""
+        It fails with DEADLINE_EXCEEDED after ``timeout_s`` or ``request_timeout_s``, whichever is shorter.
+        ``pool_id``: run it on that pool's executor (a pin's prefill, gateway.admin_api), not where the
+        router would send it; Unavailable when that executor cannot serve now."""
         if not self._accepting:
             raise Unavailable("gateway is shutting down")
         try:
@@ -250,7 +253,13 @@ class Engine:
             request.deadline = request.arrival_time + min(timeouts)
         create_sequences(request, lambda: self.tokenizer.detokenizer(prompt_token_ids, options.skip_special_tokens),
                          self._new_seq_id)
-        decision = await self._route(request)
+        if pool_id is not None:
+            backend = next((b for b in self._serving() if b.pool_id == pool_id), None)
+            if backend is None:
+                raise Unavailable(f"the executor of pool {pool_id} cannot serve now")
+            decision = RoutingDecision(backend, "pinned", 0, 0)
+        else:
+            decision = await self._route(request)
         stream = RequestStream(request)
         request.sink = stream.queue.put_nowait
         self._live[request_id] = stream
@@ -320,13 +329,16 @@ class Engine:
         published = None
         if self.router.policy == "kv" and salt is not None:
             try:
-                published = await self.kvmanager.lookup_prefix([b.pool_id for b in candidates], token_ids, salt)
+                published = await self.kvmanager.lookup_prefix(
+                    [b.pool_id for b in candidates], token_ids, salt, tenant=options.tenant,
+                    num_shared_tokens=min(options.num_shared_tokens, len(token_ids)))
             except DependencyError as exc:
                 log.info("lookup_prefix_failed", reason=str(exc))
             candidates = self._serving()  # it may have changed while kvmanager answered
             if not candidates:
                 return None
-        decision = self.router.choose(candidates, token_ids, salt or "", published)
+        decision = self.router.choose(candidates, token_ids, options.routing_salt if salt is not None else "",
+                                      published)
         request.expected_cached_tokens = decision.cached_tokens
         self.metrics.on_route(decision.candidate.address, decision.policy)
         return decision
@@ -488,6 +500,10 @@ class Engine:
 
     # --- introspection --------------------------------------------------------------
 
+    def pool_ids(self) -> list[str]:
+        """The kvmanager pools of the executors this gateway has described."""
+        return [b.pool_id for b in self.backends.values() if b.info is not None]
+
     async def dependency_health(self) -> dict[str, bool]:
         """Whether kvmanager answers and whether some executor does (readiness: can serve)."""
         backends = list(self.backends.values())
@@ -514,4 +530,5 @@ class Engine:
             num_allocated_slots=sum(s.num_allocated_slots for s in stats))
         total.usage = total.num_used_blocks / max(1, total.num_blocks - len(stats))
         self.metrics.on_pool_stats(total)
+        self.metrics.on_tenant_stats(stats)
         return total

@@ -7,11 +7,19 @@ from gateway.engine import Engine
 from gateway.params import build_options
 from gateway.sequence import FinishReason, RequestOutput
 from gateway.model_name import check_model_name
+from gateway.tenants import TENANT_HEADER, TenantResolver
 from kvserve.errors import InvalidArgument, Unavailable
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 
 # Longest prompt text accepted (the HTTP API's body limit is 4 MiB; gRPC messages may be 64 MiB).
 MAX_TEXT_CHARS = 4 * 1024 * 1024
+
+# GenerationParams.kv_cache_priority → the HTTP API's name.
+CACHE_PRIORITIES = {
+    gateway_pb2.KV_CACHE_PRIORITY_UNSPECIFIED: "normal",
+    gateway_pb2.KV_CACHE_PRIORITY_NORMAL: "normal",
+    gateway_pb2.KV_CACHE_PRIORITY_LOW: "low",
+}
 
 FINISH = {
     None: gateway_pb2.FINISH_REASON_UNSPECIFIED,
@@ -24,7 +32,8 @@ FINISH = {
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer, describe_batching: dict,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, tenants: TenantResolver | None = None):
+        self._tenants = tenants or TenantResolver()
         self._engine = engine
         self._tokenizer = tokenizer
         self._batching = describe_batching
@@ -47,6 +56,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             prompt_ids = list(ids)
         else:
             raise InvalidArgument("prompt: set text or token_ids")
+        tenant = self._tenant(context)
         p = request.params
         spec = _constraint_spec(p.constraint) if p.HasField("constraint") else None
         compiled = await self._grammars.compile(spec) if spec is not None else None
@@ -58,8 +68,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,
             default_temperature=0.0, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty or None, logit_bias=dict(p.logit_bias), min_p=p.min_p,
-            constraint=compiled,
+            constraint=compiled, tenant=tenant,
+            kv_shared_prefix_tokens=p.kv_shared_prefix_tokens,
+            kv_cache_ttl_s=p.kv_cache_ttl_s if p.HasField("kv_cache_ttl_s") else None,
+            kv_cache_priority=CACHE_PRIORITIES.get(p.kv_cache_priority, p.kv_cache_priority),
         )
+        engine.metrics.on_tenant_request(tenant)
         # The client's deadline: the request fails (and frees its blocks) when it passes.
         stream = await engine.submit(prompt_ids, options, request.request_id or None,
                                      timeout_s=context.time_remaining())
@@ -72,6 +86,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             if not finished:  # cancelled by the client
                 engine.abort(stream.request_id)
+
+    def _tenant(self, context) -> str:
+        """From the ``authorization`` (the key's tenant) and ``x-kvserve-tenant`` metadata."""
+        metadata = context.invocation_metadata() or ()
+        authorization = [v for k, v in metadata if k == "authorization"]
+        header = [v for k, v in metadata if k == TENANT_HEADER]
+        if len(header) > 1 and not self._tenants.by_key:
+            raise InvalidArgument(f"{TENANT_HEADER} metadata: give it once")
+        return self._tenants.resolve(authorization[0] if len(authorization) == 1 else None,
+                                     header[0] if header else None)
 
     async def Abort(self, request: gateway_pb2.AbortRequest, context):
         return gateway_pb2.AbortResponse(aborted=self._engine.abort(request.request_id))

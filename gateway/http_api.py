@@ -35,6 +35,7 @@ from gateway.openai_protocol import (
 from gateway.params import build_options
 from gateway.scheduler import RequestTooLarge
 from gateway.streams import MergedStream, RequestStream
+from gateway.tenants import TENANT_HEADER, TenantResolver
 from gateway.tool_calls import ToolCalling, render_tool_messages
 from kvserve.auth import BearerToken
 from kvserve.errors import InvalidArgument, KVServeError
@@ -130,7 +131,8 @@ class BodySizeLimit:
 
 class ApiKeyAuth:
     """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``; 401 with OpenAI's
-    error JSON otherwise. Other paths (``/health``, ``/metrics``) and CORS preflights pass."""
+    error JSON otherwise. Other paths (``/health``, ``/metrics``, ``/admin/*``, which has its
+    own key) and CORS preflights pass. ``api_key``: a ``BearerToken`` or ``gateway.tenants.ApiKeys``."""
 
     PROTECTED_PREFIX = "/v1"
 
@@ -154,6 +156,36 @@ class ApiKeyAuth:
                 response.headers["WWW-Authenticate"] = "Bearer"
                 await response(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class AdminAuth:
+    """ASGI middleware: ``/admin/*`` needs ``Authorization: Bearer <admin key>`` (401 otherwise,
+    before the body is read); without ``--admin-key`` it answers 404 saying the admin API is off."""
+
+    PREFIX = "/admin"
+
+    def __init__(self, app, admin_key: BearerToken | None):
+        self.app = app
+        self.admin_key = admin_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+            if path == self.PREFIX or path.startswith(self.PREFIX + "/"):
+                response = None
+                values = [value for name, value in scope["headers"] if name == b"authorization"]
+                if self.admin_key is None:
+                    response = error_response(404, "the admin API is off: start the gateway with --admin-key "
+                                                   "(KVSERVE_ADMIN_KEY)", "not_found_error")
+                elif len(values) != 1 or not self.admin_key.matches_header(values[0]):
+                    log.info("http_admin_unauthorized", path=scope.get("path"), header_present=bool(values))
+                    response = error_response(401, "invalid or missing admin key: send "
+                                                   "'Authorization: Bearer <admin key>'", "authentication_error")
+                    response.headers["WWW-Authenticate"] = "Bearer"
+                if response is not None:
+                    await response(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 
@@ -249,9 +281,11 @@ async def completions(body: CompletionBody, request: Request):
         prompts = [prompts]
     if len(prompts) > MAX_PROMPTS_PER_REQUEST:
         raise InvalidArgument(f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
+    tenant = _tenant(request)
     prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
                   else list(p) for p in prompts]
-    return await _generate("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec())
+    return await _generate("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec(),
+                           tenant=tenant)
 
 
 @router.post("/v1/chat/completions")
@@ -268,16 +302,47 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
             raise InvalidArgument("tool_choice: a required or named tool call cannot be combined with a "
                                   "structured-output constraint (response_format, guided_*)")
         constraint = call_grammar
+    tenant = _tenant(request)
     messages = render_tool_messages(message_dicts(body.messages), tools)
     prompt_ids = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, engine.max_model_len)
+    if body.kv_share_system_prompt:
+        if body.kv_shared_prefix_tokens is not None:
+            raise InvalidArgument("kv_share_system_prompt: give it or kv_shared_prefix_tokens, not both")
+        body.kv_shared_prefix_tokens = await system_prompt_tokens(tokenizer, messages, prompt_ids)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _generate("chat", body, [prompt_ids], logprobs, request, constraint, tools)
+    return await _generate("chat", body, [prompt_ids], logprobs, request, constraint, tools, tenant=tenant)
+
+
+def _tenant(request: Request) -> str:
+    """The request's tenant: its API key's, else its X-Kvserve-Tenant header's (400 if unknown)."""
+    resolver: TenantResolver = request.app.state.tenants
+    return resolver.resolve(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+
+
+async def system_prompt_tokens(tokenizer: ModelTokenizer, messages: list[dict], prompt_ids: list[int]) -> int:
+    """How many leading tokens of ``prompt_ids`` are the rendered leading system message(s):
+    the common prefix with the chat prompt of those messages alone, without a generation prompt
+    (0 when the conversation does not start with one)."""
+    leading = []
+    for message in messages:
+        if message.get("role") != "system":
+            break
+        leading.append(message)
+    if not leading:
+        return 0
+    system_ids = await tokenizer.chat_prompt_async(leading, False)
+    shared = 0
+    for a, b in zip(system_ids, prompt_ids):
+        if a != b:
+            break
+        shared += 1
+    return shared
 
 
 async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request,
-                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None):
+                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None, tenant: str = ""):
     engine = _engine(request)
     unsupported = body.unsupported()
     if unsupported:
@@ -289,8 +354,11 @@ async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | N
         min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
         skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled,
+        logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled, tenant=tenant,
+        kv_shared_prefix_tokens=body.kv_shared_prefix_tokens, kv_cache_ttl_s=body.kv_cache_ttl_s,
+        kv_cache_priority=body.kv_cache_priority,
     )
+    engine.metrics.on_tenant_request(tenant)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     request_id = f"{prefix}-{uuid.uuid4().hex}"
     if len(prompts) == 1:
@@ -370,17 +438,28 @@ async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatt
 
 
 def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES,
-               api_key: BearerToken | None = None, grammars: GrammarCompiler | None = None) -> FastAPI:
+               api_key=None, grammars: GrammarCompiler | None = None, tenants: TenantResolver | None = None,
+               admin_key: str | None = None) -> FastAPI:
     """The app: the routes reach ``engine``, ``tokenizer`` and ``grammars`` (structured outputs)
-    through ``request.app.state``. ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``)."""
+    through ``request.app.state``. ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``): a
+    ``BearerToken``, or ``gateway.tenants.ApiKeys`` whose keys name tenants. ``tenants``: how a
+    request's tenant is found (default: the keys', or the default tenant). ``admin_key``: enables
+    ``/admin/v1/*`` (``gateway.admin_api``)."""
+    from gateway.admin_api import admin_router  # it imports this module's error helpers
+
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.tokenizer = tokenizer
     app.state.grammars = grammars or GrammarCompiler.for_tokenizer(tokenizer)
+    app.state.tenants = tenants or TenantResolver(api_key if hasattr(api_key, "tenant_of_header") else None)
+    app.state.admin_key = admin_key or None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    if api_key is not None:  # added last = outermost: nobody unauthenticated gets a body buffered
+    # Added last = outermost: nobody unauthenticated gets a body buffered.
+    app.add_middleware(AdminAuth, admin_key=BearerToken(admin_key) if admin_key else None)
+    if api_key is not None:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)
+    app.include_router(admin_router)
     return app

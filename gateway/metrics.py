@@ -3,10 +3,24 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway.tenants import TenantLabels
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-PER_LABEL_METRICS = ("step_rpc", "step_time", "request_success", "dependency_up", "executor_up", "executor_steps",
+# kvmanager's TenantStats fields shown per tenant: (field, metric suffix, help). Cumulative
+# values of kvmanager are gauges here (they restart from 0 when kvmanager does).
+TENANT_STATS = (
+    ("num_cached_blocks", "cached_blocks", "Blocks findable under the tenant, pinned included"),
+    ("num_pinned_blocks", "pinned_blocks", "Blocks pinned for the tenant"),
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up, cumulative"),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached, cumulative"),
+    ("num_evictions_caused", "evictions_caused", "Cached blocks evicted to make room for the tenant, cumulative"),
+    ("num_evictions_suffered", "evictions_suffered", "Cached blocks of the tenant evicted, cumulative"),
+    ("num_quota_refusals", "quota_refusals", "Blocks not published: the tenant was at its quota, cumulative"),
+    ("num_store_blocks", "store_blocks", "Store entries under the tenant"),
+)
+PER_LABEL_METRICS = ("tenant_requests", "tenant_gauges", "step_rpc", "step_time", "request_success", "dependency_up", "executor_up", "executor_steps",
                      "executor_overlapped_steps", "executor_mispredicted_steps",
                      "executor_running", "executor_waiting", "routing_decisions", "requests_migrated")
 STEP_PHASES = ("step", "scheduler", "kvmanager_rpc", "executor_rpc", "executor_forward", "executor_total")
@@ -77,6 +91,14 @@ class GatewayMetrics:
                                          executor + ["policy"], registry=r)
         self.requests_migrated = Counter("kvserve:requests_migrated", "Requests taken off this executor (it "
                                          "failed) to be recomputed on one that can serve", executor, registry=r)
+        # Per tenant (label bounded by gateway.tenants.TenantLabels: at most 64 names, the rest "other").
+        self.tenant_requests = Counter("kvserve:tenant_requests", "Requests accepted, by tenant",
+                                       labels + ["tenant"], registry=r)
+        self.tenant_gauges = {
+            field: Gauge(f"kvserve:tenant_{name}", f"{what} (kvmanager GetStats, summed over this gateway's "
+                         f"pools; \"shared\" is the shared namespace)", labels + ["tenant"], registry=r)
+            for field, name, what in TENANT_STATS}
+        self._tenant_labels = TenantLabels()
         self.model_name = model_name
         self._peak = 0
         self._m = {name: metric.labels(model_name) for name, metric in self.__dict__.items()
@@ -144,6 +166,23 @@ class GatewayMetrics:
         self._m["stored_tokens"].set(stats.num_stored_tokens)
         self._m["allocated_slots"].set(stats.num_allocated_slots)
         self._m["used_blocks"].set(stats.num_used_blocks)
+
+    def on_tenant_request(self, tenant: str) -> None:
+        self.tenant_requests.labels(self.model_name, self._tenant_labels(tenant)).inc()
+
+    def on_tenant_stats(self, pools: list) -> None:
+        """Every pool's ``PoolStats.tenants``, summed per tenant label (tenants past the first 64
+        seen are summed under "other")."""
+        totals: dict[str, dict[str, float]] = {}
+        for pool in pools:
+            for tenant in pool.tenants:
+                row = totals.setdefault(self._tenant_labels(tenant.tenant), dict.fromkeys(self.tenant_gauges, 0))
+                for field in self.tenant_gauges:
+                    row[field] += getattr(tenant, field)
+        for field, gauge in self.tenant_gauges.items():
+            gauge.clear()
+            for label, row in totals.items():
+                gauge.labels(self.model_name, label).set(row[field])
 
     def on_dependency(self, service: str, up: bool) -> None:
         self.dependency_up.labels(self.model_name, service).set(1 if up else 0)

@@ -96,6 +96,11 @@ class _GenerationBody(BaseModel):
     min_tokens: Int | None = 0
     user: Text | None = None
     cache_salt: Text | None = None
+    # Cache terms (docs/gateway.md, Tenants): the leading prompt tokens every tenant may share,
+    # the TTL of the blocks this request publishes, and "low" to have them evicted first.
+    kv_shared_prefix_tokens: Int | None = None
+    kv_cache_ttl_s: Float | None = None
+    kv_cache_priority: Text | None = None
     skip_special_tokens: bool = True
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
@@ -300,6 +305,8 @@ class ChatCompletionBody(_GenerationBody):
     tools: list[dict] | None = None
     tool_choice: Text | dict | None = None
     parallel_tool_calls: bool | None = None
+    # Share the rendered leading system message(s) with every tenant (kv_shared_prefix_tokens of them).
+    kv_share_system_prompt: bool = False
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

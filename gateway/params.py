@@ -40,6 +40,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0  # presence and frequency, as in the OpenAI API
 MAX_REPETITION_PENALTY = 100.0
+# kv_cache_ttl_s: kvmanager takes at most a week (SequenceAllocation.cache_ttl_ms).
+MAX_CACHE_TTL_S = 7 * 24 * 3600
+CACHE_PRIORITIES = ("normal", "low")
 
 
 def _finite(name: str, value) -> float:
@@ -77,12 +80,16 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
                   skip_special_tokens: bool = True, default_temperature: float = 1.0,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
                   repetition_penalty: float | None = None, logit_bias: Mapping | None = None,
-                  min_p: float | None = None, constraint=None) -> SamplingOptions:
+                  min_p: float | None = None, constraint=None, tenant: str = "",
+                  kv_shared_prefix_tokens: int | None = None, kv_cache_ttl_s: float | None = None,
+                  kv_cache_priority: str | None = None) -> SamplingOptions:
     """Checks every value and returns the options; InvalidArgument names the bad field.
 
     ``top_p`` None means 1 (off); the gRPC front end passes None for its proto default 0.
     ``logit_bias``: token id (an int or its decimal string, as OpenAI's JSON keys) → bias.
     ``constraint``: a compiled structured-output constraint (gateway.constraints).
+    ``tenant``: already resolved and checked (gateway.tenants); the ``kv_*`` cache terms are
+    checked here (``kv_shared_prefix_tokens`` against the prompt in ``validate_request``).
     """
     if max_tokens is not None:
         max_tokens = _integer("max_tokens", max_tokens)
@@ -138,7 +145,9 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
     min_p = 0.0 if min_p is None else _finite("min_p", min_p)
     if not 0 <= min_p <= 1:
         raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
+    shared, ttl_ms, low = cache_terms(kv_shared_prefix_tokens, kv_cache_ttl_s, kv_cache_priority)
     return SamplingOptions(
+        tenant=tenant or "", num_shared_tokens=shared, cache_ttl_ms=ttl_ms, cache_priority_low=low,
         presence_penalty=penalties[0], frequency_penalty=penalties[1], repetition_penalty=penalties[2],
         logit_bias=_logit_bias(logit_bias), min_p=min_p, constraint=constraint,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
@@ -146,6 +155,29 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
         enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         skip_special_tokens=skip_special_tokens,
     )
+
+
+def cache_terms(shared_tokens, ttl_s, priority) -> tuple[int, int, bool]:
+    """``kv_shared_prefix_tokens``, ``kv_cache_ttl_s``, ``kv_cache_priority`` → (tokens, ms, low)."""
+    shared = 0
+    if shared_tokens is not None:
+        shared = _integer("kv_shared_prefix_tokens", shared_tokens)
+        if shared < 0:
+            raise InvalidArgument(f"kv_shared_prefix_tokens must be >= 0, got {shared}")
+    ttl_ms = 0
+    if ttl_s is not None:
+        ttl = _finite("kv_cache_ttl_s", _integer_or_number(ttl_s, "kv_cache_ttl_s"))
+        if not 0 < ttl <= MAX_CACHE_TTL_S:
+            raise InvalidArgument(f"kv_cache_ttl_s must be > 0 and <= {MAX_CACHE_TTL_S} (a week), got {ttl:g}; "
+                                  f"leave it out for no TTL")
+        ttl_ms = max(1, round(ttl * 1000))
+    if priority is None or priority == "":
+        priority = "normal"
+    if priority not in CACHE_PRIORITIES:
+        shown = priority[:40] if isinstance(priority, str) else priority
+        raise InvalidArgument(f"kv_cache_priority must be one of {', '.join(map(repr, CACHE_PRIORITIES))}, "
+                              f"got {shown!r}")
+    return shared, ttl_ms, priority == "low"
 
 
 def _penalties(presence, frequency, repetition) -> tuple[float, float, float]:
@@ -213,6 +245,9 @@ def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_n
     if options.min_tokens > options.max_tokens:
         raise InvalidArgument(f"min_tokens ({options.min_tokens}) exceeds max_tokens ({options.max_tokens}; "
                               f"at most max_model_len - prompt length)")
+    if options.num_shared_tokens > length:
+        raise InvalidArgument(f"kv_shared_prefix_tokens ({options.num_shared_tokens}) exceeds the prompt's "
+                              f"{length} tokens")
     if options.n > max_num_seqs:
         raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {max_num_seqs}")
     usable = (info.num_blocks - 1) * info.block_size

@@ -294,7 +294,9 @@ class Scheduler:
         options = seq.request.options
         if not bs or seq.holds_blocks or not options.enable_prefix_caching or seq.num_sendable() <= bs:
             return None
-        return (options.cache_salt, tuple(seq.token_ids[:bs]))
+        # The first block is the shared namespace's when the shareable range covers it.
+        owner = "" if options.num_shared_tokens >= bs else options.tenant
+        return (options.cache_salt, owner, options.num_shared_tokens >= bs, tuple(seq.token_ids[:bs]))
 
     def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
         """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's

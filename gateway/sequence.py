@@ -43,6 +43,13 @@ class SamplingOptions:
     logprobs: int | None = None
     enable_prefix_caching: bool = True
     cache_salt: str = ""
+    # Cache terms, read by kvmanager when a sequence is created (SequenceAllocation): the tenant
+    # ("" default), the leading prompt tokens hashed in the shared namespace, the TTL of the
+    # blocks it publishes (0 none) and whether they are evicted first.
+    tenant: str = ""
+    num_shared_tokens: int = 0
+    cache_ttl_ms: int = 0
+    cache_priority_low: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -51,6 +58,11 @@ class SamplingOptions:
     min_p: float = 0.0
     # A compiled structured-output constraint (gateway.constraints.CompiledGrammar) or None.
     constraint: object | None = None
+
+    @property
+    def routing_salt(self) -> str:
+        """The gateway-local key of what a prompt may hit (salt and tenant): never another tenant's."""
+        return f"{self.cache_salt}\x00{self.tenant}" if self.tenant else self.cache_salt
 
     @property
     def has_penalties(self) -> bool:
