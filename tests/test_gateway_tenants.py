@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import start_stack, wait_for
+from conftest import free_port, start_stack, wait_for
 from gateway.detokenizer import ModelTokenizer
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
@@ -281,3 +281,28 @@ def test_grpc_tenant_metadata(headed):
     with pytest.raises(grpc.RpcError) as info:
         generate("green")
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-kvserve-tenant" in info.value.details()
+
+
+def test_pin_is_computed_on_every_executor(start_service, tiny_model_dir):
+    kvmanager = start_service("kvmanager", "--admin-key", ADMIN_KEY)
+    executors = [start_service("executor", "--model", str(tiny_model_dir), "--num-blocks", str(NUM_BLOCKS),
+                               timeout=300) for _ in range(2)]
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", ",".join(e.address for e in executors), "--model", str(tiny_model_dir),
+                  "--tenants", "alpha", "--admin-key", ADMIN_KEY)
+    url = f"http://127.0.0.1:{http_port}"
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, timeout=60)
+    prefix = tokens(3 * BLOCK + 5)
+    reply = httpx.post(url + "/admin/v1/pins", json={"tenant": "alpha", "token_ids": prefix}, headers=ADMIN,
+                       timeout=120)
+    assert reply.status_code == 200, reply.text
+    pools = reply.json()["pools"]
+    assert len(pools) == 2 and all(p["num_blocks"] == 3 == p["num_blocks_held"] for p in pools), pools
+    body = {"prompt": prefix + tokens(5), "max_tokens": 1}
+    miss = httpx.post(url + "/v1/completions", json=body, timeout=60)  # the default tenant: not its pin
+    assert miss.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, miss.text
+    for _ in range(4):  # wherever the router sends it, alpha hits the pin
+        body = {"prompt": prefix + tokens(5), "max_tokens": 1}
+        hit = httpx.post(url + "/v1/completions", json=body, headers={"X-Kvserve-Tenant": "alpha"}, timeout=60)
+        assert hit.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK, hit.text
