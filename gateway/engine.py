@@ -329,9 +329,12 @@ class Engine:
         published = None
         if self.router.policy == "kv" and salt is not None:
             try:
-                published = await self.kvmanager.lookup_prefix(
-                    [b.pool_id for b in candidates], token_ids, salt, tenant=options.tenant,
-                    num_shared_tokens=min(options.num_shared_tokens, len(token_ids)))
+                # The tenant's view (only asked when there is one: the default tenant's query is the same without).
+                tenancy = {"tenant": options.tenant, "num_shared_tokens": min(options.num_shared_tokens,
+                                                                              len(token_ids))} \
+                    if options.tenant or options.num_shared_tokens else {}
+                published = await self.kvmanager.lookup_prefix([b.pool_id for b in candidates], token_ids, salt,
+                                                               **tenancy)
             except DependencyError as exc:
                 log.info("lookup_prefix_failed", reason=str(exc))
             candidates = self._serving()  # it may have changed while kvmanager answered
