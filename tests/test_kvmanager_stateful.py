@@ -1,6 +1,8 @@
 """Hypothesis stateful test: random allocate / append / fork / free / expire /
 execute / reject / reset / executor restart on small pools, with the invariants
-and a shadow executor checked after every step.
+and a shadow executor checked after every step. Sequences belong to tenants (one
+with a quota, one with twice the weight), may mark their system prompt shareable,
+carry cache TTLs and a low priority; pins come and go and time passes.
 
 The shadow executor replays every result on a fake KV cache (token id per slot)
 only when the step is executed, and the written-KV reports reach the manager only
@@ -18,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
-from kvserve.errors import InvalidArgument
+from kvserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from tests.kvmanager_support import ShadowExecutor, check_invariants
 
 # Prompts are a shared system prompt (or none) plus a tail over a 3-letter
@@ -27,6 +29,7 @@ SYSTEM_PROMPTS = [[], [7] * 8, list(range(10, 22)), list(range(10, 18)) + [5, 5]
 tokens = st.builds(lambda head, tail: head + tail, st.sampled_from(SYSTEM_PROMPTS),
                    st.lists(st.integers(0, 2), max_size=12))
 lookaheads = st.sampled_from([0, 0, 1, 6])  # slots held past a step's tokens, when there is room
+TENANTS = ["", "a", "b"]  # the default tenant; "a" has a quota; "b" twice the weight
 
 
 class FakeClock:
@@ -45,12 +48,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         reserve=st.booleans(),
         max_model_len=st.integers(4, 40),
         paged_limit=st.booleans(),
+        quota=st.sampled_from([0, 1, 3]),
     )
-    def setup(self, block_size, num_blocks, prefix_caching, reserve, max_model_len, paged_limit):
+    def setup(self, block_size, num_blocks, prefix_caching, reserve, max_model_len, paged_limit, quota):
         if not reserve and not paged_limit:
             max_model_len = 0  # no limit
         self.clock = FakeClock()
         self.manager = KVManager(default_session_ttl_ms=1000, clock=self.clock)
+        self.manager.governance.set_policy("a", 1.0, quota, 0)
+        self.manager.governance.set_policy("b", 2.0, 0, 0)
+        self.pins: dict[int, dict] = {}  # pin id -> {pool: block ids it held at the last check}
         policy = AllocationPolicy.RESERVE if reserve else AllocationPolicy.PAGED
         self.manager.register_pool(PoolConfig("p", num_blocks, block_size, "fp", prefix_caching,
                                               policy, max_model_len))
@@ -106,6 +113,12 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert [r.seq_id for r in results] == [r.seq_id for r in requests]
         for request, result in zip(requests, results):
             seq = self.pool.sequences.get(request.seq_id)
+            if result.ok and result.num_cached_tokens:  # a hit is the tenant's own, or in its shared range
+                for i, block in enumerate(seq.block_table[:result.num_cached_tokens // self.pool.block_size]):
+                    expected = seq.shared_owner if i < seq.extras.num_shared_blocks else seq.owner
+                    assert block.owner is expected, f"block {i} of tenant {block.owner.name} hit by {seq.owner.name}"
+                    if i < seq.extras.num_shared_blocks:
+                        event("hit in the shared range")
             if result.ok:
                 event("ok") if not result.num_cached_tokens else event("prefix hit")
                 if result.copy_src:
@@ -153,18 +166,56 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.shadow.restart()
         self.instance += 1
         self.manager.register_pool(self.pool.config, f"instance-{self.instance}")
+        self._pins_released()
         doomed = self._owned(1)
         self.reports[1].clear()
         self.manager.free("p", self.sessions[1], doomed)
         self._forget(doomed)
 
     @rule(who=st.integers(0, 1), prompt=tokens, chunk=st.integers(0, 30), salt=st.sampled_from(["", "", "s"]),
-          caching=st.booleans(), run=st.booleans(), lookahead=lookaheads)
-    def admit(self, who, prompt, chunk, salt, caching, run, lookahead):
-        """A new sequence; with ``run``, its step is executed at once (as the gateway does)."""
-        self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt, num_lookahead_slots=lookahead)])
+          caching=st.booleans(), run=st.booleans(), lookahead=lookaheads, tenant=st.sampled_from(TENANTS),
+          share=st.booleans(), ttl_ms=st.sampled_from([0, 0, 300]), priority=st.sampled_from([0, 0, 1]))
+    def admit(self, who, prompt, chunk, salt, caching, run, lookahead, tenant, share, ttl_ms, priority):
+        """A new sequence; with ``run``, its step is executed at once (as the gateway does).
+        With ``share`` its system prompt (the head of ``prompt``) is marked shareable."""
+        shared = next((len(p) for p in SYSTEM_PROMPTS[1:] if prompt[:len(p)] == p), 0) if share else 0
+        self._allocate(who, [], [Req(self._new_id(), prompt, chunk, caching, salt, num_lookahead_slots=lookahead,
+                                     tenant=tenant, num_shared_tokens=shared, cache_ttl_ms=ttl_ms,
+                                     cache_priority=priority)])
         if run:
             self.execute()
+
+    @rule(tenant=st.sampled_from(TENANTS), system=st.sampled_from(SYSTEM_PROMPTS[1:]), shared=st.booleans())
+    def pin(self, tenant, system, shared):
+        try:
+            pin_id, _ = self.manager.governance.pin([], tenant, system, shared)
+        except (ResourceExhausted, FailedPrecondition, InvalidArgument) as exc:
+            event(f"pin refused: {type(exc).__name__}")
+            return
+        self.pins[pin_id] = set()
+        # As the gateway's pin endpoint: compute the prefix once, as that tenant (or shared).
+        self._allocate(1, [], [Req(self._new_id(), system + [0], len(system) + 1, True, tenant=tenant,
+                                   num_shared_tokens=len(system) if shared else 0)])
+        self.execute()
+        self.flush_reports(1)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
+        self.manager.governance.unpin(pin_id)
+        del self.pins[pin_id]
+
+    @rule()
+    def time_passes(self):
+        """Cache TTLs run out (the sessions' leases are renewed first)."""
+        for session_id in self.sessions:
+            self.manager.renew_session(session_id)
+        self.clock.now += 0.2
+
+    def _pins_released(self) -> None:
+        for pin_id in self.pins:
+            self.pins[pin_id] = set()
 
     @precondition(lambda self: self.pool.sequences)
     @rule(who=st.integers(0, 1), data=st.data(), run=st.booleans())
@@ -235,6 +286,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         self.manager.reset_prefix_cache("p")
+        self._pins_released()
         assert not self.pool.block_pool.cached_blocks
 
     @invariant()
@@ -243,12 +295,23 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         check_invariants(self.pool)
         self.shadow.check(self.pool)
+        for pin_id, held_before in self.pins.items():  # a pinned block stays held (and cached)
+            held = {block.block_id for block in self.pool.pins.pins[pin_id].held.values()}
+            assert held_before <= held, f"pin {pin_id} lost blocks {held_before - held}"
+            if held:
+                event("a pin holds blocks")
+            self.pins[pin_id] = held
+        ledger = self.pool.block_pool.tenants.get("a")
+        if ledger is not None and ledger.policy.quota_blocks and ledger.num_cached == ledger.policy.quota_blocks:
+            event("tenant a at its quota")
 
     def teardown(self):
         if not hasattr(self, "pool"):
             return
         for session_id in self.sessions:
             self.manager.close_session(session_id)
+        for pin_id in self.pins:
+            self.manager.governance.unpin(pin_id)
         check_invariants(self.pool)
         stats = self.manager.stats("p")
         assert stats.num_used_blocks == 0 and stats.num_sequences == 0 and stats.num_stored_tokens == 0
