@@ -386,17 +386,22 @@ def main(argv: list[str] | None = None) -> int:
             openvino = None
             print(f"OpenVINO GenAI skipped: {exc}")
     workload, refused = keep_accepted(workload, refusals)
+    load_before = os.getloadavg()[0]
     rounds, kvserve_facts = run_kvserve(model, workload, args)
-    systems, facts = {"kvserve": rounds}, {"kvserve": kvserve_facts}
+    systems, facts = {"kvserve": rounds}, {"kvserve": {**kvserve_facts, "loadavg_1m": [load_before,
+                                                                                      os.getloadavg()[0]]}}
     if "llama-server" in peers:
+        load_before = os.getloadavg()[0]
         with LlamaServer(args) as url:
             systems["llama-server"] = measure(url, workload, args)
         facts["llama-server"] = {"weights": "Q4_1 GGUF", "threads": args.peer_threads,
-                                 "kv": f"{512 * args.concurrency} tokens, unified", "transport": "HTTP"}
+                                 "kv": f"{512 * args.concurrency} tokens, unified", "transport": "HTTP",
+                                 "loadavg_1m": [load_before, os.getloadavg()[0]]}
     if openvino is not None:
         requests = openvino_requests(tokenizer, workload)
         for threads in args.openvino_threads:
             name = openvino_system(args.openvino_weights, threads)
+            load_before = os.getloadavg()[0]
             try:
                 payload = openvino.measure(requests, threads)
             except PeerUnavailable as exc:
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} failed: {exc}")
                 continue
             systems[name] = openvino_rounds(payload, tokenizer, workload)
-            facts[name] = openvino.facts(payload, threads)
+            facts[name] = {**openvino.facts(payload, threads), "loadavg_1m": [load_before, os.getloadavg()[0]]}
     mask_us = mask_cost_us(model, workload, systems["kvserve"][-1]["json_schema"]["results"])
     summary = {"command": "python -m bench.structured_outputs " + " ".join(sys.argv[1:] if argv is None else argv),
                "args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu, "lscpu": lscpu_text(),
@@ -417,10 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         by = {name: [system for system, names in refusals.items() if name in names] for name in refused}
         print("schemas a peer refuses, left out for every system: "
               + ", ".join(f"{name} ({', '.join(systems_)})" for name, systems_ in by.items()))
-    print("| system | weights | threads | KV | transport |")
-    print("|---|---|---:|---|---|")
+    print("| system | weights | threads | KV | transport | load avg before, after |")
+    print("|---|---|---:|---|---|---|")
     for system, fact in facts.items():
-        print(f"| {system} | {fact['weights']} | {fact['threads']} | {fact['kv']} | {fact['transport']} |")
+        print(f"| {system} | {fact['weights']} | {fact['threads']} | {fact['kv']} | {fact['transport']} | "
+              f"{', '.join(f'{x:.1f}' for x in fact['loadavg_1m'])} |")
     print()
     print("| system | round | row | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | valid |")
     print("|---|---|---|---:|---:|---:|---:|")
