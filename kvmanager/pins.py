@@ -29,6 +29,7 @@ class PoolPins:
         self.block_pool = block_pool
         self.pins: dict[int, Pin] = {}
         self._waiting: dict[bytes, set[int]] = {}  # hash not held yet -> pins waiting for it
+        self.generation = 0  # + 1 whenever every pin lets go (invalidation)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -74,6 +75,7 @@ class PoolPins:
 
     def on_invalidated(self) -> None:
         """The pool's KV may be gone: every pin lets go and waits for its prefix again."""
+        self.generation += 1
         for pin in self.pins.values():
             self._release(pin)
             for block_hash in pin.hashes:

@@ -12,7 +12,10 @@ on KV nobody wrote shows as a failed read or as output that differs from the
 reference computed from the prompt alone. Hypothesis drives submits, aborts,
 steps, refused requests, executor restarts, executors becoming unreachable (their
 requests move to the other executor, or wait for this one), another session holding
-blocks and prefix-cache resets on tiny pools.
+blocks and prefix-cache resets on tiny pools. Requests belong to tenants (one with a
+quota, one with twice the weight) that may mark their system prompt shareable, with
+cache TTLs and a low priority, while pins come and go: a hit is always the request's
+own tenant's block or in its shared range, a pinned block stays cached.
 
 With the store tier on (a shadow store both executors share, of a few blocks' capacity),
 loads copy the saved slots back and saves copy them out, so a load of an entry that holds
@@ -49,6 +52,7 @@ POOL_ID = "shadow-pool"
 FIRST_TOKEN = 300  # ids the fake samples from: plain text tokens of the real tokenizer
 NUM_SAMPLED = 13
 PREFIXES = [[], [400] * 8, list(range(410, 422)), list(range(410, 418)) + [450, 451]]
+TENANTS = ["", "", "acme", "globex"]  # the default tenant twice as often; acme has a quota, globex twice the weight
 prompts = st.builds(lambda head, tail: head + tail, st.sampled_from(PREFIXES),
                     st.lists(st.integers(500, 502), min_size=1, max_size=10))
 
@@ -74,7 +78,8 @@ def rpc_error(exc: KVServeError) -> DependencyError:
 class InProcessKVManager:
     """``gateway.clients.KVManagerClient``'s interface over the real ``KVManager`` domain."""
 
-    def __init__(self, manager: KVManager):
+    def __init__(self, manager: KVManager, seen: Counter):
+        self.seen = seen
         self.manager = manager
 
     async def _call(self, fn, *args):
@@ -116,16 +121,34 @@ class InProcessKVManager:
     async def allocate(self, pool_id, session_id, free_seq_ids, plan, prefix_caching, written=((), ()), store=None):
         requests = [AllocationRequest(e.seq_id, list(e.new_token_ids), e.num_new_tokens,
                                       prefix_caching and e.seq.request.options.enable_prefix_caching,
-                                      e.seq.request.options.cache_salt, num_lookahead_slots=e.num_lookahead_slots)
+                                      e.seq.request.options.cache_salt, num_lookahead_slots=e.num_lookahead_slots,
+                                      tenant=e.seq.request.options.tenant,
+                                      num_shared_tokens=e.seq.request.options.num_shared_tokens,
+                                      cache_ttl_ms=e.seq.request.options.cache_ttl_ms,
+                                      cache_priority=int(e.seq.request.options.cache_priority_low))
                     for e in plan]
         results, usage = await self._with_store(self.manager.allocate, pool_id, session_id, store,
                                                 list(free_seq_ids), requests, *written)
+        self._check_hits_are_the_tenants_own(self.manager.pools[pool_id], results)
         return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
                                  list(r.block_table), list(r.copy_src), list(r.copy_dst), r.num_store_tokens,
                                  list(r.store_load_block_ids), list(r.store_load_hashes)) for r in results], usage
 
-    async def lookup_prefix(self, pool_ids, token_ids, cache_salt="", timeout=1.0):
-        query = SimpleNamespace(token_ids=list(token_ids), cache_salt=cache_salt, adapter_id="")
+    def _check_hits_are_the_tenants_own(self, pool, results) -> None:
+        for result in results:
+            if not (result.ok and result.num_cached_tokens):
+                continue
+            seq = pool.sequences[result.seq_id]
+            for i, block in enumerate(seq.block_table[:result.num_cached_tokens // pool.block_size]):
+                shared = i < seq.extras.num_shared_blocks
+                assert block.owner is (seq.shared_owner if shared else seq.owner), \
+                    f"a block of {block.owner.name} hit by {seq.owner.name}"
+                if shared:
+                    self.seen.update(["a hit in the shared range"])
+
+    async def lookup_prefix(self, pool_ids, token_ids, cache_salt="", timeout=1.0, tenant="", num_shared_tokens=0):
+        query = SimpleNamespace(token_ids=list(token_ids), cache_salt=cache_salt, adapter_id="", tenant=tenant,
+                                num_shared_tokens=num_shared_tokens)
         (matches,) = await self._call(self.manager.lookup_prefix, pool_ids, [query])
         return dict(matches)
 
@@ -251,6 +274,9 @@ class GatewayKVMachine(RuleBasedStateMachine):
                   save_policy="all"):
         self.loop = asyncio.new_event_loop()
         self.manager = KVManager(default_session_ttl_ms=10**7, store_save_policy=save_policy)
+        self.manager.governance.set_policy("acme", 1.0, 3, 2)
+        self.manager.governance.set_policy("globex", 2.0, 0, 0)
+        self.pins: dict[int, dict[str, set[int]]] = {}  # pin id -> pool id -> block ids held at the last check
         fingerprint = tokenizer_fingerprint(self.tokenizer.model_dir)
         refused: set[str] = set()
         self.store = {} if store_capacity else None  # the store tier, shared by the executors
@@ -274,7 +300,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
     async def _make_engine(self, config):
         engine = Engine(config, self.tokenizer, GatewayMetrics("shadow"))
         await engine.kvmanager.close()
-        engine.kvmanager = InProcessKVManager(self.manager)
+        engine.kvmanager = InProcessKVManager(self.manager, self.seen)
         for address, backend in engine.backends.items():
             await backend.executor.close()
             backend.kvmanager, backend.executor = engine.kvmanager, self.executors[address]
@@ -290,8 +316,11 @@ class GatewayKVMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 6), n=st.sampled_from([1, 1, 2]),
           salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
-    def submit(self, prompt, max_tokens, n, salt, seed):
-        options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True)
+    def submit(self, prompt, max_tokens, n, salt, seed, tenant="", share=False, ttl_ms=0, low_priority=False):
+        shared = next((len(p) for p in PREFIXES[1:] if prompt[:len(p)] == p), 0) if share else 0
+        options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True,
+                                  tenant=tenant, num_shared_tokens=shared, cache_ttl_ms=ttl_ms,
+                                  cache_priority_low=low_priority)
         request_id = f"r{next(self.ids)}"
         try:
             stream = self.run(self.engine.submit(prompt, options, request_id))
@@ -481,6 +510,59 @@ class GatewayKVStoreMachine(GatewayKVMachine):
                        save_policy)
 
 
+class GatewayKVTenantMachine(GatewayKVMachine):
+    """The same machine with requests of several tenants (one with a quota, one with twice the
+    weight) that may mark their system prompt shareable, cache TTLs and a low priority, and pins
+    coming and going: every hit is the request's own tenant's block or in its shared range (checked
+    at each Allocate), a pinned block stays held, and every output is still the reference."""
+
+    seen: Counter = Counter()
+
+    @rule(prompt=prompts, max_tokens=st.integers(1, 6), tenant=st.sampled_from(TENANTS),
+          share=st.sampled_from([True, True, False]),
+          ttl_ms=st.sampled_from([0] * 7 + [1]), low_priority=st.sampled_from([False, False, True]))
+    def submit_as_tenant(self, prompt, max_tokens, tenant, share, ttl_ms, low_priority):
+        self.submit(prompt, max_tokens, 1, "", None, tenant, share, ttl_ms, low_priority)
+
+    @rule(tenant=st.sampled_from(TENANTS), prefix=st.sampled_from(PREFIXES[1:]), shared=st.booleans(),
+          now=st.integers(0, 3))
+    def pin(self, tenant, prefix, shared, now):
+        """An admin pins a system prompt in every pool (a rare event: one draw in four); requests of
+        that tenant compute it."""
+        if now:
+            return
+        try:
+            pin_id, _ = self.manager.governance.pin([], tenant, prefix, shared)
+        except KVServeError as exc:  # over a quota, over half a pool, no full block: refused whole
+            self.seen.update([f"pin refused: {type(exc).__name__}"])
+            return
+        self.pins[pin_id] = {}
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
+        self.manager.governance.unpin(pin_id)
+        del self.pins[pin_id]
+
+    @invariant()
+    def pinned_blocks_stay_held(self):
+        if not hasattr(self, "manager"):
+            return
+        for pin_id, held_before in self.pins.items():
+            for pool_id, pool in self.manager.pools.items():
+                pin = pool.pins.pins.get(pin_id)
+                if pin is None:
+                    continue
+                held = {block.block_id for block in pin.held.values()}
+                if pool.pins.generation == held_before.get(pool_id, (None, set()))[0]:
+                    before = held_before[pool_id][1]
+                    assert before <= held, f"pin {pin_id} lost blocks {before - held} in {pool_id}"
+                if held:
+                    self.seen.update(["a pin holds blocks"])
+                held_before[pool_id] = (pool.pins.generation, held)
+
+
 def run_machine(machine: type[GatewayKVMachine], model_dir, minimum_seen: dict[str, int]) -> None:
     """150 derandomized runs of ``machine``; then what they exercised, which must reach
     ``minimum_seen``: the checks only mean something if the runs went where the bugs live."""
@@ -510,6 +592,13 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
         "finished with the reference output": 200, "finished after a prefix hit": 20,
         "finished across an executor failure": 10, "finished across a failure with two executors": 10,
         "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20})
+
+
+@pytest.mark.timeout(600)
+def test_tenants_only_ever_hit_their_own_kv_or_the_shared_range(default_model_dir):
+    run_machine(GatewayKVTenantMachine, default_model_dir, {
+        "finished with the reference output": 200, "finished after a prefix hit": 10,
+        "a hit in the shared range": 3, "a pin holds blocks": 10, "finished across an executor failure": 10})
 
 
 def test_decode_steps_overlap_and_a_kvmanager_answer_other_than_predicted_is_recomputed(default_model_dir):
