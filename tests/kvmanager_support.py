@@ -88,6 +88,16 @@ def check_invariants(pool: SequenceAllocator) -> None:
             parent = h
 
 
+class FakeClock:
+    """A clock the test moves by hand (``clock.now += seconds``)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ShadowExecutor:
     """A fake KV cache that stores, per slot, the token id written there and whether
     the writer's context was valid; it plays Allocate results back as a gateway and

@@ -12,15 +12,7 @@ from kvmanager.hashing import block_key, extra_keys, hash_key, root_hash
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
 from kvserve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from tests.kvmanager_support import check_invariants
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.kvmanager_support import FakeClock, check_invariants
 
 
 @pytest.fixture

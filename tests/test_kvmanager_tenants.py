@@ -12,18 +12,10 @@ from kvmanager.pool import AllocationRequest as Req, PoolConfig
 from kvmanager.store_index import StoreIndex
 from kvmanager.tenants import TenantPolicies
 from kvserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from tests.kvmanager_support import check_invariants
+from tests.kvmanager_support import FakeClock, check_invariants
 
 BS = 4
 SYSTEM = list(range(100, 116))  # 4 blocks
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
