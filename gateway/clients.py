@@ -153,6 +153,20 @@ class _Client:
             raise DependencyError(self.service, self.address, exc) from exc
 
 
+async def _answered_unimplemented(call: grpc.aio.StreamStreamCall, exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the executor answered ExecuteStream UNIMPLEMENTED. A write racing the server's
+    UNIMPLEMENTED can fail with INTERNAL "Internal error from Core" instead (grpc/grpc#36066):
+    then the call's own status, which the server did send, says what happened."""
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    if exc.code() != grpc.StatusCode.INTERNAL:
+        return False
+    try:
+        return await asyncio.wait_for(call.code(), 1.0) == grpc.StatusCode.UNIMPLEMENTED
+    except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        return False
+
+
 class ExecutorClient(_Client):
     service = "executor"
 
@@ -255,8 +269,9 @@ class ExecutorClient(_Client):
                 raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"no reply to the step within {timeout:.1f} s") from exc
             except grpc.aio.AioRpcError as exc:
+                unimplemented = await _answered_unimplemented(call, exc)
                 self._drop(call)
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if not unimplemented:
                     raise DependencyError(self.service, self.address, exc) from exc
                 self._streaming = False
             except BaseException:
