@@ -1,6 +1,7 @@
 """``python -m executor``: serve ``kvserve.v1.Executor`` for one model on one device."""
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer
 from executor.step_socket import StepSocketListener
+from executor.threads import parse_num_threads, probe_runner_threads
 from executor.torch_thread import TorchThread
 from kvserve.auth import token_or_none
 from kvserve.config import (
@@ -64,7 +66,11 @@ def build_parser() -> EnvArgumentParser:
                         help="on a device: fraction of its memory for weights, activations and KV")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest sequence (default and cap: the model's max_position_embeddings)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--num-threads", type=thread_count_flag, default="auto", metavar="auto|N",
+                        help="the torch thread's CPU threads: auto times a decode step of the model at 1, 2, "
+                             "4, ... and every usable CPU after it loads and keeps the fastest (the fewer "
+                             "threads when within 5 %%; docs/executor.md, 'Threads'); on a GPU device auto "
+                             "leaves torch's default")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator unseeded sampling uses")
     parser.add_argument("--kv-store", default="", metavar="DIR|URL",
                         help="the KV store tier: a directory (a path or file:///dir; local disk, or a volume "
@@ -84,6 +90,13 @@ def build_parser() -> EnvArgumentParser:
                              "a directory the gateway's host or container sees at the same path, such as a "
                              "volume both containers mount")
     return parser
+
+
+def thread_count_flag(text: str) -> int | None:
+    try:
+        return parse_num_threads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--num-threads: ")) from None
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -117,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         if runner.device.type == "cpu":
             collapsed = await torch_thread.run(back_large_allocations_with_huge_pages)
             log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
+        if args.num_threads is None:
+            probe = await torch_thread.run(probe_runner_threads, runner)
+            if probe is not None:
+                log.info("threads_probed", chosen=probe.chosen, decode_step_ms_by_threads=probe.summary())
         token = token_or_none(args.service_token)
         step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token,
                                                   args.step_socket_dir)

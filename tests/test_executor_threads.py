@@ -1,0 +1,109 @@
+"""``--num-threads auto``: the executor times its own decode step at each candidate thread count
+and keeps the fastest (executor/threads.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.__main__ import build_parser
+from executor.runner import ModelRunner, RunnerOptions
+from executor.threads import (
+    cgroup_cpu_limit, choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads,
+    probe_thread_counts, thread_counts_to_try, usable_cpus,
+)
+
+
+def test_candidates_are_one_the_powers_of_two_and_every_cpu():
+    assert thread_counts_to_try(1) == [1]
+    assert thread_counts_to_try(2) == [1, 2]
+    assert thread_counts_to_try(6) == [1, 2, 4, 6]
+    assert thread_counts_to_try(16) == [1, 2, 4, 8, 16]
+
+
+def test_the_fastest_count_wins_and_a_near_tie_goes_to_fewer_threads():
+    assert choose_thread_count({1: 0.020, 2: 0.012}) == 2  # the AMX Xeon's kind of gap
+    assert choose_thread_count({1: 0.020, 2: 0.0195}) == 1  # within 5 %: the core stays free
+    assert choose_thread_count({1: 0.020, 2: 0.025, 4: 0.030}) == 1
+    assert choose_thread_count({1: 0.040, 2: 0.021, 4: 0.020}) == 2
+
+
+def test_the_probe_times_every_count_in_turn_and_leaves_the_choice_set():
+    cost = {1: 3.0, 2: 1.0, 4: 1.5}  # a fake step's seconds per thread count, on a fake clock
+    now, current, calls = [0.0], [1], []
+
+    def set_threads(count: int) -> None:
+        current[0] = count
+
+    def step() -> None:
+        calls.append(current[0])
+        now[0] += cost[current[0]]
+
+    probe = probe_thread_counts(step, [1, 2, 4], rounds=3, budget_s=100.0, set_threads=set_threads,
+                                clock=lambda: now[0])
+    assert probe.chosen == 2 and current[0] == 2
+    assert probe.seconds == {1: 3.0, 2: 1.0, 4: 1.5}
+    # One untimed warm-up, then rounds in turn: every count, then only those within twice the
+    # fastest's time (1 thread, 3x slower, is not tried again).
+    assert calls == [1] + [1, 2, 4] + [2, 4] + [2, 4]
+    assert probe.summary() == {"1": 3000.0, "2": 1000.0, "4": 1500.0}
+
+
+def test_no_probe_round_starts_after_the_budget():
+    calls = []
+    probe = probe_thread_counts(lambda: calls.append(1), [1, 2], rounds=5, budget_s=0.0,
+                                set_threads=lambda count: None, clock=lambda: float(len(calls)))
+    assert len(calls) == 3  # a warm-up, then the first round only: one timed run of each count
+    assert probe.chosen in (1, 2)
+
+
+def test_a_cgroup_quota_caps_the_usable_cpus(tmp_path):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")
+    assert cgroup_cpu_limit(cpu_max) == 2
+    assert usable_cpus(cpu_max) <= 2
+    cpu_max.write_text("max 100000\n")
+    assert cgroup_cpu_limit(cpu_max) is None
+    assert cgroup_cpu_limit(tmp_path / "absent") is None
+    cpu_max.write_text("garbage\n")
+    assert cgroup_cpu_limit(cpu_max) is None
+
+
+@pytest.mark.parametrize("text, expected", [("auto", None), ("AUTO", None), ("2", 2), ("1", 1)])
+def test_num_threads_flag(text, expected):
+    assert parse_num_threads(text) == expected
+    assert build_parser().parse_args(["--num-threads", text]).num_threads == expected
+
+
+def test_num_threads_defaults_to_auto():
+    assert build_parser().parse_args([]).num_threads is None
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", ""])
+def test_a_bad_num_threads_is_a_usage_error_naming_the_choices(text, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--num-threads", text])
+    assert exc.value.code == 2
+    assert "auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("num_blocks", [64, 3])
+def test_the_probe_runs_real_decode_steps_and_keeps_a_candidate(tiny_model_dir, num_blocks):
+    runner = ModelRunner(RunnerOptions(tiny_model_dir, dtype="float32", num_blocks=num_blocks))
+    before = torch.get_num_threads()
+    try:
+        probe = probe_runner_threads(runner, cpus=2)
+        assert probe is not None and probe.chosen in (1, 2)
+        assert set(probe.seconds) == {1, 2} and all(s > 0 for s in probe.seconds.values())
+        assert torch.get_num_threads() == probe.chosen
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_probe_step_never_writes_the_null_block(tiny_model_dir):
+    runner = ModelRunner(RunnerOptions(tiny_model_dir, dtype="float32", num_blocks=40))
+    parts = [part for key_value in runner.kv_caches for part in key_value]  # [num_blocks, ...] each
+    for part in parts:
+        part.zero_()
+    decode_probe_step(runner)()
+    assert any(bool(part[1:].abs().sum()) for part in parts)
+    assert not any(bool(part[0].abs().sum()) for part in parts)
