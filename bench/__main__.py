@@ -19,13 +19,14 @@ import sys
 import time
 from pathlib import Path
 
+from kvserve.cpus import thread_counts_to_try, usable_cpus
 from kvserve.paths import default_model_dir
 
 from bench import report
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
-from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES
-from bench.targets import representative_rows, round_lines, target_lines
+from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, threads_label
+from bench.targets import best_against_best_lines, representative_rows, round_lines, target_lines
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
 # The measured default workload (docs/benchmarks.md): scaled down from the seed's
@@ -39,6 +40,24 @@ def kvserve_quantizations(text: str) -> list[str]:
         return parse_list(text, QUANTIZATION_MODES, "kvserve quantization")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def thread_counts(text: str) -> list[int | None]:
+    """``1,2`` or ``auto,2``: thread counts to run rows at (None: the executor's ``--num-threads auto``)."""
+    counts: list[int | None] = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        if part == "auto":
+            counts.append(None)
+        elif part.isdigit() and int(part) >= 1:
+            counts.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"thread counts are 'auto' or whole numbers >= 1, got {part!r}")
+    if not counts:
+        raise argparse.ArgumentTypeError("give at least one thread count")
+    return list(dict.fromkeys(counts))
+
+
+DEFAULT_THREADS = ",".join(str(n) for n in thread_counts_to_try(usable_cpus()))
 
 
 def positive_int(text: str) -> int:
@@ -67,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(llama-cpp-python, if installed), llama-server (llama.cpp, built once), openvino "
                              "(OpenVINO GenAI, installed once), or none")
     target.add_argument("--peer-dtype", default="bfloat16", help="dtype of the transformers peer")
-    target.add_argument("--peer-threads", type=int, default=None,
-                        help="compute threads of llama-server and OpenVINO (default: --executor-threads, "
-                             "so every system computes on as many threads as kvserve's executor)")
+    target.add_argument("--peer-threads", type=thread_counts, default=None,
+                        help="compute threads of llama-server and OpenVINO, comma-separated: each peer row "
+                             "runs once per count (default: the numbers of --executor-threads)")
     target.add_argument("--llama-server-weights", default="bf16,q4_1",
                         help="llama-server rows: bf16 (converted from --model-dir), q4_1 (the shipped GGUF)")
     target.add_argument("--openvino-weights", default="fp16,int8",
@@ -108,10 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="the executor's K/V cache: auto (--dtype) or int8 (a float32 scale per token and "
                              "head; OpenVINO's CPU plugin keeps u8 by default), every kvserve row")
-    engine.add_argument("--executor-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="executor torch threads (0 = torch's default). One core is left to the gateway, "
-                             "kvmanager and this client: an OpenMP team sharing its cores with them stalls at "
-                             "every op (measured 4.8x slower steps on 2 cores)")
+    engine.add_argument("--executor-threads", type=thread_counts, default=DEFAULT_THREADS,
+                        help="executor --num-threads, comma-separated: every kvserve row runs once per value "
+                             "(auto: the executor's own probe). Default: 1, 2, 4, ... and every usable CPU, "
+                             "so each system's best count is found on this machine (the best-against-best "
+                             "table takes each system's fastest row)")
     engine.add_argument("--executor-args", default="", help="more executor flags for every row (one string)")
     engine.add_argument("--gateway-args", default="", help="more gateway flags for every row (one string)")
     out = p.add_argument_group("output")
@@ -122,18 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row | None) -> None:
-    """Terminal table, ratios, details, targets; results.json (every round's rows), table.md, bench.png."""
+def emit(rows: list[report.Row], meta: dict, out_dir: Path, references: list[report.Row]) -> None:
+    """Terminal table, ratios, details, targets; results.json (every round's rows), table.md, bench.png.
+    ``references``: the baseline row of each executor thread count (none outside the sweep)."""
     shown = representative_rows(rows)
-    lines = report.table_lines(shown)
+    lines = []
+    best = best_against_best_lines(shown, meta)
+    if best:
+        lines += [*best, ""]
+    lines += report.table_lines(shown)
     if any(r.system for r in shown):
         lines += ["", "side by side (same requests; threads, KV budget, weights and transport per row):",
                   *report.system_lines(shown)]
-        ours = [r for r in shown if r.system == "kvserve" and r.completed]
-        if ours and any(r.system and r.system != "kvserve" for r in shown):
-            lines += ["", *report.versus_lines(shown, max(ours, key=lambda r: r.output_throughput))]
-    if baseline is not None:
-        lines += ["", *report.ratio_lines(shown, baseline)]
+    for baseline in references:
+        same_threads = [r for r in shown if r.system == baseline.system and r.threads == baseline.threads]
+        lines += ["", *report.ratio_lines(same_threads, baseline)]
     lines += ["", *report.detail_lines(shown)]
     profile = report.profile_lines(shown)
     if profile:
@@ -161,20 +184,22 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, baseline: report.Row
 
 def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
     """The seed-table rows and the peers' rows, ``--rounds`` times; every row carries its round."""
-    from bench.sweep import SEED_TABLE, plan_budget, plan_configs
+    from bench.sweep import plan_budget, plan_configs, probe_auto_threads
 
     wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
-    configs = plan_configs(wanted, args.kvserve_quantization)
+    configs = plan_configs(wanted, args.kvserve_quantization, args.executor_threads)
     budget = plan_budget(requests, block_size=args.block_size, baseline_seqs=args.baseline_seqs,
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          dtype=args.dtype)
     budget.kv_cache_dtype = args.kv_cache_dtype
-    threads = ["--num-threads", str(args.executor_threads)] if args.executor_threads else []
-    budget.extra_executor_args = threads + shlex.split(args.executor_args)
+    budget.extra_executor_args = shlex.split(args.executor_args)
     budget.extra_gateway_args = shlex.split(args.gateway_args)
     meta["budget"] = vars(budget)
     meta["rounds"] = args.rounds
+    meta["executor_auto_threads"] = {
+        mode: probe_auto_threads(args.model_dir, args.dtype, mode, args.kv_cache_dtype)
+        for mode in dict.fromkeys(["none", *args.kvserve_quantization])}
     print(f"KV budget: {budget.num_blocks} blocks (one of them the null block) x {budget.block_size} tokens = "
           f"{(budget.num_blocks - 1) * budget.block_size} usable slots = {args.baseline_seqs} x max_model_len "
           f"{budget.max_model_len}; max_num_seqs {budget.max_num_seqs}")
@@ -190,9 +215,15 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
             for row in part():
                 row.round_index = round_index
                 rows.append(row)
-    shown = representative_rows(rows)
-    baseline = next((r for r in shown if r.name == SEED_TABLE[0].name and r.completed), None)
-    return rows, baseline
+    return rows, baselines(representative_rows(rows))
+
+
+def baselines(rows: list[report.Row]) -> list[report.Row]:
+    """The seed table's baseline row of each executor thread count, each the reference of the rows
+    that ran on the same count."""
+    from bench.sweep import SEED_TABLE
+
+    return [r for r in rows if r.system == "kvserve" and r.name.startswith(SEED_TABLE[0].name) and r.completed]
 
 
 def run_kvserve_rows(args, requests, meta, budget, configs) -> list[report.Row]:
@@ -204,7 +235,7 @@ def run_kvserve_rows(args, requests, meta, budget, configs) -> list[report.Row]:
     meta.setdefault("runs", []).extend(details)
     usable = (budget.num_blocks - 1) * budget.block_size
     for row, config in zip(rows, configs):  # what every kvserve row ran with, for the side-by-side table
-        row.system, row.threads, row.transport = "kvserve", args.executor_threads or None, "HTTP"
+        row.system, row.threads, row.transport = "kvserve", config.threads, "HTTP"
         row.weights = weights_description(args.dtype, config.quantization)
         row.weight_bits = weight_bits(args.dtype, config.quantization)
         row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
@@ -245,18 +276,37 @@ def run_other_rows(args, requests, meta, budget) -> list[report.Row]:
     return rows
 
 
+def peer_thread_counts(args) -> list[int]:
+    """The peers' thread counts: --peer-threads, else the numbers among --executor-threads, else
+    every usable CPU."""
+    counts = [n for n in (args.peer_threads or args.executor_threads) if n is not None]
+    return counts or [usable_cpus()]
+
+
 def run_cpu_peers(args, requests, budget, meta, peers: list[str]) -> list[report.Row]:
     """llama-server and OpenVINO GenAI rows on the same requests, with the KV budget kvserve's rows
-    got (in tokens) and the same number of compute threads; a peer that cannot be set up is skipped
-    with its reason printed and kept in the results' notes."""
+    got (in tokens), once per peer thread count (named after it when there are several); a peer
+    that cannot be set up is skipped with its reason printed and kept in the results' notes."""
     if not peers:
         return []
-    threads = args.peer_threads or args.executor_threads or (os.cpu_count() or 1)
+    counts = peer_thread_counts(args)
+    rows = []
+    for threads in counts:
+        found = run_cpu_peers_on(args, requests, budget, meta, peers, threads)
+        if len(counts) > 1:
+            for row in found:
+                row.name = f"{row.name} · {threads_label(threads)}"
+        rows += found
+    return rows
+
+
+def run_cpu_peers_on(args, requests, budget, meta, peers: list[str], threads: int) -> list[report.Row]:
+    """The peers' rows with ``threads`` compute threads each."""
     kv_tokens = (budget.num_blocks - 1) * budget.block_size
     concurrency = args.concurrency or budget.max_num_seqs
     log_dir = args.out / "logs"
     rows: list[report.Row] = []
-    setup = meta.setdefault("peer_setup", {})
+    setup = meta.setdefault("peer_setup", {}).setdefault(str(threads), {})
     skipped: list[str] = []
     if "llama-server" in peers:
         from bench.peers.llama_server import run_peer as run_llama_server
@@ -313,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(str(exc))
     if args.from_json:
         rows, meta = report.load_json(args.from_json)
-        first = representative_rows(rows)[:1]
-        baseline = first[0] if first and first[0].name.startswith("baseline") else None
-        emit(rows, meta, args.out, baseline)
+        emit(rows, meta, args.out, baselines(representative_rows(rows)))
         return 0
     if not args.sweep and not args.base_url:
         build_parser().error("give --base-url (a running server) or --sweep seed-table")
@@ -340,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(system prompt {args.system_prompt_len}), mean output {w['mean_output_len']:.0f} tokens "
           f"({w['total_output_tokens']} in all); loaded in {time.perf_counter() - started:.1f} s")
     if args.sweep:
-        rows, baseline = run_sweep(args, requests, meta)
+        rows, references = run_sweep(args, requests, meta)
     else:
         from bench.runner import measure_async, model_info_async
 
@@ -352,9 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                                           request_rate=args.request_rate, seed=args.seed,
                                           metrics_interval=args.metrics_interval, progress=not args.no_progress,
                                           kv_allocation=kv_allocation))]
-        baseline = None
+        references = []
     meta["wall_s"] = time.perf_counter() - started
-    emit(rows, meta, args.out, baseline)
+    emit(rows, meta, args.out, references)
     return 0 if all(r.completed for r in rows) else 1
 
 

@@ -177,21 +177,6 @@ def system_lines(rows: list[Row]) -> list[str]:
     return lines
 
 
-def versus_lines(rows: list[Row], reference: Row) -> list[str]:
-    """``reference`` (kvserve's best row) against every other system's row: throughput and TTFT P99."""
-    lines = []
-    for row in rows:
-        if row is reference or row.system == reference.system or not row.completed:
-            continue
-        speedup = reference.output_throughput / row.output_throughput if row.output_throughput else float("nan")
-        line = f"{reference.system} ({reference.name}) vs {row.name}: {speedup:.2f}x its output throughput"
-        ref_p99, p99 = reference.ttft_ms.get("p99"), row.ttft_ms.get("p99")
-        if ref_p99 is not None and p99:
-            line += f", TTFT P99 {ref_p99:.0f} vs {p99:.0f} ms"
-        lines.append(line)
-    return lines
-
-
 def detail_lines(rows: list[Row]) -> list[str]:
     """The numbers behind the table: latencies, KV usage, cache hits, fragmentation."""
     head = ("configuration", "done/failed", "total tok/s", "TTFT mean", "ITL mean", "ITL P99", "E2E P99",

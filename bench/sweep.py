@@ -5,7 +5,8 @@ with ``kvserve.launcher``) so no cache or allocator state leaks between rows.
 The KV budget is fixed for all four: ``--num-blocks`` such that reserving
 ``max_model_len`` per request (the baseline) fits ``baseline_seqs`` requests.
 ``--kvserve-quantization int8,int4`` adds the prefix-caching row once more per
-mode, its executor started with ``--quantization MODE``.
+mode, its executor started with ``--quantization MODE``. With more than one executor
+thread count (``--executor-threads 1,2``) every row runs once per count, named after it.
 """
 from __future__ import annotations
 
@@ -42,13 +43,15 @@ class SweepConfig:
     kv_allocation: str  # paged | reserve
     prefix_caching: bool
     quantization: str = "none"  # the executor's --quantization
+    threads: int | None = None  # the executor's --num-threads (None: its own probe, auto)
 
     def gateway_args(self) -> list[str]:
         return ["--batching", self.batching, "--kv-allocation", self.kv_allocation,
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
 
     def executor_args(self) -> list[str]:
-        return [] if self.quantization == "none" else ["--quantization", self.quantization]
+        quantization = [] if self.quantization == "none" else ["--quantization", self.quantization]
+        return [*quantization, "--num-threads", "auto" if self.threads is None else str(self.threads)]
 
 
 SEED_TABLE = (
@@ -59,14 +62,27 @@ SEED_TABLE = (
 )
 
 
-def plan_configs(slugs: set[str], quantizations: list[str]) -> tuple[SweepConfig, ...]:
+def plan_configs(slugs: set[str], quantizations: list[str],
+                 thread_counts: list[int | None] = (None,)) -> tuple[SweepConfig, ...]:
     """The seed-table rows named by ``slugs``, in the table's order, then the prefix-caching row
-    once per quantization mode other than ``none`` (whether or not ``slugs`` names ``prefix``)."""
+    once per quantization mode other than ``none`` (whether or not ``slugs`` names ``prefix``);
+    all of them once per executor thread count (None: ``--num-threads auto``), named after the
+    count when there are several."""
     prefix = next(c for c in SEED_TABLE if c.slug == "prefix")
     quantized = [dataclasses.replace(prefix, name=f"{prefix.name}, {mode} weights", slug=f"prefix-{mode}",
                                      quantization=mode)
                  for mode in quantizations if mode != "none"]
-    return (*[c for c in SEED_TABLE if c.slug in slugs], *quantized)
+    planned = (*[c for c in SEED_TABLE if c.slug in slugs], *quantized)
+    if len(thread_counts) == 1:
+        return tuple(dataclasses.replace(c, threads=thread_counts[0]) for c in planned)
+    return tuple(dataclasses.replace(c, name=f"{c.name} · {threads_label(threads)}",
+                                     slug=f"{c.slug}-t{threads or 'auto'}", threads=threads)
+                 for threads in thread_counts for c in planned)
+
+
+def threads_label(threads: int | None) -> str:
+    """How a row name says its executor's thread count."""
+    return "auto threads" if threads is None else f"{threads} thread{'s' if threads > 1 else ''}"
 
 
 def weights_description(dtype: str, quantization: str) -> str:
@@ -216,3 +232,20 @@ def machine_description() -> dict:
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def probe_auto_threads(model_dir: Path, dtype: str, quantization: str, kv_cache_dtype: str) -> dict:
+    """What the executor's ``--num-threads auto`` picks on this machine for one row's precision
+    (``python -m executor.threads``): {"chosen": N, "decode_step_ms_by_threads": {...}}, or
+    {"error": ...} when it could not run."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "executor.threads", "--model", str(model_dir), "--dtype", dtype,
+               "--quantization", quantization, "--kv-cache-dtype", kv_cache_dtype]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=without_flag_env())
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}

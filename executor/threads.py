@@ -15,13 +15,13 @@ its cgroup's CPU quota: a container limited to 2 CPUs on a 64-core host probes 1
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
+
+from kvserve.cpus import thread_counts_to_try, usable_cpus
 
 # Two counts whose step times are this close count as equally fast: the fewer threads win.
 EQUAL_WITHIN = 0.05
@@ -29,7 +29,6 @@ PROBE_ROUNDS = 3
 PROBE_BUDGET_S = 2.0  # no probe round starts after this long
 PROBE_ROWS = 16  # the batched decode step's sequences (the single-stream step has one)
 PROBE_CONTEXT = 128  # tokens of history each probed sequence attends over
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
 def parse_num_threads(text: str) -> int | None:
@@ -43,39 +42,6 @@ def parse_num_threads(text: str) -> int | None:
     if count < 1:
         raise ValueError(f"--num-threads: 'auto' or a whole number >= 1, got {count}")
     return count
-
-
-def cgroup_cpu_limit(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:
-    """CPUs the cgroup's quota allows (cgroup v2 ``cpu.max``: "QUOTA PERIOD", or "max"), rounded up."""
-    try:
-        quota, period = cpu_max.read_text().split()[:2]
-    except (OSError, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return max(1, math.ceil(int(quota) / int(period)))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def usable_cpus(cpu_max: Path = CGROUP_CPU_MAX) -> int:
-    """CPUs this process may run on: its affinity mask, capped by its cgroup's CPU quota."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    limit = cgroup_cpu_limit(cpu_max)
-    return max(1, min(cpus, limit) if limit else cpus)
-
-
-def thread_counts_to_try(cpus: int) -> list[int]:
-    """1, the powers of two below ``cpus``, and ``cpus``."""
-    counts, count = {1, max(1, cpus)}, 2
-    while count < cpus:
-        counts.add(count)
-        count *= 2
-    return sorted(counts)
 
 
 def choose_thread_count(seconds: dict[int, float], equal_within: float = EQUAL_WITHIN) -> int:
@@ -164,3 +130,31 @@ def probe_runner_threads(runner, cpus: int | None = None) -> ThreadProbe | None:
         torch.set_num_threads(counts[0])
         return ThreadProbe({counts[0]: 0.0}, counts[0])
     return probe_thread_counts(decode_probe_step(runner), counts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m executor.threads``: what ``--num-threads auto`` picks here, as one JSON line
+    (the benchmarks record it beside their swept thread counts)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from executor.runner import ModelRunner, RunnerOptions
+    from kvserve.paths import default_model_dir
+
+    parser = argparse.ArgumentParser(prog="python -m executor.threads", description=main.__doc__)
+    parser.add_argument("--model", type=Path, default=default_model_dir())
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="none")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    args = parser.parse_args(argv)
+    runner = ModelRunner(RunnerOptions(args.model, dtype=args.dtype, quantization=args.quantization,
+                                       kv_cache_dtype=args.kv_cache_dtype, num_blocks=PROBE_ROWS * 10 + 1))
+    probe = probe_runner_threads(runner)
+    print(json.dumps({"chosen": probe.chosen if probe else None, "cpus": usable_cpus(),
+                      "decode_step_ms_by_threads": probe.summary() if probe else {}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus
 from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
 from bench.workload import (BenchRequest, first_exchange, iter_records, load_pairs, load_tokenizer,
                             make_system_prompt, parse_sharegpt, sample_requests, sharegpt_path)
+from kvserve.cpus import usable_cpus
 
 
 @pytest.fixture(scope="module")
@@ -214,10 +215,11 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     assert [r.name for r in rows] == [SEED_TABLE[2].name, f"{prefix.name}, int8 weights",
                                       f"{prefix.name}, int4 weights"]
     assert [s.log_dir.name for s in asked] == ["paged", "prefix-int8", "prefix-int4"]
-    budget_args = asked[0].executor_args
-    assert "--quantization" not in budget_args and "--num-blocks" in budget_args and "--num-threads" in budget_args
-    assert [s.executor_args for s in asked[1:]] == [[*budget_args, "--quantization", "int8"],
-                                                    [*budget_args, "--quantization", "int4"]]
+    first = asked[0].executor_args
+    assert "--quantization" not in first and "--num-blocks" in first and first[-2:] == ["--num-threads", "1"]
+    budget_args = first[:-2]
+    assert [s.executor_args for s in asked[1:]] == [[*budget_args, "--quantization", "int8", "--num-threads", "1"],
+                                                    [*budget_args, "--quantization", "int4", "--num-threads", "1"]]
     assert all(s.gateway_args[-len(prefix.gateway_args()):] == prefix.gateway_args() for s in asked[1:])
     assert [r.weights for r in rows] == ["bfloat16 safetensors",
                                          "bfloat16 safetensors, int8 weights (per channel) x int8 activations "
@@ -257,7 +259,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
                  "--model-dir", str(tiny_model_dir), "--num-prompts", "6", "--max-input-len", "48",
                  "--max-output-len", "24", "--system-prompt-len", "40", "--concurrency", "4",
                  "--baseline-seqs", "2", "--dtype", "float32", "--peer-dtype", "float32", "--metrics-interval", "0.05",
-                 "--no-progress", "--out", str(out)])
+                 "--executor-threads", "1", "--no-progress", "--out", str(out)])
     printed = capsys.readouterr().out
     rows, meta = report.load_json(out / "results.json")
     assert code == 0, printed
@@ -275,6 +277,8 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert prefix.cached_prompt_tokens > 0
     assert all(run["model_info"]["batching"] == run["config"]["batching"] for run in meta["runs"])
     assert "throughput" in printed and (out / "bench.png").exists() and (out / "table.md").exists()
+    assert meta["executor_auto_threads"]["none"]["chosen"] in range(1, usable_cpus() + 1)
+    assert "best against best" in printed and "--num-threads auto picks" in printed
 
 
 def test_matmul_bench_prompt_mode_times_every_kernel_on_a_tiny_model(tiny_model_dir, cpu_ops, capsys):
@@ -293,3 +297,55 @@ def test_matmul_bench_prompt_mode_times_every_kernel_on_a_tiny_model(tiny_model_
     assert header.count("SiLU from the sums") == 2 and "oneDNN bf16" in header
     rows = [line for line in lines if line.startswith(("| 5 |", "| 33 |"))]
     assert len(rows) == 2 and all(row.count(" ms (") == 5 for row in rows), printed
+
+
+def test_every_row_runs_once_per_thread_count_and_the_peers_too(tmp_path, monkeypatch):
+    """``--executor-threads 1,2,auto``: the seed table once per count, each row named after its count
+    and started with it; ``--peer-threads 1,2``: each peer row once per count; each count's rows are
+    compared with that count's baseline."""
+    from bench import sweep
+    import bench.__main__ as cli
+
+    asked, peer_counts = [], []
+
+    def record_and_refuse(stack_config):
+        asked.append(stack_config)
+        raise RuntimeError("no stack under test")
+
+    def peers_on(args, requests, budget, meta, peers, threads):
+        peer_counts.append(threads)
+        return [report.Row(name="OpenVINO GenAI CB FP16", system="OpenVINO GenAI", threads=threads)]
+
+    monkeypatch.setattr(sweep, "start_stack", record_and_refuse)
+    monkeypatch.setattr(sweep, "probe_auto_threads", lambda *a: {"chosen": 2})
+    monkeypatch.setattr(cli, "run_cpu_peers_on", peers_on)
+    args = cli.build_parser().parse_args(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "openvino",
+                                          "--executor-threads", "1,2,auto", "--peer-threads", "1,2",
+                                          "--concurrency", "4", "--no-progress", "--out", str(tmp_path)])
+    args.model_dir = tmp_path
+    meta = {}
+    rows, references = cli.run_sweep(args, [BenchRequest("p", 100, 50)], meta)
+    base, prefix = SEED_TABLE[0].name, SEED_TABLE[3].name
+    assert [r.name for r in rows] == [f"{base} · 1 thread", f"{prefix} · 1 thread", f"{base} · 2 threads",
+                                      f"{prefix} · 2 threads", f"{base} · auto threads", f"{prefix} · auto threads",
+                                      "OpenVINO GenAI CB FP16 · 1 thread", "OpenVINO GenAI CB FP16 · 2 threads"]
+    assert [r.threads for r in rows] == [1, 1, 2, 2, None, None, 1, 2]
+    assert [s.executor_args[-2:] for s in asked] == [["--num-threads", n] for n in ("1", "1", "2", "2", "auto", "auto")]
+    assert len({s.log_dir for s in asked}) == 6  # every row keeps its own logs
+    assert peer_counts == [1, 2]
+    assert meta["executor_auto_threads"] == {"none": {"chosen": 2}}
+    assert references == []  # every row failed to start here: no baseline to compare with
+    for row in rows[:6]:
+        row.completed = 4
+    assert [r.threads for r in cli.baselines(rows)] == [1, 2, None]
+    assert cli.peer_thread_counts(cli.build_parser().parse_args(["--executor-threads", "auto,2"])) == [2]
+    assert cli.peer_thread_counts(cli.build_parser().parse_args(["--executor-threads", "auto"])) == [usable_cpus()]
+
+
+@pytest.mark.parametrize("text", ["0", "two", ",", "1,-1"])
+def test_thread_count_lists_refuse_what_is_not_a_count(text, capsys):
+    from bench.__main__ import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--executor-threads", text])
+    assert "thread count" in capsys.readouterr().err

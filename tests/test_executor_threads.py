@@ -8,9 +8,9 @@ import torch
 from executor.__main__ import build_parser
 from executor.runner import ModelRunner, RunnerOptions
 from executor.threads import (
-    cgroup_cpu_limit, choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads,
-    probe_thread_counts, thread_counts_to_try, usable_cpus,
+    choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads, probe_thread_counts,
 )
+from kvserve.cpus import cgroup_cpu_limit, thread_counts_to_try, usable_cpus
 
 
 def test_candidates_are_one_the_powers_of_two_and_every_cpu():
