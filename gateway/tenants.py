@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from kvserve.auth import SCHEME
+from kvserve.auth import split_authorization
 from kvserve.errors import InvalidArgument, StartupError
 
 TENANT_HEADER = "x-kvserve-tenant"
@@ -92,11 +92,9 @@ class ApiKeys:
         """The tenant of ``Authorization: Bearer <key>``; None for no key or another scheme."""
         if value is None:
             return None
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        scheme, _, credentials = value.strip().partition(" ")
-        tenant = self.tenant_of_secret(credentials.strip())  # computed either way: no timing on the scheme
-        return tenant if scheme.lower() == SCHEME else None
+        is_bearer, credentials = split_authorization(value)
+        tenant = self.tenant_of_secret(credentials)  # computed either way: no timing on the scheme
+        return tenant if is_bearer else None
 
     def matches_header(self, value: str | bytes | None) -> bool:
         return self.tenant_of_header(value) is not None

@@ -59,11 +59,19 @@ class BearerToken:
         """True when ``value`` is ``Bearer <secret>`` (scheme case-insensitive)."""
         if value is None:
             return False
-        if isinstance(value, bytes):
-            value = value.decode("latin-1")
-        scheme, _, credentials = value.strip().partition(" ")
-        ok = self.matches_secret(credentials.strip())  # computed either way: no timing on the scheme
-        return ok and scheme.lower() == SCHEME
+        is_bearer, credentials = split_authorization(value)
+        ok = self.matches_secret(credentials)  # computed either way: no timing on the scheme
+        return ok and is_bearer
+
+
+def split_authorization(value: str | bytes) -> tuple[bool, str]:
+    """An ``Authorization`` header or metadata value: (whether its scheme is Bearer, case-insensitive;
+    its credentials). Callers check the credentials whatever the scheme, so that the time taken
+    says nothing about it."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    scheme, _, credentials = value.strip().partition(" ")
+    return scheme.lower() == SCHEME, credentials.strip()
 
 
 def token_or_none(value: str | None) -> BearerToken | None:
