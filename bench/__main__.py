@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shlex
 import sys
 import time
@@ -81,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"executor weight quantizations ({', '.join(QUANTIZATION_MODES)}; comma-separated): "
                              "the prefix-caching row runs once more per mode other than none, its executor "
                              "started with --quantization MODE (docs/quantization.md)")
-    target.add_argument("--peers", default="transformers,llama-cpp",
-                        help="peer rows for the sweep (comma-separated): transformers, llama-cpp "
-                             "(llama-cpp-python, if installed), llama-server (llama.cpp, built once), openvino "
+    target.add_argument("--peers", default="transformers",
+                        help="peer rows for the sweep (comma-separated): transformers, llama-server "
+                             "(llama.cpp, built once), openvino "
                              "(OpenVINO GenAI, installed once), or none")
     target.add_argument("--peer-dtype", default="bfloat16", help="dtype of the transformers peer")
     target.add_argument("--peer-threads", type=thread_counts, default=None,
@@ -247,7 +246,7 @@ def run_other_rows(args, requests, meta, budget) -> list[report.Row]:
     rows: list[report.Row] = []
     peers = set(parse_peers(args.peers))
     if "transformers" in peers:
-        from bench.hf_peer import run_transformers_peer
+        from bench.peers.transformers_peer import run_transformers_peer
 
         print("== peer: transformers static batching")
         rows.append(run_transformers_peer(args.model_dir, requests, args.concurrency or len(requests),
@@ -257,20 +256,6 @@ def run_other_rows(args, requests, meta, budget) -> list[report.Row]:
         rows[-1].system, rows[-1].weights, rows[-1].threads = "transformers", args.peer_dtype, torch.get_num_threads()
         rows[-1].weight_bits = 32 if args.peer_dtype == "float32" else 16
         rows[-1].kv_budget, rows[-1].transport = "padded batch, no budget", "in-process"
-    if "llama-cpp" in peers:
-        from bench.llamacpp_peer import run_llamacpp_peer
-
-        print("== peer: llama-cpp-python server")
-        result = run_llamacpp_peer(requests, args.concurrency or len(requests), budget.max_model_len,
-                                   args.out / "logs", progress=not args.no_progress)
-        if isinstance(result, str):
-            meta.setdefault("notes", []).append(result)
-            print(f"   {result}")
-        else:
-            result.system, result.weights, result.threads = "llama-cpp-python", "Q4_1 GGUF", os.cpu_count()
-            result.weight_bits = 4
-            result.kv_budget, result.transport = f"n_ctx {budget.max_model_len}, one request at a time", "HTTP"
-            rows.append(result)
     rows += run_cpu_peers(args, requests, budget, meta, [p for p in parse_peers(args.peers)
                                                          if p in ("llama-server", "openvino")])
     return rows

@@ -53,13 +53,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.peers.common import lscpu_text, write_lscpu
 from bench.report import percentile
-from bench.routing_bench import EXECUTOR_UP, ChatTokenizer, Cluster, Conversation, service_env, truncate
+from bench.cluster import Cluster, service_env, start_cluster, wait_ready
+from bench.routing_bench import ChatTokenizer, Conversation, truncate
 from kvserve.ports import free_port
 
 BLOCK = 16
@@ -296,25 +297,6 @@ def pool_stats(kvmanager_address: str, executor_address: str) -> dict:
     return MessageToDict(reply, preserving_proto_field_name=True)
 
 
-def wait_ready(stack: Cluster, deadline: float) -> None:
-    """Until the gateway's /health is 200 with every executor up (``kvserve:executor_up``)."""
-    import httpx
-
-    from bench.server_metrics import parse_labeled
-
-    with httpx.Client(timeout=10) as client:
-        while time.monotonic() < deadline:
-            with suppress(httpx.HTTPError):
-                if client.get(stack.http_url + "/health").status_code == 200:  # sets kvserve:executor_up
-                    up = parse_labeled(client.get(stack.http_url + "/metrics").text, EXECUTOR_UP, "executor")
-                    if all(up.get(e.address) == 1 for e in stack.executors):
-                        return
-            if dead := [s for s in stack.services() if not s.alive()]:
-                raise RuntimeError(f"{dead[0].module} exited:\n{dead[0].logs()[-2000:]}")
-            time.sleep(0.2)
-    raise RuntimeError("the gateway does not have every executor up after 300 s")
-
-
 def row_setup(slug: str, pool: dict, args, store_dir: str, redis_url: str) -> dict:
     """A row's services, decided before any starts: ``executors``, each executor's flags (the same
     ``--kv-store`` for all: one directory, or Redis); ``threads``, each executor's ``--num-threads``:
@@ -333,31 +315,8 @@ def row_setup(slug: str, pool: dict, args, store_dir: str, redis_url: str) -> di
 
 def start_row_stack(executor_args: list[list[str]], model: Path, env: dict, log_dir: Path) -> Cluster:
     """kvmanager, one executor per entry of ``executor_args`` (its flags) and a gateway with all of
-    them in its ``--executor-address``, on free ports, spawned together; returns once the gateway
-    has them all up."""
-    from kvserve.launcher import spawn
-
-    started = []
-
-    def start(module: str, flags: list[str]):
-        port = free_port()
-        started.append(spawn(module, flags, port=port, log_path=log_dir / f"{module}-{port}.log", env=env))
-        return started[-1]
-
-    try:
-        kvmanager = start("kvmanager", [])
-        pools = [start("executor", flags) for flags in executor_args]
-        http_port = free_port()
-        gateway = start("gateway", ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                                    "--executor-address", ",".join(e.address for e in pools),
-                                    "--model", str(model), "--unavailable-timeout", "300"])
-        stack = Cluster(kvmanager, pools, gateway, f"http://{gateway.host}:{http_port}")
-        wait_ready(stack, time.monotonic() + 300)
-    except BaseException:
-        for service in reversed(started):
-            service.stop(signal.SIGKILL)
-        raise
-    return stack
+    them (bench/cluster.py); returns once the gateway has them all up."""
+    return start_cluster(executor_args, ["--model", str(model), "--unavailable-timeout", "300"], log_dir, env=env)
 
 
 def restart_executor(stack: Cluster, executor_args: list[str], env: dict, log_dir: Path) -> float:

@@ -54,11 +54,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Protocol
 
+from bench.cluster import Cluster, service_env
+from bench.cluster import start_cluster as start_cluster_of
+
 MIN_TURNS = 2  # a conversation of one turn has nothing to reuse but the system prompt
 WARMUP_PROMPTS = ("Say hello in one short sentence.", "Name a colour.", "Count to three.", "Name a fruit.",
                   "Say goodbye politely.", "Name an animal.", "Name a city.", "Name a planet.")
 ROUTING_DECISIONS = ("kvserve:routing_decisions_total", "kvserve:routing_decisions")
-EXECUTOR_UP = ("kvserve:executor_up",)
 
 
 # --- the workload: multi-turn conversations -------------------------------------------
@@ -469,17 +471,6 @@ def target_checks(rows: list[RowResult]) -> list[str]:
 # --- services ---------------------------------------------------------------------------
 
 
-def service_env(threads: int | None = None) -> dict[str, str]:
-    """This environment without ``KVSERVE_*`` flag variables (only the bench's flags apply);
-    with ``threads``, OpenMP/MKL limited to that many."""
-    from kvserve.config import without_flag_env
-
-    env = without_flag_env()
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return env
-
-
 @dataclass
 class RowConfig:
     name: str
@@ -490,80 +481,17 @@ class RowConfig:
     threads_per_executor: int
 
 
-@dataclass
-class Cluster:
-    kvmanager: object
-    executors: list
-    gateway: object
-    http_url: str
-
-    def services(self) -> list:
-        return [self.kvmanager, *self.executors, self.gateway]
-
-    def stop(self) -> None:
-        for service in reversed(self.services()):
-            service.stop(timeout=20.0)
-
-
 def start_cluster(config: RowConfig, args, log_dir: Path) -> Cluster:
-    """kvmanager, the row's executors and a gateway, spawned together; returns once all
-    are SERVING and the gateway has every executor up (``kvserve:executor_up``)."""
-    import httpx
-
-    from kvserve.launcher import wait_healthy, spawn
-    from kvserve.ports import free_port
-
-    log_dir.mkdir(parents=True, exist_ok=True)
-    started = []
-
-    def start(module: str, extra: list[str], env: dict[str, str], tag: str):
-        port = free_port()
-        service = spawn(module, [*extra, "--log-level", "warning"], port=port,
-                        log_path=log_dir / f"{tag}-{port}.log", env=env)
-        started.append(service)
-        return service
-
-    try:
-        kvmanager = start("kvmanager", [], service_env(), "kvmanager")
-        executors = []
-        for i in range(config.executors):
-            executors.append(start("executor", [
-                "--model", str(args.model), "--dtype", args.dtype, "--num-blocks", str(config.blocks_per_executor),
-                "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
-                "--num-threads", str(config.threads_per_executor)], service_env(config.threads_per_executor),
-                f"executor{i}"))
-        http_port = free_port()
-        gateway = start("gateway", [
-            "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-            "--executor-address", ",".join(e.address for e in executors), "--routing", config.routing,
-            "--model", str(args.model), "--max-num-seqs", "64", "--max-num-batched-tokens",
-            str(args.max_num_batched_tokens)], service_env(), "gateway")
-        wait_healthy(started, args.startup_timeout)
-        from bench.server_metrics import parse_labeled
-
-        url = f"http://{gateway.host}:{http_port}"
-        deadline = time.monotonic() + args.startup_timeout
-        wanted = {e.address for e in executors}
-        with httpx.Client(timeout=10) as client:
-            while True:
-                try:
-                    client.get(url + "/health")  # sets kvserve:executor_up
-                    up = parse_labeled(client.get(url + "/metrics").text, EXECUTOR_UP, "executor")
-                    if all(up.get(a) == 1 for a in wanted):
-                        break
-                except httpx.HTTPError:
-                    pass
-                for service in started:
-                    if not service.alive():
-                        raise RuntimeError(f"{service.module} exited during start-up:\n{service.logs()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"not every executor up at the gateway after {args.startup_timeout:.0f}s")
-                time.sleep(0.2)
-    except BaseException:
-        for service in reversed(started):
-            service.stop(signal.SIGKILL)
-        raise
-    return Cluster(kvmanager, executors, gateway, url)
+    """kvmanager, the row's executors and a gateway (bench/cluster.py), each executor with the row's
+    threads; returns once the gateway has every executor up."""
+    executor_flags = [["--model", str(args.model), "--dtype", args.dtype, "--num-blocks",
+                       str(config.blocks_per_executor), "--block-size", str(args.block_size), "--max-model-len",
+                       str(args.max_model_len), "--num-threads", str(config.threads_per_executor)]] * config.executors
+    gateway_flags = ["--routing", config.routing, "--model", str(args.model), "--max-num-seqs", "64",
+                     "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    return start_cluster_of(executor_flags, gateway_flags, log_dir,
+                            executor_env=service_env(config.threads_per_executor),
+                            startup_timeout=args.startup_timeout, extra_flags=["--log-level", "warning"])
 
 
 def metric_deltas(begin: str, end: str) -> dict:

@@ -394,37 +394,14 @@ def stream_completion(client, url: str, model: str, prompt: str, tenant: str) ->
 
 
 def start_stack(args, log_dir: Path):
-    """kvmanager, one executor, a gateway with ``--tenants victim,attacker``; returns once the
-    gateway has the executor up."""
-    from bench.multiturn_store import wait_ready
-    from bench.routing_bench import Cluster, service_env
-    from kvserve.launcher import spawn
-    from kvserve.ports import free_port
+    """kvmanager, one executor, a gateway with ``--tenants victim,attacker`` (bench/cluster.py);
+    returns once the gateway has the executor up."""
+    from bench.cluster import service_env, start_cluster
 
-    log_dir.mkdir(parents=True, exist_ok=True)
-    started = []
-
-    def start(module: str, flags: list[str], env: dict):
-        port = free_port()
-        started.append(spawn(module, flags, port=port, log_path=log_dir / f"{module}-{port}.log", env=env))
-        return started[-1]
-
-    try:
-        kvmanager = start("kvmanager", [], service_env())
-        executor = start("executor", ["--model", str(args.model), "--dtype", args.dtype, "--num-blocks",
-                                      str(args.executor_blocks), "--block-size", "16", "--max-model-len", "2048",
-                                      "--num-threads", str(args.num_threads)], service_env(args.num_threads))
-        http_port = free_port()
-        gateway = start("gateway", ["--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                                    "--executor-address", executor.address, "--model", str(args.model),
-                                    "--tenants", "victim,attacker", "--unavailable-timeout", "300"], service_env())
-        stack = Cluster(kvmanager, [executor], gateway, f"http://{gateway.host}:{http_port}")
-        wait_ready(stack, time.monotonic() + 300)
-    except BaseException:
-        for service in reversed(started):
-            service.stop(signal.SIGKILL)
-        raise
-    return stack
+    executor = ["--model", str(args.model), "--dtype", args.dtype, "--num-blocks", str(args.executor_blocks),
+                "--block-size", "16", "--max-model-len", "2048", "--num-threads", str(args.num_threads)]
+    gateway = ["--model", str(args.model), "--tenants", "victim,attacker", "--unavailable-timeout", "300"]
+    return start_cluster([executor], gateway, log_dir, executor_env=service_env(args.num_threads))
 
 
 def side_channel(args) -> dict:

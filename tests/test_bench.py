@@ -8,7 +8,7 @@ import pytest
 
 from bench import report
 from bench.client import RequestResult, usage_of
-from bench.hf_peer import batch_kv_slots, left_padded
+from bench.peers.transformers_peer import batch_kv_slots, left_padded
 from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus, sample_from
 from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
 from bench.workload import (BenchRequest, first_exchange, iter_records, load_pairs, load_tokenizer,
@@ -255,7 +255,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     from bench.__main__ import main
 
     out = tmp_path / "results"
-    code = main(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "transformers,llama-cpp",
+    code = main(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "transformers",
                  "--model-dir", str(tiny_model_dir), "--num-prompts", "6", "--max-input-len", "48",
                  "--max-output-len", "24", "--system-prompt-len", "40", "--concurrency", "4",
                  "--baseline-seqs", "2", "--dtype", "float32", "--peer-dtype", "float32", "--metrics-interval", "0.05",

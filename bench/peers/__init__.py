@@ -5,14 +5,13 @@ kvserve's. Each peer sets itself up once (a build, a venv, an export: cached und
 ``~/.cache/kvserve/peers/``) and is skipped with a printed reason when it cannot be set up;
 nothing is built or installed under pytest.
 
-  transformers  HF transformers, static batching (bench/hf_peer.py, in-process)
-  llama-cpp     llama-cpp-python's server, if that package is installed (bench/llamacpp_peer.py)
+  transformers  HF transformers, static batching (bench/peers/transformers_peer.py, in-process)
   llama-server  llama.cpp's llama-server built from source (bench/peers/llama_server.py, HTTP)
   openvino      OpenVINO GenAI ContinuousBatchingPipeline (bench/peers/openvino_peer.py, in-process)
 """
 from __future__ import annotations
 
-KNOWN_PEERS = ("transformers", "llama-cpp", "llama-server", "openvino")
+KNOWN_PEERS = ("transformers", "llama-server", "openvino")
 LLAMA_SERVER_WEIGHTS = ("bf16", "q4_1")
 OPENVINO_WEIGHTS = ("fp16", "int8", "fp32", "int4")
 
