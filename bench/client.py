@@ -13,6 +13,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import httpx
 
@@ -78,6 +79,22 @@ def completion_body(request: BenchRequest, model: str) -> dict:
     }
 
 
+def sse_event(line: str) -> dict | None:
+    """One line of a streamed OpenAI-style reply: its JSON chunk, or None (blank lines, comments,
+    other fields, ``data: [DONE]``)."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return json.loads(data) if data.startswith("{") else None
+
+
+async def sse_chunks(reply: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON chunks of a streamed reply, in order."""
+    async for line in reply.aiter_lines():
+        if (chunk := sse_event(line)) is not None:
+            yield chunk
+
+
 def usage_of(chunk: dict) -> tuple[int, int, int] | None:
     """(completion tokens, cached prompt tokens, prompt tokens) from a chunk that carries usage."""
     usage = chunk.get("usage")
@@ -100,13 +117,7 @@ async def send_http(client: httpx.AsyncClient, base_url: str, model: str, reques
                 body = (await reply.aread()).decode(errors="replace")
                 result.error = f"HTTP {reply.status_code}: {body[:300]}"
                 return result
-            async for line in reply.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            async for chunk in sse_chunks(reply):
                 usage = usage_of(chunk)
                 if usage is not None:
                     result.output_tokens, result.cached_tokens, prompt_tokens = usage

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import sse_chunks
 from bench.report import percentile
 from bench.server_metrics import scrape
 from kvserve.ports import free_port
@@ -62,10 +63,7 @@ async def one_request(client, url, body, record, first_token_barrier: asyncio.Ev
     async with client.stream("POST", url, json=body) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"HTTP {reply.status_code}: {await reply.aread()}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(reply):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0].get("text"):

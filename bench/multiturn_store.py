@@ -57,6 +57,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.client import sse_chunks
 from bench.peers.common import lscpu_text, write_lscpu
 from bench.report import percentile
 from bench.cluster import Cluster, service_env, start_cluster, wait_ready
@@ -224,10 +225,7 @@ async def send_turn(client, url: str, model: str, messages: list[dict], max_toke
             if reply.status_code != 200:
                 out["error"] = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:300]}"
                 return out
-            async for line in reply.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                chunk = json.loads(line[5:])
+            async for chunk in sse_chunks(reply):
                 out["error"] = str(chunk.get("error", ""))[:300] or out["error"]
                 for choice in chunk.get("choices") or []:
                     out["ttft"] = out["ttft"] or time.perf_counter() - start

@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable, Protocol
 
+from bench.client import sse_chunks
 from bench.cluster import Cluster, service_env
 from bench.cluster import start_cluster as start_cluster_of
 
@@ -305,13 +306,7 @@ def http_sender(client, base_url: str, model: str) -> Sender:
                 if reply.status_code != 200:
                     result.error = f"HTTP {reply.status_code}: {(await reply.aread()).decode(errors='replace')[:300]}"
                     return result
-                async for line in reply.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in sse_chunks(reply):
                     if "error" in chunk:
                         result.error = str(chunk["error"])[:300]
                         return result

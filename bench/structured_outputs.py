@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import sse_chunks
 from bench.peers import OPENVINO_WEIGHTS, parse_list
 from bench.peers.common import PeerUnavailable, lscpu_text, write_lscpu
 from bench.report import percentile
@@ -67,10 +68,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     first, text, tokens, finish = None, "", 0, None
     async with client.stream("POST", url, json=body) as reply:
         reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(reply):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):

@@ -372,6 +372,8 @@ def roc_auc(positives: list[float], negatives: list[float]) -> float | None:
 
 
 def stream_completion(client, url: str, model: str, prompt: str, tenant: str) -> dict:
+    from bench.client import sse_event
+
     out = {"tenant": tenant, "ttft_s": None, "prompt_tokens": 0, "cached_tokens": 0, "error": ""}
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -380,10 +382,7 @@ def stream_completion(client, url: str, model: str, prompt: str, tenant: str) ->
         if reply.status_code != 200:
             out["error"] = f"HTTP {reply.status_code}: {reply.read().decode(errors='replace')[:300]}"
             return out
-        for line in reply.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        for chunk in filter(None, map(sse_event, reply.iter_lines())):
             if chunk.get("choices") and out["ttft_s"] is None:
                 out["ttft_s"] = time.perf_counter() - start
             if usage := chunk.get("usage"):
