@@ -63,7 +63,7 @@ def contended(rounds: list[Round]) -> list[bool]:
     return [max(r.probe_ms) > CONTENDED_FACTOR * fastest for r in rounds]
 
 
-def summarize(rounds: list[Round]) -> dict[str, dict]:
+def summarize_rounds(rounds: list[Round]) -> dict[str, dict]:
     """Medians and wins over all rounds and over the quiet and the contended ones."""
     flags = contended(rounds)
     groups = {"all": rounds, "quiet": [r for r, c in zip(rounds, flags) if not c],
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         kvserve.close()
         openvino.close()
-    summary = summarize(rounds)
+    summary = summarize_rounds(rounds)
     print_summary(summary)
     print(f"(OpenVINO: {facts['openvino']}{'; ' + facts['openvino_note'] if 'openvino_note' in facts else ''}; "
           f"kvserve: {facts['kvserve']})")

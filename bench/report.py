@@ -98,7 +98,7 @@ def internal_fragmentation(stored_per_seq: list[int], block_size: int) -> float:
     return (allocated - sum(stored_per_seq)) / allocated if allocated else 0.0
 
 
-def summarize(name: str, results: list[RequestResult], wall_s: float,
+def row_from_results(name: str, results: list[RequestResult], wall_s: float,
               metrics: ServerMetrics | None = None) -> Row:
     """The row of one run: client-side latencies and throughput, server-side KV facts."""
     good = [r for r in results if r.ok]

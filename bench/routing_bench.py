@@ -385,7 +385,7 @@ class RowResult:
                 "total_tok_s": self.total_tok_s}
 
 
-def summarize(row: RowResult, results: list[TurnResult], wall: float) -> RowResult:
+def finish_row(row: RowResult, results: list[TurnResult], wall: float) -> RowResult:
     from bench.report import percentile
 
     ok = [r for r in results if r.ok]
@@ -592,7 +592,7 @@ def run_row(config: RowConfig, workload: list[list[Turn]], prompts: list[list[in
     row.startup_s = time.perf_counter() - t0
     try:
         results, wall, deltas = asyncio.run(measure(cluster, workload, args.concurrency, args.progress))
-        summarize(row, results, wall)
+        finish_row(row, results, wall)
         apply_metrics(row, deltas)
         lookup = time_lookup_prefix(cluster.kvmanager.address, prompts, args.lookup_passes, args.block_size)
         row.lookup_pools, row.lookup_calls = lookup["pools"], lookup["calls"]

@@ -5,7 +5,7 @@ import asyncio
 import time
 
 from bench.client import run_load
-from bench.report import Row, summarize
+from bench.report import Row, row_from_results
 from bench.server_metrics import MetricsSampler
 from bench.workload import BenchRequest
 
@@ -29,7 +29,7 @@ async def measure_async(name: str, requests: list[BenchRequest], *, base_url: st
                                        progress=progress)
     finally:
         metrics = await sampler.stop()
-    row = summarize(name, results, wall, metrics)
+    row = row_from_results(name, results, wall, metrics)
     if not metrics.available:
         row.notes.append("/metrics not reachable: no server-side numbers")
     elif row.kv_utilization is None:

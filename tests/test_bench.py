@@ -115,10 +115,10 @@ def _result(sent, ttft, e2e, tokens, ok=True):
                          output_tokens=tokens, ok=ok)
 
 
-def test_summarize_computes_throughput_percentiles_and_concurrency():
+def test_row_from_results_computes_throughput_percentiles_and_concurrency():
     results = [_result(0, 0.1, 1.0, 10), _result(0, 0.2, 2.0, 20), _result(0.5, 0.1, 0.5, 5),
                RequestResult(10, 5, error="HTTP 500: boom")]
-    row = report.summarize("x", results, wall_s=2.0)
+    row = report.row_from_results("x", results, wall_s=2.0)
     assert (row.completed, row.failed, row.output_tokens) == (3, 1, 35)
     assert row.output_throughput == 17.5
     assert row.ttft_ms["p99"] == pytest.approx(199, abs=1)
@@ -136,8 +136,8 @@ def test_usage_of_reads_cached_tokens():
 
 
 def test_table_json_and_plot_are_written(tmp_path):
-    base = report.summarize("baseline (static)", [_result(0, 1.0, 3.0, 10)], 3.0)
-    fast = report.summarize("+ prefix", [_result(0, 0.1, 1.0, 10)], 1.0)
+    base = report.row_from_results("baseline (static)", [_result(0, 1.0, 3.0, 10)], 3.0)
+    fast = report.row_from_results("+ prefix", [_result(0, 0.1, 1.0, 10)], 1.0)
     fast.kv_utilization, fast.kv_usage_series = 0.97, [(0, 0.1), (0.5, 0.6), (1.0, 0.2)]
     lines = report.table_lines([base, fast])
     assert lines[0] == "| " + " | ".join(report.TABLE_COLUMNS) + " |"

@@ -145,7 +145,7 @@ def test_lscpu_summary_and_file(tmp_path):
 
 def test_system_table_says_how_each_row_ran():
     results = [RequestResult(10, 4, sent_at=0.0, ttft=0.1, e2e=0.4, itl=[0.1, 0.1, 0.1], output_tokens=4, ok=True)]
-    row = report.summarize("OpenVINO GenAI CB INT8", results, 1.0)
+    row = report.row_from_results("OpenVINO GenAI CB INT8", results, 1.0)
     row.weights, row.threads, row.kv_budget, row.transport = "INT8 (weights only) IR", 1, "9408 tokens", "in-process"
     lines = report.system_lines([row])
     assert lines[0].startswith("| system | weights | threads | KV budget | transport")
@@ -228,7 +228,7 @@ def test_openvino_runner_closed_loop_on_a_fake_pipeline(tmp_path, monkeypatch):
     assert all(r.ttft > 0 and r.e2e >= r.ttft for r in results)
     assert results[2].sent_at >= results[1].sent_at  # the third waits for a free place
     assert payload["cache"]["kv_usage_peak"] == pytest.approx(0.5)
-    row = report.summarize("ov", results, payload["wall_s"])
+    row = report.row_from_results("ov", results, payload["wall_s"])
     assert row.completed == 3 and row.output_tokens == 8
 
 

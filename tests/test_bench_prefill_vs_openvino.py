@@ -32,12 +32,12 @@ def test_rounds_with_a_slow_probe_are_counted_as_contended():
     rounds = [_round(100, 200), _round(300, 250, probe=(1.0, 2.5)), _round(120, 180, probe=(1.4, 1.2)),
               _round(310, 400, probe=(3.0, 2.9))]
     assert pvo.contended(rounds) == [False, True, False, True]
-    summary = pvo.summarize(rounds)
+    summary = pvo.summarize_rounds(rounds)
     assert summary["all"]["rounds"] == 4 and summary["all"]["kvserve_faster"] == 3
     assert summary["quiet"] == {"rounds": 2, "kvserve_ms": 110, "openvino_ms": 190, "ratio": pytest.approx(110 / 190),
                                 "kvserve_faster": 2}
     assert summary["contended"]["kvserve_ms"] == 305 and summary["contended"]["kvserve_faster"] == 1
-    assert "contended" not in pvo.summarize(rounds[:1] + rounds[2:3])
+    assert "contended" not in pvo.summarize_rounds(rounds[:1] + rounds[2:3])
 
 
 def test_the_cached_prefix_is_a_multiple_of_the_block_size(capsys):

@@ -146,7 +146,7 @@ def test_summary_and_table_formatting():
     row = rb.RowResult("kv, 2 executors", "kv", 2, 512, 1)
     results = [rb.TurnResult(0, k, 100, ttft=0.1 * (k + 1), e2e=1.0, output_tokens=32, cached_tokens=50, ok=True)
                for k in range(4)] + [rb.TurnResult(1, 0, 100, error="HTTP 503: busy")]
-    rb.summarize(row, results, wall=2.0)
+    rb.finish_row(row, results, wall=2.0)
     assert (row.completed, row.failed, row.prompt_tokens, row.cached_tokens) == (4, 1, 400, 200)
     assert row.hit_rate == 0.5 and row.output_tok_s == 64.0 and row.total_tok_s == 264.0
     assert row.ttft_p50_ms == pytest.approx(250.0) and row.ttft_p99_ms == pytest.approx(397.0)

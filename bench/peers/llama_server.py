@@ -221,7 +221,7 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
             kv_note: str, log_dir: Path, progress: bool, request_rate: float | None = None, seed: int = 0):
     """One row: start the server on ``gguf``, warm it up, run the workload, read /metrics, stop it."""
     from bench.client import run_load
-    from bench.report import summarize
+    from bench.report import row_from_results
     from bench.runner import WARMUP_REQUEST
 
     port = free_port()
@@ -249,7 +249,7 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    row = summarize(name, results, wall)
+    row = row_from_results(name, results, wall)
     precision = gguf_precision(gguf)
     for key, value in label("llama.cpp llama-server", weights=f"{precision} GGUF",
                             weight_bits=gguf_weight_bits(precision), threads=threads, kv_budget=kv_note,

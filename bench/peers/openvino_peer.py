@@ -102,7 +102,7 @@ def to_results(payload: dict):
 
 def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurrency: int, threads: int,
             kv_tokens: int, kv_note: str, max_num_batched_tokens: int, log_dir: Path, precision: str | None = None):
-    from bench.report import summarize
+    from bench.report import row_from_results
 
     log_dir.mkdir(parents=True, exist_ok=True)
     job_path = log_dir / f"openvino-{weight_format}-job.json"
@@ -120,7 +120,7 @@ def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurr
     run_logged([str(python), str(RUNNER), str(job_path), str(out_path)], log_path,
                env={**os.environ, "OMP_NUM_THREADS": str(threads)}, timeout=3 * 3600)
     payload = json.loads(out_path.read_text())
-    row = summarize(f"OpenVINO GenAI CB {weight_format.upper()}", to_results(payload), payload["wall_s"])
+    row = row_from_results(f"OpenVINO GenAI CB {weight_format.upper()}", to_results(payload), payload["wall_s"])
     facts = payload.get("facts", {})
     precision = facts.get("INFERENCE_PRECISION_HINT", "?")
     for key, value in label("OpenVINO GenAI ContinuousBatchingPipeline",

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.client import RequestResult
-from bench.report import Row, summarize
+from bench.report import Row, row_from_results
 from bench.workload import BenchRequest, load_tokenizer
 
 
@@ -145,7 +145,7 @@ def run_transformers_peer(model_dir: Path, requests: list[BenchRequest], batch_s
                        pad_token_id=pad_id)
     results, wall, (stored, allocated) = run_static_batches(model, token_lists, requests, batch_size,
                                                             pad_id, progress)
-    row = summarize(f"peer: transformers static batching ({dtype})", results, wall)
+    row = row_from_results(f"peer: transformers static batching ({dtype})", results, wall)
     row.max_concurrency = min(batch_size, len(requests))
     row.kv_utilization = stored / allocated if allocated else None
     row.internal_fragmentation = None  # a contiguous cache has no blocks; its waste is padding + reservation
