@@ -78,7 +78,12 @@ def _stages() -> dict[str, list[str]]:
 
 
 def _compose_command() -> list[str] | None:
-    docker = os.environ.get("KVSERVE_DOCKER", "docker")
+    """KVSERVE_COMPOSE ("docker compose", "docker-compose"), else `docker compose` where that
+    works, else docker-compose."""
+    if os.environ.get("KVSERVE_COMPOSE"):
+        command = shlex.split(os.environ["KVSERVE_COMPOSE"])
+        return command if shutil.which(command[0]) else None
+    docker = os.environ.get("KVSERVE_DOCKER") or "docker"
     if shutil.which(docker):
         probe = subprocess.run([docker, "compose", "version"], capture_output=True, text=True)
         if probe.returncode == 0:
@@ -93,11 +98,30 @@ def _compose_command() -> list[str] | None:
 
 
 def test_compose_builds_instead_of_pulling():
+    """`up` runs what `make image` built, never pulls it, and where it builds, builds as make image
+    does: on the host's network (an engine with --iptables=false gives a bridge build none)."""
     services = _load(COMPOSE)["services"]
     for name in ("model", *RUNTIME_SERVICES):
         svc = services[name]
         assert svc.get("build"), f"{name}: no build section"
-        assert svc.get("pull_policy") in ("build", "never"), f"{name}: `up` would try to pull {svc['image']}"
+        assert svc.get("pull_policy") == "never", f"{name}: `up` would try to pull or rebuild {svc['image']}"
+        assert svc["build"].get("network") == "host", name
+        assert svc["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim", name  # KVSERVE_BASE_IMAGE unset
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    image = re.search(r"^image:.*?(?=^\S)", makefile, re.M | re.S).group(0)
+    assert "KVSERVE_BASE_IMAGE:-python:3.11-slim" in image and "docker/buildkit-docker" in image
+    for service in ("model", "gateway"):
+        assert services[service]["image"] in image, f"make image does not build {services[service]['image']}"
+
+
+def test_the_gateway_follows_a_ready_executor_within_seconds():
+    """The gateway starts when the executors' check first passes and is healthy at its own first
+    passing check; Docker < 25 runs the first one `interval` after the start, so both intervals are
+    on the path of every `up` (the second-`up` target is under 20 s on 2 cores)."""
+    services = _load(COMPOSE)["services"]
+    assert _seconds(services["executor"]["healthcheck"]["interval"]) <= 2
+    assert _seconds(services["gateway"]["healthcheck"]["interval"]) <= 2
+    assert _seconds(services["kvmanager"]["healthcheck"]["interval"]) <= 5
 
 
 def test_model_conversion_has_its_own_image():
@@ -328,12 +352,32 @@ def test_ensure_kernels_runs_the_command_and_skips_when_told(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr
 
 
+def test_ensure_kernels_finds_the_kernel_directory_without_importing_torch(tmp_path):
+    """The executor's start checks its kernel first; that check must not pay for a torch import
+    (the executor imports torch right after), and must name the directory csrc/build.py builds."""
+    pytest.importorskip("torch")
+    code = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("ek", {str(REPO_ROOT / "docker" / "ensure-kernels.py")!r})
+ek = importlib.util.module_from_spec(spec); spec.loader.exec_module(ek)
+build = ek.build_script()
+fast = ek._cpu_build_dir(build)
+assert "torch" not in sys.modules, "imported torch"
+import torch
+assert fast == build.cpu_build_dir(), (fast, build.cpu_build_dir())
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_APP_DIR": str(REPO_ROOT), "KVSERVE_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------------
 # End to end: build, `docker compose up`, ask a question.
 
 
 def _docker() -> str:
-    return os.environ.get("KVSERVE_DOCKER", "docker")
+    return os.environ.get("KVSERVE_DOCKER") or "docker"
 
 
 def _engine_reason() -> str | None:
@@ -346,14 +390,13 @@ def _engine_reason() -> str | None:
         return "no Docker engine answers `docker info`: " + (out.stderr.strip().splitlines() or ["?"])[-1][:200]
     if _compose_command() is None:
         return "a Docker engine answers but there is no `docker compose` or `docker-compose`"
-    # The Dockerfile needs BuildKit (RUN --mount). Docker 23+ CLIs build through the buildx plugin;
-    # older ones (20.10) have BuildKit built in and use it with DOCKER_BUILDKIT=1.
-    client = subprocess.run([_docker(), "version", "-f", "{{.Client.Version}}"], capture_output=True, text=True)
-    major = re.match(r"(\d+)", client.stdout.strip())
-    has_buildx = subprocess.run([_docker(), "buildx", "version"], capture_output=True).returncode == 0
-    if major and int(major.group(1)) >= 23 and not has_buildx:
-        return (f"the docker CLI {client.stdout.strip()} has no buildx plugin, so no BuildKit; "
-                "install docker-buildx or set KVSERVE_DOCKER to a CLI that has it")
+    # The Dockerfile needs BuildKit (RUN --mount): `make image` builds with the CLI that
+    # docker/buildkit-docker finds (Docker 23+ with buildx, or 20.10), or with KVSERVE_DOCKER.
+    finder = [str(REPO_ROOT / "docker" / "buildkit-docker"), *([os.environ["KVSERVE_DOCKER"]]
+                                                                if os.environ.get("KVSERVE_DOCKER") else [])]
+    out = subprocess.run(finder, capture_output=True, text=True)
+    if out.returncode != 0:
+        return out.stderr.strip()[-400:]
     return None
 
 
@@ -386,8 +429,21 @@ def _wait_healthy(url: str, timeout: float, compose, logs) -> float:
     while time.monotonic() - start < timeout:
         if _get(url)[0] == 200:
             return time.monotonic() - start
-        time.sleep(2)
+        time.sleep(0.25)
     pytest.fail(f"{url} not 200 after {timeout:.0f}s\n{logs()[-6000:]}")
+
+
+def _wait_container_healthy(docker: str, container: str, timeout: float) -> None:
+    """Until Docker says the container's healthcheck passed (it polls every 0.25 s)."""
+    deadline = time.monotonic() + timeout
+    status = ""
+    while time.monotonic() < deadline:
+        status = subprocess.run([docker, "inspect", "-f", "{{.State.Health.Status}}", container],
+                                capture_output=True, text=True).stdout.strip()
+        if status == "healthy":
+            return
+        time.sleep(0.25)
+    pytest.fail(f"container {container} is {status!r} after {timeout:.0f}s")
 
 
 @pytest.mark.slow
@@ -400,22 +456,21 @@ def test_compose_up_answers_a_question(tmp_path):
                         pytrace=False)
         pytest.skip(reason)
     docker = _docker()
-    env = {**os.environ, "DOCKER_BUILDKIT": "1"}
+    env = dict(os.environ)
     http_port, grpc_port = free_port(), free_port()
     env.update(KVSERVE_HTTP_PUBLISH_PORT=str(http_port), KVSERVE_GRPC_PUBLISH_PORT=str(grpc_port))
     project = f"kvserve-e2e-{os.getpid()}"
     timings: dict[str, float] = {}
 
-    # Build with the docker CLI (BuildKit), so KVSERVE_DOCKER_BUILD_FLAGS can pass secrets and
-    # --network; `up --no-build` then uses these images.
-    flags = shlex.split(os.environ.get("KVSERVE_DOCKER_BUILD_FLAGS", ""))
-    if os.environ.get("KVSERVE_BASE_IMAGE"):
-        flags += ["--build-arg", f"BASE_IMAGE={os.environ['KVSERVE_BASE_IMAGE']}"]
+    # The documented path (docs/deploy.md, "## Docker"): `make image`, deploy/check-ports,
+    # `docker compose up`. make image builds with BuildKit (KVSERVE_DOCKER_BUILD_FLAGS: secrets,
+    # --network host; KVSERVE_BASE_IMAGE), and `up` then runs those images without building.
+    make = ["make", "--no-print-directory", "image", f"DOCKER_BUILD_FLAGS={os.environ.get('KVSERVE_DOCKER_BUILD_FLAGS', '')}"]
+    if os.environ.get("KVSERVE_DOCKER"):
+        make.append(f"DOCKER={os.environ['KVSERVE_DOCKER']}")
     start = time.monotonic()
-    for target, tag in (("model", "kvserve-model:latest"), ("runtime", "kvserve:latest")):
-        out = subprocess.run([docker, "build", *flags, "--target", target, "-t", tag, "."], cwd=REPO_ROOT,
-                             env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-6000:]
+    out = subprocess.run(make, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     timings["build_s"] = time.monotonic() - start
     size = subprocess.run([docker, "image", "inspect", "-f", "{{.Size}}", "kvserve:latest"],
                           capture_output=True, text=True).stdout.strip()
@@ -423,6 +478,9 @@ def test_compose_up_answers_a_question(tmp_path):
     user = subprocess.run([docker, "image", "inspect", "-f", "{{.Config.User}}", "kvserve:latest"],
                           capture_output=True, text=True).stdout.strip()
     assert user not in ("", "root", "0"), f"image runs as {user!r}"
+    ports = subprocess.run([sys.executable, str(REPO_ROOT / "deploy" / "check-ports")], env=env,
+                           capture_output=True, text=True)
+    assert ports.returncode == 0, ports.stderr
 
     compose = [*_compose_command(), "-p", project, "-f", str(COMPOSE)]
 
@@ -441,7 +499,7 @@ def test_compose_up_answers_a_question(tmp_path):
         # `up -d` returns once the gateway is started (after kvmanager and executor turned healthy).
         # Two executor replicas (compose.yaml's deploy.replicas; --scale for docker-compose 1.x),
         # which the gateway finds through Docker's DNS.
-        run("up", "-d", "--no-build", "--scale", "executor=2")
+        run("up", "-d", "--scale", "executor=2")
         timings["cold_up_s"] = time.monotonic() - start + _wait_healthy(health, 900, compose, logs)
 
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
@@ -460,16 +518,7 @@ def test_compose_up_answers_a_question(tmp_path):
         assert len(executors_up) == 2, f"the gateway does not serve from both executor replicas: {executors_up}"
 
         # The gateway's own healthcheck (HTTP /health + gRPC) turns the container healthy.
-        gateway = run("ps", "-q", "gateway").stdout.strip()
-        deadline = time.monotonic() + 180
-        status = ""
-        while time.monotonic() < deadline:
-            status = subprocess.run([docker, "inspect", "-f", "{{.State.Health.Status}}", gateway],
-                                    capture_output=True, text=True).stdout.strip()
-            if status == "healthy":
-                break
-            time.sleep(2)
-        assert status == "healthy", f"gateway container is {status!r}"
+        _wait_container_healthy(docker, run("ps", "-q", "gateway").stdout.strip(), 180)
 
         # ... and stepped the replica that answered over its step socket in the shared volume (a
         # replica's socket is opened at its first step), never falling back to gRPC.
@@ -493,8 +542,10 @@ def test_compose_up_answers_a_question(tmp_path):
         (tmp_path / "compose-cold.log").write_text(logs())
         run("down")
         start = time.monotonic()
-        run("up", "-d", "--no-build", "--scale", "executor=2")
+        run("up", "-d", "--scale", "executor=2")
         timings["warm_up_s"] = time.monotonic() - start + _wait_healthy(health, 600, compose, logs)
+        _wait_container_healthy(docker, run("ps", "-q", "gateway").stdout.strip(), 180)
+        timings["warm_up_gateway_healthy_s"] = time.monotonic() - start
         warm_executor = run("logs", "--no-color", "executor").stdout
         assert "kernel_compile_started" not in warm_executor, warm_executor[-3000:]
         assert "kernel_ready" in warm_executor
