@@ -27,25 +27,12 @@ from kvserve.conformance.step_socket_client import StepSocketClient
 from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
-from tests.conftest import REPO_ROOT, free_port, service_env
-from tests.test_executor_service import BAD_REQUESTS, MAX_MODEL_LEN, NUM_BLOCKS, seq
+from tests.conftest import REPO_ROOT, free_port, service_env, tiny_executor_args
+from tests.conftest import TINY_NUM_BLOCKS as NUM_BLOCKS
+from tests.test_executor_service import BAD_REQUESTS, seq
 from tests.test_gateway_executor_client import Decoder, decode_entry
 
 TOKEN = "step-socket-test-token"
-
-
-def tiny_executor_args(tiny_model_dir: Path, *extra: str) -> list[str]:
-    return ["--model", str(tiny_model_dir), "--num-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-            "--dtype", "float32", *extra]
-
-
-@pytest.fixture
-def tiny_executor(start_service, tiny_model_dir):
-    service = start_service("executor", *tiny_executor_args(tiny_model_dir))
-    channel = grpc.insecure_channel(service.address)
-    stub = executor_pb2_grpc.ExecutorStub(channel)
-    yield service, stub, stub.Describe(pb.DescribeRequest(), timeout=10)
-    channel.close()
 
 
 class RawStepClient(StepSocketClient):
