@@ -147,16 +147,33 @@ def tiny_executor_args(tiny_model_dir: Path, *extra: str) -> list[str]:
             "--max-model-len", str(TINY_MAX_MODEL_LEN), "--dtype", "float32", *extra]
 
 
-@pytest.fixture
-def tiny_executor(start_service, tiny_model_dir):
-    """(service, stub, DescribeResponse) of a tiny-model executor (``tiny_executor_args``), per test."""
+def _connected_executor(service: ServiceProcess):
     from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
-    service = start_service("executor", *tiny_executor_args(tiny_model_dir))
     channel = grpc.insecure_channel(service.address)
     stub = executor_pb2_grpc.ExecutorStub(channel)
-    yield service, stub, stub.Describe(executor_pb2.DescribeRequest(), timeout=10)
+    return channel, (service, stub, stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+
+
+@pytest.fixture
+def tiny_executor(start_service, tiny_model_dir):
+    """(service, stub, DescribeResponse) of a tiny-model executor (``tiny_executor_args``), per
+    test: for a test that stops it."""
+    channel, executor = _connected_executor(start_service("executor", *tiny_executor_args(tiny_model_dir)))
+    yield executor
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def shared_tiny_executor(tiny_model_dir, tmp_path_factory):
+    """``tiny_executor``, one per module, for tests that leave it running. The executor holds no
+    state between steps but the KV its blocks hold, and every such test writes (prefills) the
+    blocks it reads first, so the tests cannot see each other."""
+    service = launch("executor", tiny_executor_args(tiny_model_dir), tmp_path_factory.mktemp("tiny-executor"))
+    channel, executor = _connected_executor(service)
+    yield executor
+    channel.close()
+    service.stop()
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,8 @@ BAD_REQUESTS = {
 }
 
 
-def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
-    _, stub, _ = tiny_executor
+def test_bad_requests_are_invalid_argument_and_leave_kv_intact(shared_tiny_executor):
+    _, stub, _ = shared_tiny_executor
     prompt = list(range(300, 340))  # 40 tokens: blocks 1-3 for A, 4-6 for its twin B
     first = stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
     assert first.sampled_token_ids[0] == first.sampled_token_ids[1] and first.num_tokens == 80
@@ -86,11 +86,11 @@ def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
     assert after.timings.total_ms > 0 and after.timings.forward_ms > 0
 
 
-def test_execute_stream_answers_each_step_in_order_as_execute_does(tiny_executor):
+def test_execute_stream_answers_each_step_in_order_as_execute_does(shared_tiny_executor):
     """ExecuteStream (what the gateway uses): step after step on one stream, each reply the one a
     unary Execute gives for the same step; a refused step ends the stream with Execute's status
     and changes no KV; a malformed message is INVALID_ARGUMENT; the next stream serves again."""
-    service, stub, _ = tiny_executor
+    service, stub, _ = shared_tiny_executor
     prompt = list(range(300, 340))
     unary = [stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3])]))]
     unary.append(stub.Execute(pb.ExecuteRequest(sequences=[seq([unary[0].sampled_token_ids[0]], 40, [1, 2, 3],

@@ -147,10 +147,10 @@ def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executor
     assert "step socket's directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor):
+def test_steps_on_the_socket_are_answered_as_execute_answers_them(shared_tiny_executor):
     """Sequence A steps over the socket, its twin B over gRPC: same tokens, log-probabilities and
     alternatives at every step, prefill in two chunks and decodes, with the executor's instance id."""
-    _, stub, info = tiny_executor
+    _, stub, info = shared_tiny_executor
     client = RawStepClient(info.step_socket)
     prompt = list(range(300, 340))
     chunks = [(prompt[:24], 0), (prompt[24:], 24)]
@@ -170,8 +170,8 @@ def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor)
     client.close()
 
 
-def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the_connection(tiny_executor):
-    _, stub, info = tiny_executor
+def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the_connection(shared_tiny_executor):
+    _, stub, info = shared_tiny_executor
     client = RawStepClient(info.step_socket)
     prompt = list(range(300, 340))
     first = client.answered(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
@@ -197,8 +197,8 @@ def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the
     client.close()
 
 
-def test_a_stalled_or_silent_client_holds_up_nobody(tiny_executor):
-    service, stub, info = tiny_executor
+def test_a_stalled_or_silent_client_holds_up_nobody(shared_tiny_executor):
+    service, stub, info = shared_tiny_executor
     half = RawStepClient(info.step_socket)
     half.send_raw(struct.pack(">I", 100) + b"\x0a\x05")  # a frame's header and 2 of its 100 bytes
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -247,10 +247,10 @@ def advance(entry: ScheduledSeq, token_id: int) -> None:
     entry.num_tokens = 1
 
 
-def test_the_gateway_steps_on_the_socket_and_agrees_with_its_stream(tiny_executor):
+def test_the_gateway_steps_on_the_socket_and_agrees_with_its_stream(shared_tiny_executor):
     """The gateway's client steps over the socket once Describe offered it, with the tokens its
     gRPC stream gives; a refusal arrives as the same DependencyError and the socket serves on."""
-    service, _, _ = tiny_executor
+    service, _, _ = shared_tiny_executor
 
     async def scenario():
         over_socket = ExecutorClient(service.address)
