@@ -83,13 +83,17 @@ def test_a_step_socket_path_taken_or_unusable_is_a_one_line_error_and_a_stale_on
     client.close()
     not_a_socket = tmp_path / "plain-file"
     not_a_socket.write_text("keep me")
-    for where, reason in ((path, "another process listens there"), (tmp_path / "no-dir" / "s.sock", "No such file"),
-                          (not_a_socket, "not a socket")):
-        proc = subprocess.run([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
+    cases = ((path, "another process listens there"), (tmp_path / "no-dir" / "s.sock", "No such file"),
+             (not_a_socket, "not a socket"))
+    # The three refused starts run at once: each spends its time loading the executor, not refusing.
+    procs = [subprocess.Popen([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
                                "--port", str(free_port()), "--step-socket", str(where)],
-                              cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
-        assert "step socket" in proc.stderr and reason in proc.stderr and "Traceback" not in proc.stderr
+                              cwd=REPO_ROOT, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for where, _ in cases]
+    for proc, (_, reason) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and stderr.strip().count("\n") == 0, stderr
+        assert "step socket" in stderr and reason in stderr and "Traceback" not in stderr
     assert not_a_socket.read_text() == "keep me" and first.alive()
 
 
