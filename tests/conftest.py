@@ -3,6 +3,15 @@
 ``start_service("kvmanager", "--flag", ...)`` starts ``python -m kvmanager`` on a
 free port, waits until its health service says SERVING, and stops it (SIGTERM)
 at teardown. ``start_stack(model_dir)`` does that for all three services.
+
+The process stacks, one home each:
+
+* ``module_stack(model_dir, ...)``: kvmanager + executor + gateway (the launcher's
+  ``start_stack``), shared by a module's tests, stopped (and the gateway's clean exit
+  checked) when the module ends. For tests that only send requests.
+* ``service_stack(model_dir, ...)``: the same three started one by one with
+  ``start_service``, per test, for tests that kill, stop or restart one of them.
+* ``tiny_executor``: one executor of the tiny model (``tiny_executor_args``), per test.
 """
 from __future__ import annotations
 
@@ -10,7 +19,10 @@ import json
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 import httpx
 import pytest
@@ -63,15 +75,105 @@ def start_service(tmp_path):
 
 
 def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = (),
-                gateway_args: list[str] = (), kvmanager_args: list[str] = ()) -> Stack:
-    """kvmanager, executor and gateway as three processes on free loopback ports, all healthy."""
+                gateway_args: list[str] = (), kvmanager_args: list[str] = (), **config) -> Stack:
+    """kvmanager, executor and gateway as three processes on free loopback ports, all healthy;
+    ``config``: more ``StackConfig`` fields (``api_key``, ``service_token``, ``timeout``)."""
     config = StackConfig(
         model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
         gateway_port=free_port(), http_port=free_port(), kvmanager_args=list(kvmanager_args),
         executor_args=list(executor_args), gateway_args=list(gateway_args), log_dir=log_dir,
-        env=service_env(),
+        env=service_env(), **config,
     )
     return launcher_start_stack(config)
+
+
+@pytest.fixture(scope="module")
+def module_stack(tmp_path_factory, request):
+    """Factory fixture: ``module_stack(model_dir, executor_args=..., gateway_args=..., exit_0=("gateway",))``
+    (more keywords: ``start_stack``'s) starts a stack that the module's tests share; at the
+    module's end it is stopped and the services named in ``exit_0`` must have exited 0."""
+    started: list[tuple[Stack, tuple[str, ...]]] = []
+    name = request.module.__name__.rsplit(".", 1)[-1]
+
+    def start(model_dir: Path, *, exit_0: tuple[str, ...] = ("gateway",), **kwargs) -> Stack:
+        stack = start_stack(model_dir, tmp_path_factory.mktemp(name), **kwargs)
+        started.append((stack, exit_0))
+        return stack
+
+    yield start
+    for stack, exit_0 in reversed(started):
+        codes = stack.stop()
+        assert {m: codes[m] for m in exit_0} == dict.fromkeys(exit_0, 0), (codes, stack.gateway.logs()[-3000:])
+
+
+@dataclass
+class ServiceStack:
+    """kvmanager, executor and gateway started by ``start_service`` (any can be killed and restarted)."""
+
+    kvmanager: ServiceProcess
+    executor: ServiceProcess
+    gateway: ServiceProcess
+    http_port: int
+    model_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+@pytest.fixture
+def service_stack(start_service):
+    """Factory fixture: ``service_stack(model_dir, *gateway_args, executor_args=())`` starts
+    kvmanager, executor and gateway one by one (per test, stopped at its end)."""
+
+    def start(model_dir: Path, *gateway_args: str, executor_args: tuple[str, ...] = ()) -> ServiceStack:
+        kvmanager = start_service("kvmanager")
+        executor = start_service("executor", "--model", str(model_dir), *executor_args, timeout=300)
+        http_port = free_port()
+        gateway = start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                                "--executor-address", executor.address, "--model", str(model_dir), *gateway_args)
+        return ServiceStack(kvmanager, executor, gateway, http_port, model_dir)
+
+    return start
+
+
+# The tiny executor of the executor-service and step-socket tests.
+TINY_NUM_BLOCKS = 24
+TINY_MAX_MODEL_LEN = 128
+
+
+def tiny_executor_args(tiny_model_dir: Path, *extra: str) -> list[str]:
+    return ["--model", str(tiny_model_dir), "--num-blocks", str(TINY_NUM_BLOCKS),
+            "--max-model-len", str(TINY_MAX_MODEL_LEN), "--dtype", "float32", *extra]
+
+
+def _connected_executor(service: ServiceProcess):
+    from kvserve.v1 import executor_pb2, executor_pb2_grpc
+
+    channel = grpc.insecure_channel(service.address)
+    stub = executor_pb2_grpc.ExecutorStub(channel)
+    return channel, (service, stub, stub.Describe(executor_pb2.DescribeRequest(), timeout=10))
+
+
+@pytest.fixture
+def tiny_executor(start_service, tiny_model_dir):
+    """(service, stub, DescribeResponse) of a tiny-model executor (``tiny_executor_args``), per
+    test: for a test that stops it."""
+    channel, executor = _connected_executor(start_service("executor", *tiny_executor_args(tiny_model_dir)))
+    yield executor
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def shared_tiny_executor(tiny_model_dir, tmp_path_factory):
+    """``tiny_executor``, one per module, for tests that leave it running. The executor holds no
+    state between steps but the KV its blocks hold, and every such test writes (prefills) the
+    blocks it reads first, so the tests cannot see each other."""
+    service = launch("executor", tiny_executor_args(tiny_model_dir), tmp_path_factory.mktemp("tiny-executor"))
+    channel, executor = _connected_executor(service)
+    yield executor
+    channel.close()
+    service.stop()
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +188,19 @@ def cpu_ops():
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
+def executor_kernels() -> None:
+    """Builds the CPU kernels here, once, before a test starts an executor: an executor that
+    compiled them itself (minutes, on a new checkout) would run past its stack's start timeout."""
+    from executor.attention.csrc_loader import csrc_build_script
+
+    try:
+        csrc_build_script().load_cpu()
+    except (ImportError, OSError, RuntimeError):
+        pass  # the executor reports it (or runs without them) itself
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(executor_kernels) -> Path:
     """The embedded SmolLM2-135M-Instruct, converted on first use."""
     from executor.prepare_model import default_model_dir as model_dir, prepare
 

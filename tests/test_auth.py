@@ -136,17 +136,9 @@ def test_kvmanager_with_service_token_refuses_other_callers_but_not_health(start
 
 
 @pytest.fixture(scope="module")
-def secured_stack(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("auth-stack")
-    config = StackConfig(
-        model_dir=tiny_model_dir, kvmanager_port=free_port(), executor_port=free_port(),
-        gateway_port=free_port(), http_port=free_port(), executor_args=["--num-blocks", "64"],
-        log_dir=log_dir, env=service_env(), timeout=240, api_key=API_KEY, service_token=SERVICE_TOKEN,
-    )
-    stack = launcher_start_stack(config)
-    yield stack
-    codes = stack.stop()
-    assert codes == {"gateway": 0, "executor": 0, "kvmanager": 0}, stack.gateway.logs()[-3000:]
+def secured_stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, executor_args=["--num-blocks", "64"], timeout=240, api_key=API_KEY,
+                        service_token=SERVICE_TOKEN, exit_0=("gateway", "executor", "kvmanager"))
 
 
 def _completion(stack, headers: dict[str, str] | None = None) -> httpx.Response:

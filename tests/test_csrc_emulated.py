@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import shutil
 import subprocess
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from csrc_support import nan_paged_cache
+from executor.attention.csrc_loader import csrc_build_script
 from executor.attention import paged_reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,21 +31,52 @@ DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as tests/test_csrc_gpu.py
 
 
+def emulation_flags(warp_size: int) -> list[str]:
+    # Hidden, non-unique symbols: the 32- and 128-wide builds live in one
+    # process and must not share the kernels' static "__shared__" arrays.
+    return ["g++", "-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-fno-gnu-unique",
+            "-Wno-unknown-pragmas", "-DKVSERVE_EMULATION", f"-DKV_WARP_SIZE={warp_size}", f"-I{CSRC}"]
+
+
+def emulation_digest(warp_size: int) -> str:
+    """What the library is built from: every file under csrc/, and the compile flags."""
+    sources = b"".join(p.read_bytes() for p in sorted(CSRC.rglob("*")) if p.is_file())
+    flags = " ".join(emulation_flags(warp_size)[:-1]).encode()  # not -I: where the checkout is
+    return hashlib.sha256(sources + flags).hexdigest()[:16]
+
+
+def cached_emulation(warp_size: int) -> ctypes.CDLL:
+    """``build_emulation``'s library, built once per ``emulation_digest`` and kept beside the
+    compiled kernels (``csrc/build.py``'s ``build_root``): later runs and checkouts load it."""
+    digest = emulation_digest(warp_size)
+    cache = csrc_build_script().build_root() / "emulation" / f"w{warp_size}-{digest}"
+    if not cache.is_dir():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
+        build_emulation(staging, warp_size)
+        try:
+            staging.rename(cache)  # atomic: a concurrent run that got there first keeps its own
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return load_emulation(cache / f"libkvemu_w{warp_size}_{digest}.so")
+
+
+def load_emulation(lib_path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_path))
+    for fn in (lib.emu_paged_attention, lib.emu_reshape_and_cache, lib.emu_copy_blocks):
+        fn.restype = ctypes.c_char_p
+    return lib
+
+
 def build_emulation(out: Path, warp_size: int) -> ctypes.CDLL:
     """Compiles the kernel sources + emulation into a shared library (g++, -O1)."""
     sources = [CSRC / u for u in UNITS] + [CSRC / "emulation" / "emu_api.cpp"]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.rglob("*")) if p.is_file())).hexdigest()[:16]
+    digest = emulation_digest(warp_size)
     objs, procs = [], []
     for src in sources:
         obj = out / f"{src.name}.w{warp_size}.o"
         lang = ["-x", "c++"] if src.suffix == ".cu" else []
-        cmd = [
-            # Hidden, non-unique symbols: the 32- and 128-wide builds live in one
-            # process and must not share the kernels' static "__shared__" arrays.
-            "g++", "-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden", "-fno-gnu-unique",
-            "-Wno-unknown-pragmas", "-DKVSERVE_EMULATION",
-            f"-DKV_WARP_SIZE={warp_size}", f"-I{CSRC}", *lang, "-c", str(src), "-o", str(obj),
-        ]  # fmt: skip
+        cmd = [*emulation_flags(warp_size), *lang, "-c", str(src), "-o", str(obj)]
         procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         objs.append(str(obj))
     for cmd, proc in procs:
@@ -54,10 +87,7 @@ def build_emulation(out: Path, warp_size: int) -> ctypes.CDLL:
             raise AssertionError(f"$ {' '.join(cmd)}\n{text}")
     lib_path = out / f"libkvemu_w{warp_size}_{digest}.so"
     subprocess.run(["g++", "-shared", "-pthread", *objs, "-o", str(lib_path)], check=True, timeout=120)
-    lib = ctypes.CDLL(str(lib_path))
-    for fn in (lib.emu_paged_attention, lib.emu_reshape_and_cache, lib.emu_copy_blocks):
-        fn.restype = ctypes.c_char_p
-    return lib
+    return load_emulation(lib_path)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +95,8 @@ def emu_libs(tmp_path_factory):
     """{32: lib, 128: lib}: NVIDIA / MUSA mp_31 warps, and MUSA mp_22 128-wide warps."""
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    out = tmp_path_factory.mktemp("kvemu")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        libs = dict(zip((32, 128), pool.map(lambda w: build_emulation(out, w), (32, 128))))
+        libs = dict(zip((32, 128), pool.map(cached_emulation, (32, 128))))
     return libs
 
 

@@ -15,18 +15,8 @@ from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
 from tests.conftest import PARIS_QUESTION, REPO_ROOT, free_port, service_env
-
-NUM_BLOCKS = 24
-MAX_MODEL_LEN = 128
-
-
-@pytest.fixture
-def tiny_executor(start_service, tiny_model_dir):
-    service = start_service("executor", "--model", str(tiny_model_dir), "--num-blocks", str(NUM_BLOCKS),
-                            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32")
-    channel = grpc.insecure_channel(service.address)
-    yield service, executor_pb2_grpc.ExecutorStub(channel)
-    channel.close()
+from tests.conftest import TINY_MAX_MODEL_LEN as MAX_MODEL_LEN
+from tests.conftest import TINY_NUM_BLOCKS as NUM_BLOCKS
 
 
 def seq(tokens, start, table, sample=True, **sampling):
@@ -35,7 +25,7 @@ def seq(tokens, start, table, sample=True, **sampling):
 
 
 def test_describe_and_clean_shutdown(tiny_executor, tiny_model_dir):
-    service, stub = tiny_executor
+    service, stub, _ = tiny_executor
     info = stub.Describe(pb.DescribeRequest(), timeout=10)
     assert info.architecture == "LlamaForCausalLM" and info.model_name == tiny_model_dir.name
     assert info.model_fingerprint == model_fingerprint(tiny_model_dir) and len(info.model_fingerprint) == 64
@@ -68,8 +58,8 @@ BAD_REQUESTS = {
 }
 
 
-def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
-    _, stub = tiny_executor
+def test_bad_requests_are_invalid_argument_and_leave_kv_intact(shared_tiny_executor):
+    _, stub, _ = shared_tiny_executor
     prompt = list(range(300, 340))  # 40 tokens: blocks 1-3 for A, 4-6 for its twin B
     first = stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
     assert first.sampled_token_ids[0] == first.sampled_token_ids[1] and first.num_tokens == 80
@@ -96,11 +86,11 @@ def test_bad_requests_are_invalid_argument_and_leave_kv_intact(tiny_executor):
     assert after.timings.total_ms > 0 and after.timings.forward_ms > 0
 
 
-def test_execute_stream_answers_each_step_in_order_as_execute_does(tiny_executor):
+def test_execute_stream_answers_each_step_in_order_as_execute_does(shared_tiny_executor):
     """ExecuteStream (what the gateway uses): step after step on one stream, each reply the one a
     unary Execute gives for the same step; a refused step ends the stream with Execute's status
     and changes no KV; a malformed message is INVALID_ARGUMENT; the next stream serves again."""
-    service, stub = tiny_executor
+    service, stub, _ = shared_tiny_executor
     prompt = list(range(300, 340))
     unary = [stub.Execute(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3])]))]
     unary.append(stub.Execute(pb.ExecuteRequest(sequences=[seq([unary[0].sampled_token_ids[0]], 40, [1, 2, 3],

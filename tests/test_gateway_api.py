@@ -15,18 +15,14 @@ import openai
 import pytest
 
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
-from conftest import free_port, start_stack, wait_for
+from conftest import free_port, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-api"),
-                        gateway_args=["--max-num-seqs", "48"])
-    yield stack
-    codes = stack.stop()
-    assert codes["gateway"] == 0, stack.gateway.logs()[-3000:]
+def stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, gateway_args=["--max-num-seqs", "48"])
 
 
 @pytest.fixture(scope="module")

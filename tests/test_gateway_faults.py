@@ -10,7 +10,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import free_port, wait_for
+from conftest import wait_for
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -31,14 +31,9 @@ def serves_again(url: str) -> bool:
     return generate(url).status_code == 200
 
 
-def test_dependency_down_is_503_then_recovers_then_sigterm_is_graceful(start_service, tiny_model_dir):
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", "--model", str(tiny_model_dir), timeout=300)
-    http_port = free_port()
-    gateway = start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                            "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                            "--unavailable-timeout", "6")
-    url = f"http://127.0.0.1:{http_port}"
+def test_dependency_down_is_503_then_recovers_then_sigterm_is_graceful(start_service, service_stack, tiny_model_dir):
+    stack = service_stack(tiny_model_dir, "--unavailable-timeout", "6")
+    kvmanager, executor, gateway, url = stack.kvmanager, stack.executor, stack.gateway, stack.url
     assert generate(url).status_code == 200
 
     kvmanager.stop()

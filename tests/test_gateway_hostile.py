@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import start_stack, wait_for
+from conftest import wait_for
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
@@ -26,12 +26,8 @@ MAX_NUM_SEQS = 16
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-hostile"),
-                        gateway_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
-    yield stack
-    codes = stack.stop()
-    assert codes["gateway"] == 0, stack.gateway.logs()[-3000:]
+def stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, gateway_args=["--max-num-seqs", str(MAX_NUM_SEQS)])
 
 
 @pytest.fixture(scope="module")

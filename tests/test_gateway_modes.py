@@ -7,7 +7,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import start_stack, wait_for
+from conftest import wait_for
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -15,14 +15,11 @@ MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
-def baseline_stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(
-        tiny_model_dir, tmp_path_factory.mktemp("gateway-modes"),
-        executor_args=["--max-model-len", str(MAX_MODEL_LEN)],
+def baseline_stack(module_stack, tiny_model_dir):
+    return module_stack(
+        tiny_model_dir, executor_args=["--max-model-len", str(MAX_MODEL_LEN)],
         gateway_args=["--batching", "static", "--kv-allocation", "reserve", "--no-enable-prefix-caching",
-                      "--max-num-seqs", "3"])
-    yield stack
-    stack.stop()
+                      "--max-num-seqs", "3"], exit_0=())
 
 
 def pool_stats(stack):

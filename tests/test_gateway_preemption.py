@@ -7,7 +7,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import start_stack, wait_for
+from conftest import wait_for
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -15,11 +15,8 @@ NUM_BLOCKS = 24  # 23 usable blocks of 16 = 368 slots; 8 requests of ~110 tokens
 
 
 @pytest.fixture(scope="module")
-def small_stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-preempt"),
-                        executor_args=["--num-blocks", str(NUM_BLOCKS)])
-    yield stack
-    stack.stop()
+def small_stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, executor_args=["--num-blocks", str(NUM_BLOCKS)], exit_0=())
 
 
 def used_blocks(stack) -> int:

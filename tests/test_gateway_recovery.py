@@ -12,7 +12,7 @@ import signal
 import httpx
 import pytest
 
-from conftest import CompletionStream, free_port, wait_for
+from conftest import CompletionStream, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,15 +31,8 @@ def Stream(url: str) -> CompletionStream:
 
 
 @pytest.fixture
-def stack(start_service, tiny_model_dir):
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
-    http_port = free_port()
-    gateway = start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                            "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                            "--unavailable-timeout", "60")
-    return {"kvmanager": kvmanager, "executor": executor, "gateway": gateway,
-            "url": f"http://127.0.0.1:{http_port}", "model": tiny_model_dir}
+def stack(service_stack, tiny_model_dir):
+    return service_stack(tiny_model_dir, "--unavailable-timeout", "60", executor_args=FP32)
 
 
 def kill9(service) -> None:
@@ -70,13 +63,13 @@ def assert_identical(stream: Stream, reference: tuple[str, list[float]], what: s
 
 @pytest.mark.parametrize("victim", ["executor", "kvmanager"])
 def test_a_killed_dependency_that_comes_back_costs_the_streams_nothing(stack, start_service, victim):
-    url = stack["url"]
+    url = stack.url
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60) and stream.error is None
-    service = stack[victim]
+    service = getattr(stack, victim)
     kill9(service)
-    args = ("--model", str(stack["model"]), *FP32) if victim == "executor" else ()
+    args = ("--model", str(stack.model_dir), *FP32) if victim == "executor" else ()
     start_service(victim, *args, port=service.port, timeout=300)
     stream.join(120)
     assert not stream.is_alive()
@@ -84,14 +77,9 @@ def test_a_killed_dependency_that_comes_back_costs_the_streams_nothing(stack, st
     assert preemptions(url) >= 1  # the stream's sequence really was recomputed
 
 
-def test_in_flight_requests_fail_with_503_only_after_the_timeout(start_service, tiny_model_dir):
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--unavailable-timeout", "2")
-    url = f"http://127.0.0.1:{http_port}"
+def test_in_flight_requests_fail_with_503_only_after_the_timeout(service_stack, tiny_model_dir):
+    stack = service_stack(tiny_model_dir, "--unavailable-timeout", "2", executor_args=FP32)
+    executor, url = stack.executor, stack.url
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60)
@@ -103,16 +91,11 @@ def test_in_flight_requests_fail_with_503_only_after_the_timeout(start_service, 
     assert wait_for(lambda: httpx.get(url + "/health").status_code == 503, 10)
 
 
-def test_a_stopped_executor_past_the_step_timeout_is_recomputed_when_it_resumes(start_service, tiny_model_dir):
+def test_a_stopped_executor_past_the_step_timeout_is_recomputed_when_it_resumes(service_stack, tiny_model_dir):
     """SIGSTOP outlasting --step-timeout: the Execute gives up, the gateway waits for the executor
     (within --unavailable-timeout) and recomputes after SIGCONT; the stream never errs."""
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--step-timeout", "1.5", "--unavailable-timeout", "60")
-    url = f"http://127.0.0.1:{http_port}"
+    stack = service_stack(tiny_model_dir, "--step-timeout", "1.5", "--unavailable-timeout", "60", executor_args=FP32)
+    executor, url = stack.executor, stack.url
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60) and stream.error is None

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import free_port, start_stack, wait_for
+from conftest import free_port, wait_for
 from gateway.detokenizer import ModelTokenizer
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
@@ -36,27 +36,21 @@ def tokens(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def keyed(tiny_model_dir, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("gateway-tenants")
-    keys_file = log_dir / "keys.json"
+def keyed(module_stack, tiny_model_dir, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("gateway-tenants-keys") / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
-    stack = start_stack(tiny_model_dir, log_dir, executor_args=["--num-blocks", str(NUM_BLOCKS)],
-                        kvmanager_args=["--admin-key", ADMIN_KEY],
-                        gateway_args=["--api-keys-file", str(keys_file), "--admin-key", ADMIN_KEY])
+    stack = module_stack(tiny_model_dir, executor_args=["--num-blocks", str(NUM_BLOCKS)],
+                         kvmanager_args=["--admin-key", ADMIN_KEY],
+                         gateway_args=["--api-keys-file", str(keys_file), "--admin-key", ADMIN_KEY])
     # The launcher's probe takes UNAUTHENTICATED (it has no key) as up: wait for the executor here.
     assert wait_for(lambda: httpx.get(stack.http_url + "/health").status_code == 200, timeout=180), \
         stack.gateway.logs()[-3000:]
-    yield stack
-    codes = stack.stop()
-    assert codes["gateway"] == 0, stack.gateway.logs()[-3000:]
+    return stack
 
 
 @pytest.fixture(scope="module")
-def headed(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-tenants-header"),
-                        gateway_args=["--tenants", "red,blue"])
-    yield stack
-    stack.stop()
+def headed(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, gateway_args=["--tenants", "red,blue"], exit_0=())
 
 
 def complete(stack, headers: dict, prompt, **fields) -> httpx.Response:

@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import start_stack, wait_for
+from conftest import wait_for
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,11 +18,9 @@ LONG = {"prompt": list(range(1000, 1040)), "max_tokens": 2000, "ignore_eos": Tru
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("gateway-timeouts"),
-                        executor_args=["--dtype", "float32"], gateway_args=["--request-timeout", "1.5"])
-    yield stack
-    stack.stop()
+def stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, executor_args=["--dtype", "float32"],
+                        gateway_args=["--request-timeout", "1.5"], exit_0=())
 
 
 def used_blocks(stack) -> int:

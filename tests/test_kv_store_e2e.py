@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from conftest import free_port, wait_for
+from conftest import wait_for
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from tests.redis_support import redis_server, redis_url  # noqa: F401 — fixtures
 
@@ -58,17 +58,11 @@ def restart(start_service, service, *args):
     return start_service(service.module, *args, port=service.port, timeout=300)
 
 
-def store_stack(start_service, model_dir, store_url: str):
-    """kvmanager, an executor with ``--kv-store store_url`` and a gateway; (kvmanager, executor,
-    the executor's flags, the gateway's HTTP URL)."""
-    executor_args = ("--model", str(model_dir), *FP32, "--kv-store", store_url)
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", *executor_args, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(model_dir),
-                  "--unavailable-timeout", "120")
-    return kvmanager, executor, executor_args, f"http://127.0.0.1:{http_port}"
+def store_stack(service_stack, model_dir, store_url: str):
+    """kvmanager, an executor with ``--kv-store store_url`` and a gateway (conftest's
+    ``service_stack``); (kvmanager, executor, the executor's flags, the gateway's HTTP URL)."""
+    stack = service_stack(model_dir, "--unavailable-timeout", "120", executor_args=(*FP32, "--kv-store", store_url))
+    return stack.kvmanager, stack.executor, ("--model", str(model_dir), *FP32, "--kv-store", store_url), stack.url
 
 
 @pytest.fixture(params=["directory", "redis"])
@@ -79,8 +73,8 @@ def store_url(request, tmp_path):
 
 
 def test_kv_survives_restarts_of_the_executor_and_kvmanager_and_corruption_costs_only_a_miss(
-        start_service, tiny_model_dir, store_url, tmp_path):
-    kvmanager, executor, executor_args, url = store_stack(start_service, tiny_model_dir, store_url)
+        start_service, service_stack, tiny_model_dir, store_url, tmp_path):
+    kvmanager, executor, executor_args, url = store_stack(service_stack, tiny_model_dir, store_url)
 
     text, logprobs, cached = ask(url)
     assert cached == 0
@@ -161,13 +155,13 @@ def test_a_bad_store_url_is_a_one_line_start_up_error(start_service, tiny_model_
     assert "--kv-store" in last_line and "ftp://nowhere" in last_line, last_line
 
 
-def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(start_service, tiny_model_dir,
-                                                                                 tmp_path):
+def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(start_service, service_stack,
+                                                                                 tiny_model_dir, tmp_path):
     """The store tier makes migration move KV: the recomputed sequence loads the blocks its dead
     executor saved and computes only the rest; the stream stays token- and logprob-identical."""
     from test_gateway_recovery import Stream, assert_identical, fresh, kill9
 
-    _, executor, executor_args, url = store_stack(start_service, tiny_model_dir, str(tmp_path / "kv-store"))
+    _, executor, executor_args, url = store_stack(service_stack, tiny_model_dir, str(tmp_path / "kv-store"))
     stream = Stream(url)
     stream.start()
     assert stream.started.wait(60) and stream.error is None
@@ -181,11 +175,11 @@ def test_a_stream_moved_off_a_killed_executor_resumes_by_loading_what_was_saved(
     assert loaded >= 32, f"the resumed sequence loaded {loaded} tokens from the store"
 
 
-def test_a_stopped_store_server_costs_misses_never_a_failed_request(start_service, tiny_model_dir, redis_server,
-                                                                     redis_url):
+def test_a_stopped_store_server_costs_misses_never_a_failed_request(start_service, service_stack, tiny_model_dir,
+                                                                     redis_server, redis_url):
     """Redis killed while serving: saves fail (never findable), loads miss (recomputed), every
     answer stays the same; once it is back, saves and loads resume."""
-    kvmanager, executor, executor_args, url = store_stack(start_service, tiny_model_dir, redis_url)
+    kvmanager, executor, executor_args, url = store_stack(service_stack, tiny_model_dir, redis_url)
     text, logprobs, _ = ask(url)
     assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_saves >= 6, 30)
 

@@ -6,26 +6,20 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
-from kvserve.config import without_flag_env
-from kvserve.launcher import start_healthy
-from kvserve.ports import free_port
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO_ROOT, launch, service_env
 BS = 4
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("kvmanager") / "kvmanager.log"
-    service = start_healthy("kvmanager", ["--reap-interval-ms", "50", "--shutdown-grace", "1"],
-                            timeout=60, port=free_port(), log_path=log, env=without_flag_env())
+    service = launch("kvmanager", ["--reap-interval-ms", "50", "--shutdown-grace", "1"],
+                     tmp_path_factory.mktemp("kvmanager"), timeout=60)
     yield service
     assert service.stop(signal.SIGTERM) == 0, service.logs()[-2000:]
 
@@ -310,7 +304,7 @@ def test_bad_inputs_map_to_status_codes_naming_the_field(stub, pool):
 
 def run_cli(*args: str, env=None, timeout=30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvmanager", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=env or without_flag_env())
+                          text=True, timeout=timeout, env=env or service_env())
 
 
 def test_help_and_flag_errors():
@@ -329,9 +323,7 @@ def test_port_in_use_is_a_one_line_startup_error(server):
 
 
 def test_sigint_and_env_flags(tmp_path):
-    port = free_port()
-    service = start_healthy("kvmanager", [], timeout=60, port=port, log_path=tmp_path / "log",
-                            env={**without_flag_env(), "KVSERVE_DEFAULT_SESSION_TTL_MS": "1234"})
+    service = launch("kvmanager", [], tmp_path, env={"KVSERVE_DEFAULT_SESSION_TTL_MS": "1234"}, timeout=60)
     try:
         with grpc.insecure_channel(service.address) as channel:
             stub = kvmanager_pb2_grpc.KVManagerStub(channel)

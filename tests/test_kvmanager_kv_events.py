@@ -22,9 +22,7 @@ from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest as Req
 from kvmanager.pool import PoolConfig
 from kvserve.errors import FailedPrecondition, InvalidArgument
-from kvserve.config import without_flag_env
-from kvserve.launcher import start_healthy
-from kvserve.ports import free_port
+from tests.conftest import free_port, launch
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -391,12 +389,10 @@ if msgspec is not None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pub, replay = free_port(), free_port()
-    log = tmp_path_factory.mktemp("kvmanager") / "kvmanager.log"
-    env = without_flag_env()
     flags = ["--shutdown-grace", "1", "--kv-events-buffer", "8"]
     if zmq is not None:
         flags += ["--kv-events-zmq", f"tcp://127.0.0.1:{pub}", "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
-    service = start_healthy("kvmanager", flags, timeout=60, port=free_port(), log_path=log, env=env)
+    service = launch("kvmanager", flags, tmp_path_factory.mktemp("kvmanager"), timeout=60)
     service.zmq_pub, service.zmq_replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
     yield service
     assert service.stop(signal.SIGTERM) == 0, service.logs()[-2000:]

@@ -299,9 +299,7 @@ def test_admin_calls_need_the_admin_key_and_report_per_tenant_stats(tmp_path):
     import json
     import signal
 
-    from kvserve.config import without_flag_env
-    from kvserve.launcher import start_healthy
-    from kvserve.ports import free_port
+    from tests.conftest import launch
     from kvserve.v1 import kvmanager_pb2 as pb, kvmanager_pb2_grpc
 
     tenants = tmp_path / "tenants.json"
@@ -309,8 +307,7 @@ def test_admin_calls_need_the_admin_key_and_report_per_tenant_stats(tmp_path):
     started = []
     try:
         for flags in (["--admin-key", "s3cret", "--tenants", str(tenants)], []):
-            started.append(start_healthy("kvmanager", flags + ["--shutdown-grace", "1"], timeout=60, port=free_port(),
-                                         log_path=tmp_path / f"kvmanager-{len(started)}.log", env=without_flag_env()))
+            started.append(launch("kvmanager", flags + ["--shutdown-grace", "1"], tmp_path, timeout=60))
         with grpc.insecure_channel(started[0].address) as channel:
             stub = kvmanager_pb2_grpc.KVManagerStub(channel)
             stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p", num_blocks=41, block_size=BS,

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import CompletionStream, free_port, start_stack
+from conftest import CompletionStream
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,12 +79,9 @@ def assert_matches(got: tuple[list[str], list[float]], want: tuple[list[int], li
 
 
 @pytest.fixture(scope="module")
-def small_stack(tiny_model_dir, tmp_path_factory):
+def small_stack(module_stack, tiny_model_dir):
     # 23 usable blocks of 16: eight requests of ~100 tokens at once must preempt.
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("sampling-parity"),
-                        executor_args=[*FP32, "--num-blocks", "24"])
-    yield stack
-    assert stack.stop()["gateway"] == 0
+    return module_stack(tiny_model_dir, executor_args=[*FP32, "--num-blocks", "24"])
 
 
 def preemptions(url: str) -> float:
@@ -150,14 +147,10 @@ def test_min_p_drops_what_is_less_likely_than_its_share_of_the_best(small_stack,
     assert kept["c"] == 0 and kept["a"] > 0 and kept["b"] > 0, kept
 
 
-def test_penalties_are_exact_across_an_executor_restart(start_service, tiny_model_dir, reference_model):
-    kvmanager = start_service("kvmanager")
-    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, timeout=300)
-    http_port = free_port()
-    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
-                  "--executor-address", executor.address, "--model", str(tiny_model_dir),
-                  "--unavailable-timeout", "60")
-    url = f"http://127.0.0.1:{http_port}"
+def test_penalties_are_exact_across_an_executor_restart(service_stack, start_service, tiny_model_dir,
+                                                         reference_model):
+    stack = service_stack(tiny_model_dir, "--unavailable-timeout", "60", executor_args=FP32)
+    executor, url = stack.executor, stack.url
     prompt = [(11 * j) % 2000 + 300 for j in range(30)]
     stream = CompletionStream(url, {"prompt": prompt, "max_tokens": 240, "temperature": 0, "ignore_eos": True,
                                     "logprobs": 0, **PENALTIES})

@@ -27,25 +27,12 @@ from kvserve.conformance.step_socket_client import StepSocketClient
 from kvserve.health import check
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
-from tests.conftest import REPO_ROOT, free_port, service_env
-from tests.test_executor_service import BAD_REQUESTS, MAX_MODEL_LEN, NUM_BLOCKS, seq
+from tests.conftest import REPO_ROOT, free_port, service_env, tiny_executor_args
+from tests.conftest import TINY_NUM_BLOCKS as NUM_BLOCKS
+from tests.test_executor_service import BAD_REQUESTS, seq
 from tests.test_gateway_executor_client import Decoder, decode_entry
 
 TOKEN = "step-socket-test-token"
-
-
-def tiny_executor_args(tiny_model_dir: Path, *extra: str) -> list[str]:
-    return ["--model", str(tiny_model_dir), "--num-blocks", str(NUM_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-            "--dtype", "float32", *extra]
-
-
-@pytest.fixture
-def tiny_executor(start_service, tiny_model_dir):
-    service = start_service("executor", *tiny_executor_args(tiny_model_dir))
-    channel = grpc.insecure_channel(service.address)
-    stub = executor_pb2_grpc.ExecutorStub(channel)
-    yield service, stub, stub.Describe(pb.DescribeRequest(), timeout=10)
-    channel.close()
 
 
 class RawStepClient(StepSocketClient):
@@ -96,13 +83,17 @@ def test_a_step_socket_path_taken_or_unusable_is_a_one_line_error_and_a_stale_on
     client.close()
     not_a_socket = tmp_path / "plain-file"
     not_a_socket.write_text("keep me")
-    for where, reason in ((path, "another process listens there"), (tmp_path / "no-dir" / "s.sock", "No such file"),
-                          (not_a_socket, "not a socket")):
-        proc = subprocess.run([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
+    cases = ((path, "another process listens there"), (tmp_path / "no-dir" / "s.sock", "No such file"),
+             (not_a_socket, "not a socket"))
+    # The three refused starts run at once: each spends its time loading the executor, not refusing.
+    procs = [subprocess.Popen([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
                                "--port", str(free_port()), "--step-socket", str(where)],
-                              cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
-        assert "step socket" in proc.stderr and reason in proc.stderr and "Traceback" not in proc.stderr
+                              cwd=REPO_ROOT, env=service_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for where, _ in cases]
+    for proc, (_, reason) in zip(procs, cases):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 1 and stderr.strip().count("\n") == 0, stderr
+        assert "step socket" in stderr and reason in stderr and "Traceback" not in stderr
     assert not_a_socket.read_text() == "keep me" and first.alive()
 
 
@@ -160,10 +151,10 @@ def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executor
     assert "step socket's directory" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor):
+def test_steps_on_the_socket_are_answered_as_execute_answers_them(shared_tiny_executor):
     """Sequence A steps over the socket, its twin B over gRPC: same tokens, log-probabilities and
     alternatives at every step, prefill in two chunks and decodes, with the executor's instance id."""
-    _, stub, info = tiny_executor
+    _, stub, info = shared_tiny_executor
     client = RawStepClient(info.step_socket)
     prompt = list(range(300, 340))
     chunks = [(prompt[:24], 0), (prompt[24:], 24)]
@@ -183,8 +174,8 @@ def test_steps_on_the_socket_are_answered_as_execute_answers_them(tiny_executor)
     client.close()
 
 
-def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the_connection(tiny_executor):
-    _, stub, info = tiny_executor
+def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the_connection(shared_tiny_executor):
+    _, stub, info = shared_tiny_executor
     client = RawStepClient(info.step_socket)
     prompt = list(range(300, 340))
     first = client.answered(pb.ExecuteRequest(sequences=[seq(prompt, 0, [1, 2, 3]), seq(prompt, 0, [4, 5, 6])]))
@@ -210,8 +201,8 @@ def test_refused_and_malformed_steps_get_their_status_write_nothing_and_keep_the
     client.close()
 
 
-def test_a_stalled_or_silent_client_holds_up_nobody(tiny_executor):
-    service, stub, info = tiny_executor
+def test_a_stalled_or_silent_client_holds_up_nobody(shared_tiny_executor):
+    service, stub, info = shared_tiny_executor
     half = RawStepClient(info.step_socket)
     half.send_raw(struct.pack(">I", 100) + b"\x0a\x05")  # a frame's header and 2 of its 100 bytes
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -260,10 +251,10 @@ def advance(entry: ScheduledSeq, token_id: int) -> None:
     entry.num_tokens = 1
 
 
-def test_the_gateway_steps_on_the_socket_and_agrees_with_its_stream(tiny_executor):
+def test_the_gateway_steps_on_the_socket_and_agrees_with_its_stream(shared_tiny_executor):
     """The gateway's client steps over the socket once Describe offered it, with the tokens its
     gRPC stream gives; a refusal arrives as the same DependencyError and the socket serves on."""
-    service, _, _ = tiny_executor
+    service, _, _ = shared_tiny_executor
 
     async def scenario():
         over_socket = ExecutorClient(service.address)

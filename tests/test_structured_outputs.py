@@ -20,7 +20,6 @@ import jsonschema
 import openai
 import pytest
 
-from conftest import start_stack
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 from bench.structured_schemas import SCHEMAS
 
@@ -48,10 +47,8 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def stack(default_model_dir, tmp_path_factory):
-    stack = start_stack(default_model_dir, tmp_path_factory.mktemp("structured"))
-    yield stack
-    assert stack.stop()["gateway"] == 0
+def stack(module_stack, default_model_dir):
+    return module_stack(default_model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +57,9 @@ def client(stack):
 
 
 @pytest.fixture(scope="module")
-def tiny_stack(tiny_model_dir, tmp_path_factory):
-    stack = start_stack(tiny_model_dir, tmp_path_factory.mktemp("structured-tiny"),
-                        executor_args=["--num-blocks", str(TINY_NUM_BLOCKS)], gateway_args=["--max-num-seqs", "64"])
-    yield stack
-    assert stack.stop()["gateway"] == 0
+def tiny_stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, executor_args=["--num-blocks", str(TINY_NUM_BLOCKS)],
+                        gateway_args=["--max-num-seqs", "64"])
 
 
 @pytest.fixture(scope="module")
