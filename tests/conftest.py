@@ -45,6 +45,9 @@ def service_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = without_flag_env()
     env.setdefault("OMP_NUM_THREADS", "2")
     env.update(extra or {})
+    # A fixed count: the executor's --num-threads auto probe would add its timing runs to every
+    # start (tests/test_executor_threads.py starts one with auto on purpose).
+    env.setdefault("KVSERVE_NUM_THREADS", env["OMP_NUM_THREADS"])
     return env
 
 

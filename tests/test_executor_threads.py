@@ -107,3 +107,16 @@ def test_the_probe_step_never_writes_the_null_block(tiny_model_dir):
     decode_probe_step(runner)()
     assert any(bool(part[1:].abs().sum()) for part in parts)
     assert not any(bool(part[0].abs().sum()) for part in parts)
+
+
+def test_an_executor_started_with_auto_probes_and_serves_on_its_choice(start_service, tiny_model_dir):
+    import json
+
+    executor = start_service("executor", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-blocks", "64",
+                             "--num-threads", "auto", "--step-socket", "off")
+    events = [json.loads(line) for line in executor.logs().splitlines() if line.startswith("{")]
+    probed = next(e for e in events if e.get("event") == "threads_probed")
+    ready = next(e for e in events if e.get("event") == "executor_ready")
+    assert set(probed["decode_step_ms_by_threads"]) <= {str(n) for n in range(1, 65)}
+    assert ready["torch_threads"] == probed["chosen"]
+    assert str(probed["chosen"]) in probed["decode_step_ms_by_threads"]
