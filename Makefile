@@ -42,7 +42,7 @@ run: model
 	$(PY) -m kvserve up
 
 test: model
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 bench: model
 	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 1024 --max-output-len 512 \
