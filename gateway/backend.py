@@ -219,6 +219,9 @@ class Backend:
             self.info = info
             self.scheduler.block_size = info.block_size if self.config.enable_prefix_caching else None
             self.scheduler.kv_block_size = info.block_size
+            # Drafts only to an executor that verifies them: another would sample after the last draft.
+            self.scheduler.drafts_enabled = (self.config.scheduler.speculative_decoding != "off"
+                                             and info.verifies_draft_tokens)
             self._session_id = session_id
             self._connection_lost = None
             self.last_error = ""

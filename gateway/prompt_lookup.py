@@ -1,0 +1,100 @@
+"""Prompt-lookup (n-gram) drafts for speculative decoding, and how many to send.
+
+A sequence whose output copies its input (quote, repeat, edit code, fill a template)
+keeps producing n-grams that already occur earlier in its prompt or output; the tokens
+that followed the most recent earlier occurrence of its last n-gram (n = 3, then 2,
+then 1) are a cheap guess of what comes next. The executor verifies the guesses in the
+same forward as the step's token (``ExecuteSequence.num_draft_tokens``); right ones cost
+almost nothing on a memory-bound decode, wrong ones cost compute, so:
+
+* ``DraftLength`` adapts per sequence: it grows while drafts are accepted whole, shrinks
+  to what was accepted, drops to 0 after repeated misses and re-probes with a single draft
+  every ``REPROBE_STEPS`` steps;
+* the scheduler sends drafts only within a per-step token budget, so a large decode batch
+  (compute-bound already) gets none.
+
+Pure Python, no I/O: the index is updated incrementally as tokens are appended, so a
+proposal costs O(1) per step, not a scan of the sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_NGRAM = 3
+MISSES_TO_STOP = 2  # consecutive steps with no accepted draft before drafting stops
+REPROBE_STEPS = 8  # steps without drafts before a stopped sequence tries one draft again
+
+
+@dataclass
+class NgramIndex:
+    """For each n-gram (n <= MAX_NGRAM) of ``tokens[:indexed]``, where the tokens after its most
+    recent occurrence start."""
+
+    continuation: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this position are in the index
+
+    def update(self, tokens: list[int]) -> None:
+        # The n-grams ending at the last token are left out: their continuation is still unknown,
+        # and looking up the suffix must find an *earlier* occurrence.
+        end = len(tokens) - 1
+        cont = self.continuation
+        for last in range(self.indexed, end):
+            for n in range(1, MAX_NGRAM + 1):
+                if last - n + 1 < 0:
+                    break
+                cont[tuple(tokens[last - n + 1:last + 1])] = last + 1
+        self.indexed = max(self.indexed, end)
+
+    def propose(self, tokens: list[int], max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram of ``tokens`` that occurred before; [] when none did."""
+        if max_drafts <= 0 or len(tokens) < 2:
+            return []
+        self.update(tokens)
+        for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
+            start = self.continuation.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start:start + max_drafts]
+        return []
+
+
+@dataclass
+class DraftLength:
+    """How many drafts one sequence sends next, from how its recent drafts fared."""
+
+    maximum: int
+    current: int = 0
+    misses: int = 0
+    idle_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = self.maximum
+
+    def next(self) -> int:
+        if self.current == 0:
+            self.idle_steps += 1
+            if self.idle_steps >= REPROBE_STEPS:  # try one draft: the text may have turned to copying
+                self.idle_steps = 0
+                return 1
+        return self.current
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        if not num_drafted:
+            return
+        if num_accepted == num_drafted:
+            self.misses = 0
+            self.current = min(self.maximum, max(self.current, num_drafted) + 1)
+        elif num_accepted == 0:
+            self.misses += 1
+            self.current = 0 if self.misses >= MISSES_TO_STOP else max(1, self.current // 2)
+        else:
+            self.misses = 0
+            self.current = max(1, num_accepted + 1)
+
+
+@dataclass
+class SpeculationState:
+    """One sequence's drafting state (``Sequence.speculation``)."""
+
+    index: NgramIndex
+    length: DraftLength
