@@ -98,3 +98,41 @@ class SpeculationState:
 
     index: NgramIndex
     length: DraftLength
+
+
+def plan_drafts(entries, num_speculative_tokens: int, budget: int) -> None:
+    """Prompt-lookup drafts for the decode entries (``gateway.scheduler.ScheduledSeq``) of a step,
+    at most ``budget`` in all (``SchedulerConfig.speculative_token_budget`` less the step's tokens);
+    each entry asks for lookahead slots to hold its drafts."""
+    for entry in entries:
+        if budget <= 0:
+            return
+        seq = entry.seq
+        options = seq.request.options
+        if (entry.num_new_tokens != 1 or seq.num_to_compute() != 1 or not options.can_draft
+                or seq.num_output_tokens < options.min_tokens):  # EOS suppressed: not plain greedy
+            continue
+        if seq.speculation is None:
+            seq.speculation = SpeculationState(NgramIndex(), DraftLength(num_speculative_tokens))
+        # Room after this step's token: at least one output token left after the drafts.
+        room = seq.request.max_model_len - len(seq.token_ids) - 1
+        if options.max_tokens is not None:
+            room = min(room, options.max_tokens - seq.num_output_tokens - 1)
+        drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(), budget, room))
+        if drafts:
+            entry.draft_token_ids = drafts
+            entry.num_lookahead_slots = max(entry.num_lookahead_slots, len(drafts))
+            budget -= len(drafts)
+
+
+def cap_drafts(entry, block_size: int) -> None:
+    """Drafts fit in the slots the sequence holds past this step's token (lookahead slots are
+    best-effort, and an overlapped step only has the blocks held before it), and only follow a
+    decode that samples."""
+    if not entry.draft_token_ids:
+        return
+    if not entry.sample or entry.num_tokens != 1:
+        entry.draft_token_ids = []
+        return
+    room = len(entry.seq.block_table) * block_size - (entry.start_position + 1)
+    del entry.draft_token_ids[max(0, room):]

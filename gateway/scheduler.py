@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.prompt_lookup import DraftLength, NgramIndex, SpeculationState
+from gateway.prompt_lookup import cap_drafts, plan_drafts
 from gateway.sequence import (
     FinishReason, GenerationRequest, RequestOutput, Sequence, SeqStatus,
 )
@@ -319,40 +319,11 @@ class Scheduler:
         return plan
 
     def _plan_drafts(self, plan: list[ScheduledSeq]) -> None:
-        """Prompt-lookup drafts for the decodes of a step small enough to afford them (see
-        ``SchedulerConfig.speculative_token_budget``); each asks for lookahead slots to hold them."""
         budget = self.config.speculative_token_budget - sum(e.num_new_tokens for e in plan)
-        for entry in plan:
-            if budget <= 0:
-                return
-            seq = entry.seq
-            options = seq.request.options
-            if (entry.num_new_tokens != 1 or seq.num_to_compute() != 1 or not options.can_draft
-                    or seq.num_output_tokens < options.min_tokens):  # EOS suppressed: not plain greedy
-                continue
-            if seq.speculation is None:
-                seq.speculation = SpeculationState(NgramIndex(), DraftLength(self.config.num_speculative_tokens))
-            length = len(seq.token_ids)
-            # Room after this step's token: at least one output token left after the drafts.
-            room = seq.request.max_model_len - length - 1
-            if options.max_tokens is not None:
-                room = min(room, options.max_tokens - seq.num_output_tokens - 1)
-            drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(), budget, room))
-            if drafts:
-                entry.draft_token_ids = drafts
-                entry.num_lookahead_slots = max(entry.num_lookahead_slots, len(drafts))
-                budget -= len(drafts)
+        plan_drafts(plan, self.config.num_speculative_tokens, budget)
 
     def _cap_drafts(self, entry: ScheduledSeq) -> None:
-        """Drafts fit in the slots the sequence holds past this step's token (lookahead slots are
-        best-effort), and only follow a decode that samples."""
-        if not entry.draft_token_ids:
-            return
-        if not entry.sample or entry.num_tokens != 1:
-            entry.draft_token_ids = []
-            return
-        room = len(entry.seq.block_table) * (self.kv_block_size or 0) - (entry.start_position + 1)
-        del entry.draft_token_ids[max(0, room):]
+        cap_drafts(entry, self.kv_block_size or 0)
 
     def _first_block(self, seq: Sequence) -> tuple | None:
         """The first full block of a prompt about to be computed from scratch, when
