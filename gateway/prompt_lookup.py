@@ -11,7 +11,11 @@ almost nothing on a memory-bound decode, wrong ones cost compute, so:
   to what was accepted, drops to 0 after repeated misses and re-probes with a single draft
   every ``REPROBE_STEPS`` steps;
 * the scheduler sends drafts only within a per-step token budget, so a large decode batch
-  (compute-bound already) gets none.
+  (compute-bound already) gets none;
+* ``DraftCost`` measures what a step with drafts costs next to one without, at the same
+  batch size, on this executor (on a CPU whose one-row matmuls take a GEMV path a step of
+  several tokens can cost 2.5 steps of one): a sequence drafts only while the tokens its
+  drafts are expected to add (from its acceptance rate) pay for that.
 
 Pure Python, no I/O: the index is updated incrementally as tokens are appended, so a
 proposal costs O(1) per step, not a scan of the sequence.
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 MAX_NGRAM = 3
 MISSES_TO_STOP = 2  # consecutive steps with no accepted draft before drafting stops
 REPROBE_STEPS = 8  # steps without drafts before a stopped sequence tries one draft again
+COST_SAMPLES = 4  # steps of each kind (with and without drafts) before their cost ratio is trusted
+EWMA = 0.25  # weight of the newest observation in the running averages
 
 
 @dataclass
@@ -66,21 +72,30 @@ class DraftLength:
     current: int = 0
     misses: int = 0
     idle_steps: int = 0
+    acceptance: float = 0.8  # running per-draft acceptance rate (optimistic until measured)
 
     def __post_init__(self) -> None:
         self.current = self.maximum
 
-    def next(self) -> int:
-        if self.current == 0:
-            self.idle_steps += 1
-            if self.idle_steps >= REPROBE_STEPS:  # try one draft: the text may have turned to copying
-                self.idle_steps = 0
-                return 1
-        return self.current
+    def expected_tokens(self, num_drafts: int) -> float:
+        """Tokens a step with ``num_drafts`` drafts is expected to emit: 1 + p + p^2 + ... + p^k."""
+        p = self.acceptance
+        return 1.0 + sum(p ** i for i in range(1, num_drafts + 1))
+
+    def next(self, cost_ratio: float = 1.0) -> int:
+        """Drafts to send now; ``cost_ratio``: a drafted step's time over a plain one's."""
+        if self.current and self.expected_tokens(self.current) >= cost_ratio:
+            return self.current
+        self.idle_steps += 1
+        if self.idle_steps >= REPROBE_STEPS:  # try again: the text may have turned to copying
+            self.idle_steps = 0
+            return max(1, self.current)
+        return 0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:
             return
+        self.acceptance += EWMA * (num_accepted / num_drafted - self.acceptance)
         if num_accepted == num_drafted:
             self.misses = 0
             self.current = min(self.maximum, max(self.current, num_drafted) + 1)
@@ -92,6 +107,26 @@ class DraftLength:
             self.current = max(1, num_accepted + 1)
 
 
+class DraftCost:
+    """Running averages of the executor's step time with and without drafts, per number of
+    sequences in the step: how much dearer drafting makes a step on this executor."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, bool], tuple[float, int]] = {}  # (seqs, drafted) -> (ewma, samples)
+
+    def observe(self, num_seqs: int, drafted: bool, seconds: float) -> None:
+        mean, n = self._seconds.get((num_seqs, drafted), (seconds, 0))
+        self._seconds[(num_seqs, drafted)] = (mean + EWMA * (seconds - mean), n + 1)
+
+    def ratio(self, num_seqs: int) -> float:
+        """A drafted step's time over a plain one's; 1.0 (draft, and so measure) until both are known."""
+        drafted, n_drafted = self._seconds.get((num_seqs, True), (0.0, 0))
+        plain, n_plain = self._seconds.get((num_seqs, False), (0.0, 0))
+        if min(n_drafted, n_plain) < COST_SAMPLES or plain <= 0.0:
+            return 1.0
+        return drafted / plain
+
+
 @dataclass
 class SpeculationState:
     """One sequence's drafting state (``Sequence.speculation``)."""
@@ -100,7 +135,7 @@ class SpeculationState:
     length: DraftLength
 
 
-def plan_drafts(entries, num_speculative_tokens: int, budget: int) -> None:
+def plan_drafts(entries, num_speculative_tokens: int, budget: int, cost_ratio: float = 1.0) -> None:
     """Prompt-lookup drafts for the decode entries (``gateway.scheduler.ScheduledSeq``) of a step,
     at most ``budget`` in all (``SchedulerConfig.speculative_token_budget`` less the step's tokens);
     each entry asks for lookahead slots to hold its drafts."""
@@ -118,10 +153,13 @@ def plan_drafts(entries, num_speculative_tokens: int, budget: int) -> None:
         room = seq.request.max_model_len - len(seq.token_ids) - 1
         if options.max_tokens is not None:
             room = min(room, options.max_tokens - seq.num_output_tokens - 1)
-        drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(), budget, room))
+        drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(cost_ratio), budget,
+                                                                  room))
         if drafts:
             entry.draft_token_ids = drafts
-            entry.num_lookahead_slots = max(entry.num_lookahead_slots, len(drafts))
+            # Slots for these drafts and for the next step's (an overlapped step has only the blocks
+            # held before it): this step's token, accepted drafts, the next token and its drafts.
+            entry.num_lookahead_slots = max(entry.num_lookahead_slots, len(drafts) + 1 + num_speculative_tokens)
             budget -= len(drafts)
 
 

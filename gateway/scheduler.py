@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.prompt_lookup import cap_drafts, plan_drafts
+from gateway.prompt_lookup import DraftCost, cap_drafts, plan_drafts
 from gateway.sequence import (
     FinishReason, GenerationRequest, RequestOutput, Sequence, SeqStatus,
 )
@@ -177,6 +177,7 @@ class Scheduler:
         self.kv_block_size: int | None = None
         # Speculative drafts are sent: configured, and the executor verifies them (the backend sets it).
         self.drafts_enabled = False
+        self.draft_cost = DraftCost()  # what drafts cost this executor (the backend reports step times)
 
     # --- requests in and out -------------------------------------------------
 
@@ -320,7 +321,8 @@ class Scheduler:
 
     def _plan_drafts(self, plan: list[ScheduledSeq]) -> None:
         budget = self.config.speculative_token_budget - sum(e.num_new_tokens for e in plan)
-        plan_drafts(plan, self.config.num_speculative_tokens, budget)
+        if budget > 0:
+            plan_drafts(plan, self.config.num_speculative_tokens, budget, self.draft_cost.ratio(len(plan)))
 
     def _cap_drafts(self, entry: ScheduledSeq) -> None:
         cap_drafts(entry, self.kv_block_size or 0)

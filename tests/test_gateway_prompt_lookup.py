@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from gateway.prompt_lookup import MISSES_TO_STOP, REPROBE_STEPS, DraftLength, NgramIndex
+from gateway.prompt_lookup import COST_SAMPLES, MISSES_TO_STOP, REPROBE_STEPS, DraftCost, DraftLength, NgramIndex
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, SamplingOptions
 from kvserve.errors import InvalidArgument
@@ -62,6 +62,24 @@ def test_draft_length_grows_on_success_shrinks_on_failure_and_reprobes():
     assert length.next() == 2
 
 
+def test_drafting_stops_where_drafted_steps_cost_more_than_their_accepted_tokens_bring():
+    cost = DraftCost()
+    assert cost.ratio(1) == 1.0  # unknown: draft, and so measure
+    for _ in range(COST_SAMPLES):
+        cost.observe(1, False, 0.10)
+        cost.observe(1, True, 0.25)
+        cost.observe(8, False, 0.20)
+    assert cost.ratio(1) == pytest.approx(2.5) and cost.ratio(8) == 1.0  # per batch size
+    copying, chatty = DraftLength(5), DraftLength(5)
+    for _ in range(6):
+        copying.record(5, 5)
+        chatty.record(4, 1)
+    assert copying.next(cost.ratio(1)) == 5  # ~6 tokens a step for 2.5 steps' time
+    assert chatty.expected_tokens(chatty.current) < 2.5
+    assert [chatty.next(cost.ratio(1)) for _ in range(REPROBE_STEPS)] == [0] * (REPROBE_STEPS - 1) + [2]
+    assert chatty.next(1.0) == 2  # where drafting costs nothing extra, even a poor rate drafts
+
+
 def make_scheduler(**config) -> Scheduler:
     ids = itertools.count(1)
     scheduler = Scheduler(SchedulerConfig(speculative_decoding="prompt-lookup", **config), lambda: next(ids))
@@ -104,7 +122,8 @@ def test_only_plain_greedy_single_choice_requests_draft(options, drafts):
     plan = scheduler.schedule()
     assert bool(any(e.draft_token_ids for e in plan)) is drafts
     if drafts:
-        assert plan[0].draft_token_ids == [9, 10, 11, 12, 5] and plan[0].num_lookahead_slots == 5
+        # Slots for the 5 drafts, and for the next step's token and its 5 drafts.
+        assert plan[0].draft_token_ids == [9, 10, 11, 12, 5] and plan[0].num_lookahead_slots == 11
 
 
 def test_the_step_token_budget_limits_drafts_and_a_big_batch_gets_none():
