@@ -371,7 +371,7 @@ class Backend:
         forward_s = total_s = 0.0
         if result is not None:
             self.deadline.observe(executor_s, sum(e.num_tokens for e in ready))
-            if scheduler.drafts_enabled:
+            if scheduler.drafts_enabled and all(e.num_tokens == 1 for e in ready):  # decodes: comparable
                 scheduler.draft_cost.observe(len(ready), any(e.draft_token_ids for e in ready), executor_s)
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
