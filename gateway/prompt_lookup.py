@@ -15,7 +15,7 @@ almost nothing on a memory-bound decode, wrong ones cost compute, so:
 * ``DraftCost`` measures what a step with drafts costs next to one without, at the same
   batch size, on this executor (on a CPU whose one-row matmuls take a GEMV path a step of
   several tokens can cost 2.5 steps of one): a sequence drafts only while the tokens its
-  drafts are expected to add (from its acceptance rate) pay for that.
+  drafted steps emit (a running average) pay for that.
 
 Pure Python, no I/O: the index is updated incrementally as tokens are appended, so a
 proposal costs O(1) per step, not a scan of the sequence.
@@ -72,19 +72,15 @@ class DraftLength:
     current: int = 0
     misses: int = 0
     idle_steps: int = 0
-    acceptance: float = 0.8  # running per-draft acceptance rate (optimistic until measured)
+    tokens_per_step: float = 0.0  # running average of tokens a drafted step emitted (accepted + 1)
 
     def __post_init__(self) -> None:
         self.current = self.maximum
-
-    def expected_tokens(self, num_drafts: int) -> float:
-        """Tokens a step with ``num_drafts`` drafts is expected to emit: 1 + p + p^2 + ... + p^k."""
-        p = self.acceptance
-        return 1.0 + sum(p ** i for i in range(1, num_drafts + 1))
+        self.tokens_per_step = float(self.maximum)  # optimistic until measured
 
     def next(self, cost_ratio: float = 1.0) -> int:
         """Drafts to send now; ``cost_ratio``: a drafted step's time over a plain one's."""
-        if self.current and self.expected_tokens(self.current) >= cost_ratio:
+        if self.current and self.tokens_per_step >= cost_ratio:
             return self.current
         self.idle_steps += 1
         if self.idle_steps >= REPROBE_STEPS:  # try again: the text may have turned to copying
@@ -95,7 +91,7 @@ class DraftLength:
     def record(self, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:
             return
-        self.acceptance += EWMA * (num_accepted / num_drafted - self.acceptance)
+        self.tokens_per_step += EWMA * (num_accepted + 1 - self.tokens_per_step)
         if num_accepted == num_drafted:
             self.misses = 0
             self.current = min(self.maximum, max(self.current, num_drafted) + 1)
@@ -117,6 +113,12 @@ class DraftCost:
     def observe(self, num_seqs: int, drafted: bool, seconds: float) -> None:
         mean, n = self._seconds.get((num_seqs, drafted), (seconds, 0))
         self._seconds[(num_seqs, drafted)] = (mean + EWMA * (seconds - mean), n + 1)
+
+    def wants_plain_step(self, num_seqs: int) -> bool:
+        """Drafted steps of this size were measured but not enough plain ones: a step without
+        drafts now, or the ratio would never be known where every step drafts."""
+        return self._seconds.get((num_seqs, True), (0.0, 0))[1] >= COST_SAMPLES > \
+            self._seconds.get((num_seqs, False), (0.0, 0))[1]
 
     def ratio(self, num_seqs: int) -> float:
         """A drafted step's time over a plain one's; 1.0 (draft, and so measure) until both are known."""

@@ -321,7 +321,7 @@ class Scheduler:
 
     def _plan_drafts(self, plan: list[ScheduledSeq]) -> None:
         budget = self.config.speculative_token_budget - sum(e.num_new_tokens for e in plan)
-        if budget > 0:
+        if budget > 0 and not self.draft_cost.wants_plain_step(len(plan)):
             plan_drafts(plan, self.config.num_speculative_tokens, budget, self.draft_cost.ratio(len(plan)))
 
     def _cap_drafts(self, entry: ScheduledSeq) -> None:

@@ -64,18 +64,21 @@ def test_draft_length_grows_on_success_shrinks_on_failure_and_reprobes():
 
 def test_drafting_stops_where_drafted_steps_cost_more_than_their_accepted_tokens_bring():
     cost = DraftCost()
-    assert cost.ratio(1) == 1.0  # unknown: draft, and so measure
+    assert cost.ratio(1) == 1.0 and not cost.wants_plain_step(1)  # unknown: draft, and so measure
+    for _ in range(COST_SAMPLES):
+        cost.observe(1, True, 0.25)
+    assert cost.wants_plain_step(1)  # every step drafted so far: a plain one is needed to compare
     for _ in range(COST_SAMPLES):
         cost.observe(1, False, 0.10)
-        cost.observe(1, True, 0.25)
         cost.observe(8, False, 0.20)
+    assert not cost.wants_plain_step(1)
     assert cost.ratio(1) == pytest.approx(2.5) and cost.ratio(8) == 1.0  # per batch size
     copying, chatty = DraftLength(5), DraftLength(5)
-    for _ in range(6):
+    for _ in range(10):
         copying.record(5, 5)
         chatty.record(4, 1)
     assert copying.next(cost.ratio(1)) == 5  # ~6 tokens a step for 2.5 steps' time
-    assert chatty.expected_tokens(chatty.current) < 2.5
+    assert chatty.tokens_per_step < 2.5  # 2 tokens a drafted step
     assert [chatty.next(cost.ratio(1)) for _ in range(REPROBE_STEPS)] == [0] * (REPROBE_STEPS - 1) + [2]
     assert chatty.next(1.0) == 2  # where drafting costs nothing extra, even a poor rate drafts
 
