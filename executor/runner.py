@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from executor.attention import AttentionMetadata, create_backend
+from executor.draft_verification import accept, check_drafts, logit_rows
 from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
 from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, StoreOps, store_namespace
 from executor.loader import eos_token_ids, load_model, model_fingerprint
 from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
-from executor.sampling import SamplingParams, sample
+from executor.sampling import SampleResult, SamplingParams, sample
 from kvserve.errors import InvalidArgument
 from kvserve.kv_store import StoreError, describe_url, open_store
 from kvserve.logs import get_logger
@@ -59,6 +60,7 @@ class SequenceInput:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     store_load_block_ids: list[int] = field(default_factory=list)
     store_load_hashes: list[bytes] = field(default_factory=list)
+    num_draft_tokens: int = 0  # the last n of token_ids are speculative drafts (executor.draft_verification)
 
 
 @dataclass
@@ -75,6 +77,9 @@ class StepOutput:
     dropped_seq_ids: list[int] = field(default_factory=list)  # a store load missed: not run
     store_missing_hashes: list[bytes] = field(default_factory=list)
     store_saves_ok: list[bool] = field(default_factory=list)
+    # Per sampled sequence, when any carried drafts: drafts accepted (sampled_token_ids then holds
+    # that many + 1 tokens for it); empty otherwise.
+    num_accepted_draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class RunnerDescription:
     kv_store: str = ""
     kv_store_namespace: str = ""
     kv_store_capacity_blocks: int = 0
+    verifies_draft_tokens: bool = True
 
 
 class ModelRunner:
@@ -265,6 +271,7 @@ class ModelRunner:
                 raise InvalidArgument(f"{where}.block_table[{j}]: block {block} outside [0, {nb})")
             if seq.sample:
                 seq.sampling.validate(f"{where}.sampling", vocab)
+            check_drafts(where, seq.num_draft_tokens, len(seq.token_ids), seq.sample, seq.sampling)
             if seq.store_load_block_ids or seq.store_load_hashes:
                 self._validate_loads(where, seq)
 
@@ -355,7 +362,10 @@ class ModelRunner:
         t_sample = time.perf_counter()
         sample_rows = [i for i, s in enumerate(sequences) if s.sample]
         result = None
-        if sample_rows:
+        accepted: list[int] = []
+        if sample_rows and any(sequences[i].num_draft_tokens for i in sample_rows):
+            result, accepted = self._verify_drafts(hidden, meta, sequences, sample_rows)
+        elif sample_rows:
             logits = self._last_token_logits(hidden, meta, sample_rows)
             params = [sequences[i].sampling for i in sample_rows]
             next_positions = [meta.seq_lens_cpu[i] for i in sample_rows]
@@ -370,7 +380,32 @@ class ModelRunner:
             forward_ms=(t_sample - t_forward) * 1e3,
             sample_ms=(end - t_sample) * 1e3,
             total_ms=(end - start) * 1e3,
+            num_accepted_draft_tokens=accepted,
         )
+
+    def _verify_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata, sequences: list[SequenceInput],
+                       sample_rows: list[int]) -> tuple[SampleResult, list[int]]:
+        """Greedy picks at each drafted sequence's last n + 1 positions (one row per other sampled
+        sequence), then acceptance; validation made every drafted row plain greedy."""
+        ends = list(itertools.accumulate(meta.query_lens_cpu))
+        rows = logit_rows(ends, sample_rows, [s.num_draft_tokens for s in sequences])
+        index = torch.tensor(rows.token_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index), decode_step=False)  # [rows, vocab]
+        params, positions = [], []
+        for i, count in zip(sample_rows, rows.counts):
+            params += [sequences[i].sampling] * count
+            positions += range(meta.seq_lens_cpu[i] - count + 1, meta.seq_lens_cpu[i] + 1)
+        picked = sample(logits, params, positions, self.generator, self.backend.greedy_sample)
+        drafts = [sequences[i].token_ids[len(sequences[i].token_ids) - sequences[i].num_draft_tokens:]
+                  for i in sample_rows]
+        tokens, logprobs, accepted = accept(drafts, picked.token_ids, picked.logprobs, rows.counts)
+        top = None
+        if picked.top_logprobs is not None:  # only undrafted rows may ask: one row each, kept in order
+            top, offset = [], 0
+            for count, a in zip(rows.counts, accepted):
+                top += picked.top_logprobs[offset:offset + a + 1]
+                offset += count
+        return SampleResult(tokens, logprobs, top), accepted
 
     def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
         # hidden: [num_tokens, hidden] → logits [len(rows), vocab] (the head's dtype) at each row's last token

@@ -48,6 +48,7 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
         sampling=sampling or SamplingParams(),
         store_load_block_ids=list(seq.store_load_block_ids),
         store_load_hashes=list(seq.store_load_hashes),
+        num_draft_tokens=seq.num_draft_tokens,
     )
 
 
@@ -69,6 +70,7 @@ def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> ex
         dropped_seq_ids=out.dropped_seq_ids,
         store_missing_hashes=out.store_missing_hashes,
         store_saves_ok=out.store_saves_ok,
+        num_accepted_draft_tokens=out.num_accepted_draft_tokens,
     )
     if out.top_logprobs is not None and any(ids for ids, _ in out.top_logprobs):
         reply.top_logprobs.extend(executor_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in out.top_logprobs)

@@ -56,6 +56,15 @@ def build_parser() -> EnvArgumentParser:
                         help="most tokens computed per step (prefill is chunked to fit)")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                         help="continuous (iteration-level) or static (batch runs to completion) batching")
+    parser.add_argument("--speculative-decoding", choices=["off", "prompt-lookup"], default="off",
+                        help="prompt-lookup: greedy requests send n-gram drafts from their own prompt and output, "
+                             "verified by the executor in the step's forward (same tokens, fewer steps on text that "
+                             "copies its input; docs/gateway.md)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=5,
+                        help="most drafts a sequence sends per step (adapted per sequence to its acceptance)")
+    parser.add_argument("--speculative-token-budget", type=int, default=16,
+                        help="drafts go only into steps of at most this many tokens, drafts included: a large "
+                             "batch is compute-bound, where verifying guesses costs more than it saves")
     parser.add_argument("--kv-allocation", choices=["paged", "reserve"], default="paged",
                         help="kvmanager pool policy: blocks on demand or max_model_len reserved at admission")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

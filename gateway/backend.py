@@ -219,6 +219,9 @@ class Backend:
             self.info = info
             self.scheduler.block_size = info.block_size if self.config.enable_prefix_caching else None
             self.scheduler.kv_block_size = info.block_size
+            # Drafts only to an executor that verifies them: another would sample after the last draft.
+            self.scheduler.drafts_enabled = (self.config.scheduler.speculative_decoding != "off"
+                                             and info.verifies_draft_tokens)
             self._session_id = session_id
             self._connection_lost = None
             self.last_error = ""
@@ -368,6 +371,8 @@ class Backend:
         forward_s = total_s = 0.0
         if result is not None:
             self.deadline.observe(executor_s, sum(e.num_tokens for e in ready))
+            if scheduler.drafts_enabled and all(e.num_tokens == 1 for e in ready):  # decodes: comparable
+                scheduler.draft_cost.observe(len(ready), any(e.draft_token_ids for e in ready), executor_s)
             forward_s, total_s = result.forward_s, result.total_s
             scheduler.apply_samples(ready, result.sampled)
         self.num_steps += 1

@@ -99,6 +99,7 @@ class ExecutorInfo:
     kv_store: str = ""
     kv_store_namespace: str = ""
     kv_store_capacity_blocks: int = 0
+    verifies_draft_tokens: bool = False
 
     @classmethod
     def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:
@@ -213,11 +214,13 @@ class ExecutorClient(_Client):
             for src, dst in entry.copies:
                 copy_src.append(src)
                 copy_dst.append(dst)
-            end = entry.start_position + entry.num_tokens
+            drafts = entry.draft_token_ids
+            end = entry.start_position + entry.num_tokens + len(drafts)
             table = entry.seq.block_table[: -(-end // block_size)]
             sequence = executor_pb2.ExecuteSequence(
-                seq_id=entry.seq_id, token_ids=entry.compute_token_ids(),
-                start_position=entry.start_position, block_table=table, sample=entry.sample,
+                seq_id=entry.seq_id, token_ids=entry.compute_token_ids() + drafts if drafts else
+                entry.compute_token_ids(), start_position=entry.start_position, block_table=table,
+                sample=entry.sample, num_draft_tokens=len(drafts),
             )
             if entry.sample:
                 fill_sampling(sequence.sampling, entry, self.vocab_size)
@@ -242,6 +245,8 @@ class ExecutorClient(_Client):
                 alt = reply.top_logprobs[i]
                 top = list(zip(alt.token_ids, alt.logprobs))
             sampled.append(SampledToken(token_id, logprobs[i] if i < len(logprobs) else None, top))
+        if reply.num_accepted_draft_tokens:
+            sampled = group_accepted_drafts(sampled, list(reply.num_accepted_draft_tokens))
         timings = reply.timings
         return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id,
                              frozenset(reply.dropped_seq_ids), tuple(reply.store_missing_hashes),
@@ -420,7 +425,7 @@ class KVManagerClient(_Client):
         for entry in plan:
             sequence = kvmanager_pb2.SequenceAllocation(
                 seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens,
-                num_lookahead_slots=entry.num_lookahead_slots)
+                num_lookahead_slots=entry.num_lookahead_slots, num_precomputed_tokens=entry.num_precomputed_tokens)
             if not entry.seq.holds_blocks:  # read only when a sequence is created: not sent per decode
                 options = entry.seq.request.options
                 sequence.enable_prefix_caching = prefix_caching and options.enable_prefix_caching
@@ -524,6 +529,22 @@ class KVManagerClient(_Client):
     async def reset_prefix_cache(self, pool_id: str) -> int:
         request = kvmanager_pb2.ResetPrefixCacheRequest(pool_id=pool_id)
         return (await self._call(self._stub.ResetPrefixCache, request, self._timeout)).num_blocks_cleared
+
+
+def group_accepted_drafts(tokens: list[SampledToken], accepted: list[int]) -> list[SampledToken]:
+    """One ``SampledToken`` per sampled sequence: a sequence with ``a`` accepted drafts has ``a + 1``
+    consecutive tokens in the reply (``ExecuteResponse.num_accepted_draft_tokens``)."""
+    if sum(accepted) + len(accepted) != len(tokens):
+        raise ValueError(f"the executor answered {len(tokens)} sampled tokens for {len(accepted)} sequences "
+                         f"with {sum(accepted)} accepted drafts")
+    grouped, offset = [], 0
+    for a in accepted:
+        first = tokens[offset]
+        first.num_accepted_drafts = a
+        first.next_tokens = tokens[offset + 1:offset + 1 + a]
+        grouped.append(first)
+        offset += a + 1
+    return grouped
 
 
 async def watch_for_breaks(channel: grpc.aio.Channel, on_break) -> None:

@@ -493,6 +493,8 @@ class Engine:
             self.metrics.on_prefix_lookup(now.prefix_cache_queries - before.prefix_cache_queries,
                                           now.prefix_cache_hits - before.prefix_cache_hits)
             self.metrics.on_store(now.store_hits - before.store_hits, now.store_load_misses - before.store_load_misses)
+            self.metrics.on_spec_decode(now.num_draft_tokens - before.num_draft_tokens,
+                                        now.num_accepted_draft_tokens - before.num_accepted_draft_tokens)
             self._reported[id(scheduler)] = dataclasses.replace(now)
 
     def _publish_queue(self) -> None:

@@ -43,6 +43,10 @@ class GatewayMetrics:
                                         "tier instead of computed (also in vllm:prefix_cache_hits)", labels, registry=r)
         self.store_load_misses = Counter("kvserve:kv_store_load_misses", "Sequences recomputed because a store "
                                          "load missed (absent or corrupt entry, store unreachable)", labels, registry=r)
+        self.spec_decode_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative draft tokens sent for verification", labels, registry=r)
+        self.spec_decode_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted", labels, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests whose prefill finished", labels, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", labels, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
@@ -142,6 +146,12 @@ class GatewayMetrics:
             self._m["store_hit_tokens"].inc(hit_tokens)
         if load_misses:
             self._m["store_load_misses"].inc(load_misses)
+
+    def on_spec_decode(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self._m["spec_decode_num_draft_tokens"].inc(drafted)
+        if accepted:
+            self._m["spec_decode_num_accepted_tokens"].inc(accepted)
 
     def on_preemptions(self, count: int) -> None:
         if count:

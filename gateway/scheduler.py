@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.prompt_lookup import DraftCost, cap_drafts, plan_drafts
 from gateway.sequence import (
     FinishReason, GenerationRequest, RequestOutput, Sequence, SeqStatus,
 )
@@ -49,6 +50,10 @@ def create_sequences(request: GenerationRequest, make_decoder: Callable[[], obje
         request.sequences.append(seq)
 
 
+SPECULATIVE_MODES = ("off", "prompt-lookup")
+MAX_SPECULATIVE_TOKENS = 64
+
+
 class RequestTooLarge(ResourceExhausted):
     """A request that can never fit in the KV cache (HTTP 400, gRPC RESOURCE_EXHAUSTED)."""
 
@@ -58,6 +63,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     batching: str = "continuous"  # or "static"
+    speculative_decoding: str = "off"  # or "prompt-lookup" (gateway.prompt_lookup)
+    num_speculative_tokens: int = 5  # the most drafts one sequence sends in a step
+    # Drafts go only into steps of at most this many tokens (step's tokens + drafts): a big batch is
+    # compute-bound already, where verifying guesses costs more than it saves.
+    speculative_token_budget: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -66,6 +76,14 @@ class SchedulerConfig:
             raise InvalidArgument(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.batching not in ("continuous", "static"):
             raise InvalidArgument(f"batching: must be 'continuous' or 'static', got {self.batching!r}")
+        if self.speculative_decoding not in SPECULATIVE_MODES:
+            raise InvalidArgument(f"speculative_decoding: must be one of {', '.join(SPECULATIVE_MODES)}, "
+                                  f"got {self.speculative_decoding!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidArgument(f"num_speculative_tokens: must be 1..{MAX_SPECULATIVE_TOKENS}, "
+                                  f"got {self.num_speculative_tokens}")
+        if self.speculative_token_budget < 0:
+            raise InvalidArgument(f"speculative_token_budget: must be >= 0, got {self.speculative_token_budget}")
 
 
 @dataclass
@@ -100,6 +118,11 @@ class ScheduledSeq:
     num_lookahead_slots: int = 0  # asked of kvmanager so that the next decode step needs no new block
     store_load_block_ids: list[int] = field(default_factory=list)  # loaded from the store before the forward
     store_load_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: guesses of the tokens after this decode's token, verified in the same
+    # Execute (capped to the slots held once the allocation is known), and how many leading
+    # new_token_ids are accepted drafts of an earlier step whose KV is written already.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_precomputed_tokens: int = 0
 
     def compute_token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start_position:self.start_position + self.num_tokens]
@@ -110,6 +133,10 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    # When the entry sent drafts: how many were accepted (this token is the first of them, unless
+    # none was), and the tokens after this one (the other accepted drafts, then the sampled one).
+    num_accepted_drafts: int = 0
+    next_tokens: list["SampledToken"] = field(default_factory=list)
 
 
 @dataclass
@@ -125,6 +152,8 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0
     store_hits: int = 0  # prompt tokens loaded from the store tier instead of computed
     store_load_misses: int = 0  # sequences recomputed because a store load missed
+    num_draft_tokens: int = 0  # speculative drafts sent for verification
+    num_accepted_draft_tokens: int = 0  # of those, accepted
 
 
 class Scheduler:
@@ -146,6 +175,9 @@ class Scheduler:
         self.block_size: int | None = None
         # The same, set whether or not prefix caching is on: for predict_decodes.
         self.kv_block_size: int | None = None
+        # Speculative drafts are sent: configured, and the executor verifies them (the backend sets it).
+        self.drafts_enabled = False
+        self.draft_cost = DraftCost()  # what drafts cost this executor (the backend reports step times)
 
     # --- requests in and out -------------------------------------------------
 
@@ -283,7 +315,17 @@ class Scheduler:
             plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
             budget -= plan[-1].num_new_tokens
         self.waiting.extendleft(reversed(deferred))
+        if self.drafts_enabled:
+            self._plan_drafts(plan)
         return plan
+
+    def _plan_drafts(self, plan: list[ScheduledSeq]) -> None:
+        budget = self.config.speculative_token_budget - sum(e.num_new_tokens for e in plan)
+        if budget > 0 and not self.draft_cost.wants_plain_step(len(plan)):
+            plan_drafts(plan, self.config.num_speculative_tokens, budget, self.draft_cost.ratio(len(plan)))
+
+    def _cap_drafts(self, entry: ScheduledSeq) -> None:
+        cap_drafts(entry, self.kv_block_size or 0)
 
     def _first_block(self, seq: Sequence) -> tuple | None:
         """The first full block of a prompt about to be computed from scratch, when
@@ -321,6 +363,7 @@ class Scheduler:
         for entry, (start, _) in zip(plan, predicted):
             entry.start_position, entry.num_tokens, entry.copies = start, 1, []
             entry.sample = True
+            self._cap_drafts(entry)  # to the blocks held before this step: its Execute goes out now
         return list(plan)
 
     @staticmethod
@@ -354,6 +397,7 @@ class Scheduler:
             entry.copies = list(zip(result.copy_src, result.copy_dst))
             end = result.start_position + result.num_tokens
             entry.sample = end == len(seq.token_ids)
+            self._cap_drafts(entry)
             if result.num_tokens > 0 or entry.copies:
                 ready.append(entry)
         retry: list[ScheduledSeq] = []
@@ -403,16 +447,30 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = entry.start_position + entry.num_tokens
+            # What kvmanager knows of: accepted drafts are reported once it counts them (next step).
             self._written[entry.seq_id] = seq.num_computed
             request = seq.request
             if sample is not None:
                 touched[request.request_id] = request
-                if append_token(seq, sample.token_id, sample.logprob, sample.top_logprobs):
-                    self._retire(seq)
+                if entry.draft_token_ids:
+                    self._record_drafts(entry, sample.num_accepted_drafts)
+                for token in [sample] + sample.next_tokens:  # one at a time through the stop checks
+                    if append_token(seq, token.token_id, token.logprob, token.top_logprobs):
+                        self._retire(seq)
+                        break
             elif request.fork_pending and seq.index == 0 and seq.num_to_compute() == 0:
                 self._pending_forks.append(request)
         for request in touched.values():
             self._emit(request)
+
+    def _record_drafts(self, entry: ScheduledSeq, num_accepted: int) -> None:
+        """Accepted drafts have their KV written: the sequence counts them computed (kvmanager
+        learns it from the next step's ``num_precomputed_tokens``)."""
+        seq = entry.seq
+        seq.num_computed += num_accepted
+        seq.speculation.length.record(len(entry.draft_token_ids), num_accepted)
+        self.counters.num_draft_tokens += len(entry.draft_token_ids)
+        self.counters.num_accepted_draft_tokens += num_accepted
 
     def preempt_all(self) -> None:
         """Every running sequence lost its KV: requeue all of them for recompute, in
@@ -466,7 +524,10 @@ class Scheduler:
         end = seq.num_computed + num_new_tokens
         bs = self.kv_block_size
         lookahead = int(bool(bs) and end >= num_sendable and end % bs == 0 and seq.request.options.n == 1)
-        return ScheduledSeq(seq, seq.seq_id, num_new_tokens, new_ids, num_lookahead_slots=lookahead)
+        # Accepted drafts of the last step: known here, not yet to kvmanager, their KV written.
+        precomputed = max(0, seq.num_computed - seq.num_known_by_manager)
+        return ScheduledSeq(seq, seq.seq_id, num_new_tokens, new_ids, num_lookahead_slots=lookahead,
+                            num_precomputed_tokens=precomputed)
 
     def _slots(self, seq: Sequence) -> int:
         request = seq.request

@@ -68,6 +68,14 @@ class SamplingOptions:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def can_draft(self) -> bool:
+        """Whether speculative drafts can be verified exactly for this request: plain greedy, one
+        choice (forked choices share blocks that drafts would write), nothing that makes a pick
+        depend on more than its logits, no logprobs."""
+        return (self.temperature == 0.0 and self.n == 1 and not self.has_penalties and not self.logit_bias
+                and self.constraint is None and self.logprobs is None)
+
 
 @dataclass
 class ChoiceDelta:
@@ -129,6 +137,8 @@ class Sequence:
     finish_reported: bool = False
     # The choice's structured-output state (gateway.constraints.GrammarState) when constrained.
     grammar: object | None = None
+    # Prompt-lookup drafting (gateway.prompt_lookup.SpeculationState) once the scheduler drafted for it.
+    speculation: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -446,6 +446,9 @@ class KVManager:
                 seq = None  # freed first, then admitted afresh
             elif seq is not None and seq.session_id != session_id:
                 raise PermissionDenied(f"sequences[{i}].seq_id: sequence {seq_id} belongs to another session")
+            num_precomputed = getattr(request, "num_precomputed_tokens", 0)
+            if num_precomputed:
+                self._check_precomputed(i, seq, num_precomputed, num_tokens, pool.block_size)
             if max_len and num_tokens + (len(seq.token_ids) if seq is not None else 0) > max_len:
                 raise InvalidArgument(f"sequences[{i}].token_ids: sequence {seq_id} would hold more than the "
                                       f"pool's max_model_len of {max_len} tokens")
@@ -461,10 +464,32 @@ class KVManager:
             pool.report_written(seq, num_tokens)
         for seq_id in dict.fromkeys(to_free):
             pool.free(seq_id)
-        results = [pool.step(seq, tokens, request.num_new_tokens, request.num_lookahead_slots) if seq is not None
+        results = [pool.step(seq, tokens, request.num_new_tokens, request.num_lookahead_slots,
+                             getattr(request, "num_precomputed_tokens", 0)) if seq is not None
                    else pool.admit(session_id, request) for seq, tokens, request in plan]
         self._publish(pool)
         return results, pool.block_pool.usage
+
+    @staticmethod
+    def _check_precomputed(i: int, seq: KVSequence | None, n: int, num_tokens: int, block_size: int) -> None:
+        """Accepted drafts may only be counted computed where their KV can be: in slots right after
+        a fully computed sequence's tokens, that it holds, alone (a shared block's slots were not
+        its to write)."""
+        where = f"sequences[{i}].num_precomputed_tokens"
+        if seq is None:
+            raise InvalidArgument(f"{where}: only an existing sequence has slots with KV written ahead")
+        if n > num_tokens:
+            raise InvalidArgument(f"{where}: {n} is more than the {num_tokens} token_ids sent")
+        if seq.num_computed != len(seq.token_ids):
+            raise InvalidArgument(f"{where}: sequence {seq.seq_id} has {len(seq.token_ids) - seq.num_computed} "
+                                  "known tokens still to compute; precomputed tokens follow computed ones")
+        start, end = seq.num_computed, seq.num_computed + n
+        if end > len(seq.block_table) * block_size:
+            raise InvalidArgument(f"{where}: positions {start}..{end - 1} are not all in the "
+                                  f"{len(seq.block_table)} blocks sequence {seq.seq_id} holds")
+        if any(seq.block_table[b].ref_cnt > 1 for b in range(start // block_size, -(-end // block_size))):
+            raise InvalidArgument(f"{where}: positions {start}..{end - 1} lie in a block sequence {seq.seq_id} "
+                                  "shares with another sequence")
 
     def _check_cache_terms(self, i: int, request, num_tokens: int) -> None:
         """A new sequence's tenant, shareable range, TTL and priority (read at creation only)."""

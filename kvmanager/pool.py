@@ -86,6 +86,7 @@ class AllocationRequest:
     num_shared_tokens: int = 0
     cache_ttl_ms: int = 0
     cache_priority: int = 0  # CachePriority: LOW (1) blocks are evicted first
+    num_precomputed_tokens: int = 0  # leading token_ids whose KV is already in held slots (accepted drafts)
 
 
 @dataclass(slots=True)
@@ -197,9 +198,12 @@ class SequenceAllocator:
     # -- allocate --------------------------------------------------------------
 
     def step(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
-             num_lookahead_slots: int = 0) -> StepAllocation:
+             num_lookahead_slots: int = 0, num_precomputed: int = 0) -> StepAllocation:
         """One step of an existing sequence. The caller (``KVManager.allocate``) has
         validated the request and checked that the sequence is the caller's."""
+        if num_precomputed:
+            return self._step_after_precomputed(seq, new_token_ids, num_new_tokens, num_lookahead_slots,
+                                                num_precomputed)
         start = seq.num_computed
         if num_new_tokens == 1 and len(new_token_ids) == 1 and start == len(seq.token_ids):
             # Fast path for the most common call of all, a decode step: one token
@@ -215,6 +219,27 @@ class SequenceAllocator:
                 return StepAllocation(seq.seq_id, True, 0, start, 1, len(table), _EMPTY, _EMPTY, _EMPTY)
         return self._allocate(seq, new_token_ids, num_new_tokens, _EMPTY, is_new=False,
                               num_lookahead_slots=num_lookahead_slots)
+
+    def _step_after_precomputed(self, seq: KVSequence, new_token_ids: Sequence[int], num_new_tokens: int,
+                                num_lookahead_slots: int, num_precomputed: int) -> StepAllocation:
+        """The first ``num_precomputed`` new tokens are accepted speculative drafts whose KV an
+        Execute already wrote into slots this sequence held past its tokens (validated by the
+        caller): they count as computed, then the step goes on from after them. NO_ROOM leaves
+        the sequence as it was."""
+        start = seq.num_computed
+        end = start + num_precomputed
+        seq.token_ids.extend(new_token_ids[:num_precomputed])
+        seq.num_computed = end
+        result = self._allocate(seq, new_token_ids[num_precomputed:], num_new_tokens, _EMPTY, is_new=False,
+                                num_lookahead_slots=num_lookahead_slots)
+        if not result.ok:
+            del seq.token_ids[start:]
+            seq.num_computed = start
+            return result
+        bs = self.block_size
+        for i in range(start // bs, num_blocks_for(end, bs)):
+            self.block_pool.fill(seq.block_table[i], min(bs, end - i * bs))
+        return result
 
     def admit(self, session_id: str, request: AllocationRequest) -> StepAllocation:
         """Creates a sequence (prefix-cache lookup first), or returns NO_ROOM and creates nothing."""

@@ -62,10 +62,23 @@ def next_token(context: list[int], choice_seed: int) -> int:
     return FIRST_TOKEN + (sum((i + 1) * t for i, t in enumerate(context)) + choice_seed) % NUM_SAMPLED
 
 
-def reference_output(prompt: list[int], max_tokens: int, choice_seed: int) -> list[int]:
+def copying_next_token(context: list[int], choice_seed: int) -> int:
+    """A fake model that mostly copies (what followed the last token's previous occurrence, as
+    prompt lookup guesses), else samples like ``next_token``: drafts are often right, often wrong.
+    Still a function of every position."""
+    h = sum((i + 1) * t for i, t in enumerate(context)) + choice_seed
+    if h % 4:
+        last = context[-1]
+        for i in range(len(context) - 2, -1, -1):
+            if context[i] == last:
+                return context[i + 1]
+    return FIRST_TOKEN + h % NUM_SAMPLED
+
+
+def reference_output(prompt: list[int], max_tokens: int, choice_seed: int, model=next_token) -> list[int]:
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens, choice_seed))
+        tokens.append(model(tokens, choice_seed))
     return tokens[len(prompt):]
 
 
@@ -125,7 +138,8 @@ class InProcessKVManager:
                                       tenant=e.seq.request.options.tenant,
                                       num_shared_tokens=e.seq.request.options.num_shared_tokens,
                                       cache_ttl_ms=e.seq.request.options.cache_ttl_ms,
-                                      cache_priority=int(e.seq.request.options.cache_priority_low))
+                                      cache_priority=int(e.seq.request.options.cache_priority_low),
+                                      num_precomputed_tokens=e.num_precomputed_tokens)
                     for e in plan]
         results, usage = await self._with_store(self.manager.allocate, pool_id, session_id, store,
                                                 list(free_seq_ids), requests, *written)
@@ -166,7 +180,9 @@ class ShadowKVExecutor:
     """``gateway.clients.ExecutorClient``'s interface over a KV store of token ids."""
 
     def __init__(self, name: str, num_blocks: int, block_size: int, fingerprint: str, refused_requests: set[str],
-                 store: dict | None = None, store_capacity: int = 0):
+                 store: dict | None = None, store_capacity: int = 0, model=next_token, verifies_drafts: bool = False):
+        self.model = model  # what it samples after a context (greedy: drafts are verified against it)
+        self.verifies_drafts = verifies_drafts
         self.store = store  # hash -> a block's slots as saved; shared by the executors
         self.store_capacity = store_capacity
         self.fail_saves = False
@@ -197,7 +213,8 @@ class ShadowKVExecutor:
         store = dict(kv_store="shadow://store", kv_store_namespace="ns", kv_store_capacity_blocks=self.store_capacity) \
             if self.store is not None else {}
         return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
-                            self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint, **store)
+                            self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint, **store,
+                            verifies_draft_tokens=self.verifies_drafts)
 
     def _refuse(self, status: grpc.StatusCode, message: str) -> DependencyError:
         return DependencyError("executor", "in-process", grpc.aio.AioRpcError(
@@ -242,12 +259,15 @@ class ShadowKVExecutor:
                 context.append(slot[0] if slot else -1)
             self.num_reads += entry.start_position
             computed = entry.compute_token_ids()
-            for i, token in enumerate(computed):
+            drafts = list(entry.draft_token_ids)
+            assert not drafts or (self.verifies_drafts and entry.sample and len(computed) == 1), "unverifiable drafts"
+            for i, token in enumerate(computed + drafts):  # a draft's KV is written, right or wrong
                 pos = entry.start_position + i
+                assert pos // bs < len(table), f"seq {entry.seq_id} writes position {pos} past its blocks"
                 self.slots[table[pos // bs]][pos % bs] = (token, not garbage)
             if entry.sample:
                 options = entry.seq.request.options
-                sampled.append(SampledToken(next_token(context + computed, (options.seed or 0) + entry.seq.index)))
+                sampled.append(self._verify(context + computed, drafts, (options.seed or 0) + entry.seq.index))
         saves_ok = []
         if store_orders:
             for block_id, h in zip(store_orders.save_block_ids, store_orders.save_hashes):
@@ -255,6 +275,20 @@ class ShadowKVExecutor:
                     self.store[h] = list(self.slots[block_id])
                 saves_ok.append(not self.fail_saves)
         return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id, frozenset(dropped), tuple(missing), tuple(saves_ok))
+
+    def _verify(self, context: list[int], drafts: list[int], choice_seed: int) -> SampledToken:
+        """Greedy verification: drafts are accepted while each is what the model picks after the
+        ones before it; then the model's own pick."""
+        pick = self.model(context, choice_seed)
+        accepted = 0
+        for draft in drafts:
+            if draft != pick:
+                break
+            context = context + [draft]
+            accepted += 1
+            pick = self.model(context, choice_seed)
+        tokens = drafts[:accepted] + [pick]
+        return SampledToken(tokens[0], num_accepted_drafts=accepted, next_tokens=[SampledToken(t) for t in tokens[1:]])
 
     async def close(self):
         pass
@@ -270,8 +304,10 @@ class GatewayKVMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing):
         self.configure(block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing)
 
+    model = staticmethod(next_token)  # the shadow executors' model
+
     def configure(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity=0,
-                  save_policy="all"):
+                  save_policy="all", speculative: dict | None = None):
         self.loop = asyncio.new_event_loop()
         self.manager = KVManager(default_session_ttl_ms=10**7, store_save_policy=save_policy)
         self.manager.governance.set_policy("acme", 1.0, 3, 2)
@@ -281,12 +317,14 @@ class GatewayKVMachine(RuleBasedStateMachine):
         refused: set[str] = set()
         self.store = {} if store_capacity else None  # the store tier, shared by the executors
         self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused,
-                                                            self.store, store_capacity)
+                                                            self.store, store_capacity, self.model,
+                                                            verifies_drafts=bool(speculative))
                           for i in range(num_executors)}
         self.executor = next(iter(self.executors.values()))
         config = EngineConfig(pool_id=POOL_ID, executor_address=",".join(self.executors), routing=routing,
                               session_ttl_ms=10**7, unavailable_timeout_s=10**6, scheduler=SchedulerConfig(
-                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched))
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                  **(speculative or {})))
         self.pool_ids = {address: config.pool_id_for(address) for address in self.executors}
         self.engine = self.run(self._make_engine(config))
         self.failures = 0
@@ -334,7 +372,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
             return
         self.streams[request_id] = stream
         self.restarts_seen[request_id] = self.failures
-        self.expected[request_id] = [reference_output(prompt, max_tokens, (seed or 0) + i) for i in range(n)]
+        self.expected[request_id] = [reference_output(prompt, max_tokens, (seed or 0) + i, self.model)
+                                     for i in range(n)]
         self.lengths[request_id] = len(prompt) + max_tokens
 
     @rule(steps=st.integers(1, 4))
@@ -457,6 +496,9 @@ class GatewayKVMachine(RuleBasedStateMachine):
             self.seen.update({"decode steps overlapped with their Allocate": backend.num_overlapped_steps,
                               "prompt tokens loaded from the store": backend.scheduler.counters.store_hits,
                               "store loads that missed": backend.scheduler.counters.store_load_misses})
+            counters = backend.scheduler.counters
+            self.seen.update({"draft tokens accepted": counters.num_accepted_draft_tokens,
+                              "draft tokens rejected": counters.num_draft_tokens - counters.num_accepted_draft_tokens})
             assert backend.num_mispredicted_steps == 0, "kvmanager answered a predicted decode step otherwise"
         self.loop.close()
 
@@ -508,6 +550,31 @@ class GatewayKVStoreMachine(GatewayKVMachine):
               save_policy):
         self.configure(block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, store_capacity,
                        save_policy)
+
+
+class GatewayKVSpecMachine(GatewayKVMachine):
+    """The same machine with prompt-lookup speculative decoding on, against a fake model that
+    mostly copies: drafts are accepted and rejected, their KV written into lookahead slots; no
+    rejected draft's KV may ever be read as a token's (shadow reads) or be findable (invariant)."""
+
+    seen: Counter = Counter()
+    model = staticmethod(copying_next_token)
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 40),
+                max_num_seqs=st.integers(1, 6), max_batched=st.integers(4, 40), num_executors=st.sampled_from([1, 2]),
+                routing=st.sampled_from(["kv", "round-robin"]), num_speculative=st.integers(1, 5),
+                budget=st.sampled_from([3, 8, 64]))
+    def setup(self, block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, num_speculative,
+              budget):
+        self.configure(block_size, num_blocks, max_num_seqs, max_batched, num_executors, routing, speculative=dict(
+            speculative_decoding="prompt-lookup", num_speculative_tokens=num_speculative,
+            speculative_token_budget=budget))
+
+    @rule(prompt=prompts, max_tokens=st.integers(4, 14), n=st.sampled_from([1, 1, 1, 2]),
+          salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
+    def submit_long(self, prompt, max_tokens, n, salt, seed):
+        """Longer outputs: room for drafts to be accepted several steps in a row."""
+        self.submit(prompt, max_tokens, n, salt, seed)
 
 
 class GatewayKVTenantMachine(GatewayKVMachine):
@@ -592,6 +659,14 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
         "finished with the reference output": 200, "finished after a prefix hit": 20,
         "finished across an executor failure": 10, "finished across a failure with two executors": 10,
         "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20})
+
+
+@pytest.mark.timeout(600)
+def test_speculative_drafts_never_make_a_rejected_draft_s_kv_readable_or_findable(default_model_dir):
+    run_machine(GatewayKVSpecMachine, default_model_dir, {
+        "finished with the reference output": 200, "finished after a prefix hit": 10,
+        "finished across an executor failure": 10, "draft tokens accepted": 100, "draft tokens rejected": 50,
+        "decode steps overlapped with their Allocate": 20})
 
 
 @pytest.mark.timeout(600)

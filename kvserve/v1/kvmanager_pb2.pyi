@@ -149,7 +149,7 @@ class StoreOrders(_message.Message):
     def __init__(self, save_block_ids: _Optional[_Iterable[int]] = ..., save_hashes: _Optional[_Iterable[bytes]] = ..., save_keys: _Optional[_Iterable[bytes]] = ..., delete_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SequenceAllocation(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots", "tenant", "num_shared_tokens", "cache_ttl_ms", "cache_priority")
+    __slots__ = ("seq_id", "token_ids", "num_new_tokens", "enable_prefix_caching", "cache_salt", "adapter_id", "num_lookahead_slots", "tenant", "num_shared_tokens", "cache_ttl_ms", "cache_priority", "num_precomputed_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class SequenceAllocation(_message.Message):
     NUM_SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CACHE_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_PRECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_new_tokens: int
@@ -172,7 +173,8 @@ class SequenceAllocation(_message.Message):
     num_shared_tokens: int
     cache_ttl_ms: int
     cache_priority: CachePriority
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ..., tenant: _Optional[str] = ..., num_shared_tokens: _Optional[int] = ..., cache_ttl_ms: _Optional[int] = ..., cache_priority: _Optional[_Union[CachePriority, str]] = ...) -> None: ...
+    num_precomputed_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., adapter_id: _Optional[str] = ..., num_lookahead_slots: _Optional[int] = ..., tenant: _Optional[str] = ..., num_shared_tokens: _Optional[int] = ..., cache_ttl_ms: _Optional[int] = ..., cache_priority: _Optional[_Union[CachePriority, str]] = ..., num_precomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceAllocationResult(_message.Message):
     __slots__ = ("seq_id", "status", "num_cached_tokens", "start_position", "num_tokens", "block_table_offset", "block_table", "copy_src", "copy_dst", "num_store_tokens", "store_load_block_ids", "store_load_hashes")

@@ -1,0 +1,85 @@
+"""Prompt-lookup speculative decoding end to end: gateway, kvmanager and executor as processes.
+
+The gateway runs with ``--speculative-decoding prompt-lookup``; the executor in float32 (greedy
+verification in a multi-token forward then picks what single-token decoding picks). A copy-heavy
+request drafts and must answer the same text as the same request decoded without drafts: one
+with ``logprobs`` (which never drafts: the executor refuses drafts with top_logprobs) and one on
+a second gateway with speculation off, sharing kvmanager and the executor. Accepted drafts are
+seen in ``/metrics`` (vLLM's ``spec_decode`` counters), so the drafts really were used.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from conftest import service_env, start_stack
+from kvserve.launcher import spawn
+from kvserve.ports import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+COPY_PROMPT = ("Repeat the following text exactly, word for word.\n\nText: The quick brown fox jumps over the lazy "
+               "dog. The early bird catches the worm. A stitch in time saves nine. Actions speak louder than words."
+               "\n\nRepeated text:")
+
+
+def counter(metrics: str, name: str) -> float:
+    match = re.search(rf'^{re.escape(name)}_total{{[^}}]*}} ([0-9.e+]+)$', metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def stacks(default_model_dir, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("speculative-e2e")
+    stack = start_stack(default_model_dir, log_dir, executor_args=["--dtype", "float32"],
+                        gateway_args=["--speculative-decoding", "prompt-lookup", "--num-speculative-tokens", "6"])
+    http_port = free_port()
+    plain = spawn("gateway", ["--kvmanager-address", stack.kvmanager.address, "--executor-address",
+                              stack.executor.address, "--model", str(default_model_dir), "--http-port", str(http_port)],
+                  port=free_port(), log_path=log_dir / "plain-gateway.log", env=service_env())
+    # No --pool-id: both gateways use the executor's one pool in kvmanager (executor@<address>).
+    yield stack.http_url, f"http://127.0.0.1:{http_port}", plain
+    plain.stop()
+    assert stack.stop()["gateway"] == 0
+
+
+def complete(url: str, **extra) -> dict:
+    body = {"model": "m", "prompt": COPY_PROMPT, "max_tokens": 48, "temperature": 0, **extra}
+    for _ in range(120):
+        try:
+            reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        except httpx.TransportError:
+            time.sleep(1)  # the second gateway is still starting
+            continue
+        if reply.status_code == 503:
+            time.sleep(1)
+            continue
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+    raise AssertionError(f"{url} never answered")
+
+
+def test_prompt_lookup_answers_exactly_the_plain_greedy_text_with_accepted_drafts(stacks):
+    spec_url, plain_url, _ = stacks
+    model = httpx.get(spec_url + "/v1/models").json()["data"][0]["id"]
+    before = httpx.get(spec_url + "/metrics").text
+    drafted = complete(spec_url, model=model)
+    after = httpx.get(spec_url + "/metrics").text
+    text = drafted["choices"][0]["text"]
+    assert "quick brown fox" in text  # the model does copy: drafts have something to be right about
+    accepted = counter(after, "vllm:spec_decode_num_accepted_tokens") - \
+        counter(before, "vllm:spec_decode_num_accepted_tokens")
+    sent = counter(after, "vllm:spec_decode_num_draft_tokens") - counter(before, "vllm:spec_decode_num_draft_tokens")
+    assert accepted > 0 and sent >= accepted, (accepted, sent)
+    assert drafted["usage"]["completion_tokens"] == 48 or drafted["choices"][0]["finish_reason"] == "stop"
+    # Without drafts: the same gateway with logprobs asked (never drafts), and another gateway with speculation off.
+    undrafted = complete(spec_url, model=model, logprobs=1)
+    assert counter(httpx.get(spec_url + "/metrics").text, "vllm:spec_decode_num_draft_tokens") == \
+        counter(after, "vllm:spec_decode_num_draft_tokens")
+    plain = complete(plain_url, model=model)
+    assert undrafted["choices"][0]["text"] == text
+    assert plain["choices"][0]["text"] == text
+    assert counter(httpx.get(plain_url + "/metrics").text, "vllm:spec_decode_num_draft_tokens") == 0
