@@ -8,10 +8,10 @@ import grpc
 
 from kvserve.v1 import executor_pb2 as pb
 from tests.test_executor_service import seq
-from tests.test_step_socket import RawStepClient, tiny_executor  # noqa: F401 (the fixture)
+from tests.test_step_socket import RawStepClient
 
 
-def test_drafts_are_verified_alike_over_the_socket_and_grpc(tiny_executor):  # noqa: F811
+def test_drafts_are_verified_alike_over_the_socket_and_grpc(tiny_executor):
     _, stub, info = tiny_executor
     assert info.verifies_draft_tokens
     client = RawStepClient(info.step_socket)
