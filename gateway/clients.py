@@ -426,7 +426,7 @@ class KVManagerClient(_Client):
             sequence = kvmanager_pb2.SequenceAllocation(
                 seq_id=entry.seq_id, token_ids=entry.new_token_ids, num_new_tokens=entry.num_new_tokens,
                 num_lookahead_slots=entry.num_lookahead_slots, num_precomputed_tokens=entry.num_precomputed_tokens)
-            if not entry.seq.holds_blocks:  # read only when a sequence is created: not sent per decode
+            if not entry.seq.known_to_kvmanager:  # read only when a sequence is created: not sent per decode
                 options = entry.seq.request.options
                 sequence.enable_prefix_caching = prefix_caching and options.enable_prefix_caching
                 sequence.cache_salt = options.cache_salt

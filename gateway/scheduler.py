@@ -334,7 +334,7 @@ class Scheduler:
         of computing the same prefix again beside it."""
         bs = self.block_size
         options = seq.request.options
-        if not bs or seq.holds_blocks or not options.enable_prefix_caching or seq.num_sendable() <= bs:
+        if not bs or seq.known_to_kvmanager or not options.enable_prefix_caching or seq.num_sendable() <= bs:
             return None
         # The first block is the shared namespace's when the shareable range covers it.
         owner = "" if options.num_shared_tokens >= bs else options.tenant
@@ -353,7 +353,7 @@ class Scheduler:
             return None
         for entry in plan:
             seq = entry.seq
-            if (entry.num_new_tokens != 1 or not seq.holds_blocks or seq.num_to_compute() != 1
+            if (entry.num_new_tokens != 1 or not seq.known_to_kvmanager or seq.num_to_compute() != 1
                     or seq.request.options.n != 1 or seq.num_computed >= len(seq.block_table) * bs):
                 return None
         return [(entry.seq.num_computed, len(entry.seq.block_table)) for entry in plan]
@@ -386,7 +386,7 @@ class Scheduler:
             if not result.ok:
                 no_room.append(entry)
                 continue
-            if not seq.holds_blocks:
+            if not seq.known_to_kvmanager:
                 self._record_prefix_lookup(seq, result.num_cached_tokens, result.num_store_tokens)
             entry.store_load_block_ids = result.store_load_block_ids
             entry.store_load_hashes = result.store_load_hashes
@@ -407,8 +407,8 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # already preempted as a victim this round
-            others_hold = any(s.holds_blocks for s in self.running if s is not seq)
-            if not seq.holds_blocks:
+            others_hold = any(s.known_to_kvmanager for s in self.running if s is not seq)
+            if not seq.known_to_kvmanager:
                 if others_hold or self._pending_frees:  # wait for blocks held or being freed
                     self.running.remove(seq)
                     seq.status = SeqStatus.WAITING
@@ -543,7 +543,7 @@ class Scheduler:
         self.running.append(seq)
 
     def _pick_victim(self) -> Sequence:
-        holders = [s for s in self.running if s.holds_blocks]
+        holders = [s for s in self.running if s.known_to_kvmanager]
         return max(holders, key=lambda s: s.admitted_order)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -573,7 +573,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.holds_blocks:
+        if seq.known_to_kvmanager:
             self._pending_frees.append(seq.seq_id)
             seq.num_known_by_manager = 0
         seq.status = SeqStatus.FINISHED

@@ -149,8 +149,8 @@ class Sequence:
         return len(self.token_ids) - self.request.num_prompt_tokens
 
     @property
-    def holds_blocks(self) -> bool:
-        """Whether the kvmanager knows this sequence (it may hold blocks)."""
+    def known_to_kvmanager(self) -> bool:
+        """Whether kvmanager knows this sequence (it has had an Allocate: it may hold blocks)."""
         return self.num_known_by_manager > 0
 
     @property
@@ -168,7 +168,7 @@ class Sequence:
 
     def num_uncached_to_compute(self) -> int:
         """What is left to compute, less the prefix the router expects a waiting sequence to hit."""
-        expected_hit = 0 if self.holds_blocks else self.request.expected_cached_tokens
+        expected_hit = 0 if self.known_to_kvmanager else self.request.expected_cached_tokens
         return max(1, self.num_to_compute() - expected_hit)
 
     def reset_for_recompute(self, new_seq_id: int) -> None:

@@ -12,7 +12,7 @@ A block is in exactly one state:
   * free      — ``ref_cnt == 0``, in the free queue; it may still carry a hash
                 ("cached"), and then a prefix hit takes it back (``touch``).
 
-A block carries a hash (is findable) only once its KV is written: ``SequenceAllocator``
+A block carries a hash (is findable) only once its KV is written: ``KVPool``
 calls ``cache_block`` when the client reports it, never when it hands it out.
 
 A cached block belongs to a tenant (``owner``, a ``TenantLedger``): quotas cap how many
@@ -21,7 +21,7 @@ have some, the victim is chosen fairly among tenants, LRU within one (``kvmanage
 With one tenant this is plain LRU over the free queue.
 
 Who owns what: ``BlockPool`` alone changes ``ref_cnt``, the free-queue links,
-``block_hash``/``block_key``, ``owner`` and the counters; ``SequenceAllocator`` changes
+``block_hash``/``block_key``, ``owner`` and the counters; ``KVPool`` changes
 ``num_tokens`` only through ``fill``.
 """
 from __future__ import annotations

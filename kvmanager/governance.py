@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kvmanager.hashing import DEFAULT_TENANT, SHARED_NAMESPACE, BlockExtras, chain_hashes, checked_pack_tokens
 from kvmanager.pins import Pin
-from kvmanager.pool import SequenceAllocator
+from kvmanager.pool import KVPool
 from kvmanager.tenants import check_tenant_name
 from kvserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 
@@ -130,7 +130,7 @@ class Governance:
                 num_released += pool.pins.remove(pin_id)
         return num_released
 
-    def tenant_stats(self, pool: SequenceAllocator) -> list[TenantStatsView]:
+    def tenant_stats(self, pool: KVPool) -> list[TenantStatsView]:
         store = pool.store
         names = set(pool.block_pool.tenants)
         if store is not None:
@@ -149,7 +149,7 @@ class Governance:
                 num_store_quota_evictions=store.quota_evictions.get(name, 0) if store is not None else 0))
         return views
 
-    def _pools(self, pool_ids: Sequence[str]) -> list[SequenceAllocator]:
+    def _pools(self, pool_ids: Sequence[str]) -> list[KVPool]:
         if pool_ids:
             return [self.manager.pool(pool_id) for pool_id in dict.fromkeys(pool_ids)]
         if not self.manager.pools:

@@ -22,7 +22,7 @@ from kvmanager.events import (
 from kvmanager.governance import Governance, TenantStatsView
 from kvmanager.hashing import HASH_BYTES, BlockExtras, checked_pack_tokens, root_hash
 from kvmanager.pool import (
-    SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, SequenceAllocator,
+    SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, KVPool,
     StepAllocation, match_cached_prefix, snapshot_events,
 )
 from kvmanager.sessions import Session, SessionRegistry
@@ -179,7 +179,7 @@ class KVManager:
         self.freeze_gc = freeze_gc
         self.event_buffer_size = event_buffer_size
         self.default_medium = default_medium
-        self.pools: dict[str, SequenceAllocator] = {}
+        self.pools: dict[str, KVPool] = {}
         self.sessions = SessionRegistry(clock)
         self.hubs: dict[str, EventHub] = {}
         self.event_sinks: list[EventSink] = []
@@ -226,7 +226,7 @@ class KVManager:
                 )
             self._emit(config.pool_id, [AllBlocksCleared()], existing.medium)
             existing.block_pool.unlink()
-        pool = self.pools[config.pool_id] = SequenceAllocator(config, self.tenant_policies, self.clock)
+        pool = self.pools[config.pool_id] = KVPool(config, self.tenant_policies, self.clock)
         pool.executor_instance_id = executor_instance_id
         pool.medium = medium or self.default_medium
         pool.save_policy = self.store_save_policy
@@ -252,7 +252,7 @@ class KVManager:
         if len(store.medium) > MAX_MEDIUM_LEN:
             raise InvalidArgument(f"kv_store medium: at most {MAX_MEDIUM_LEN} characters")
 
-    def _attach_store(self, pool: SequenceAllocator, store: StoreConfig) -> None:
+    def _attach_store(self, pool: KVPool, store: StoreConfig) -> None:
         """Points the pool at the index of its executor's store (shared by every pool naming
         the same store and namespace), or at none. A store seen for the first time is queued
         for ``take_new_stores``: the server lists what it already holds."""
@@ -286,7 +286,7 @@ class KVManager:
         log.info("kv_store_index_rebuilt", namespace=index.namespace, joined=joined, entries=len(index))
         return joined
 
-    def pool(self, pool_id: str) -> SequenceAllocator:
+    def pool(self, pool_id: str) -> KVPool:
         if not pool_id:
             raise InvalidArgument("pool_id: must not be empty")
         pool = self.pools.get(pool_id)
@@ -316,7 +316,7 @@ class KVManager:
         )
 
     @staticmethod
-    def _store_stats(pool: SequenceAllocator) -> dict:
+    def _store_stats(pool: KVPool) -> dict:
         store = pool.store
         if store is None:
             return {}
@@ -330,7 +330,7 @@ class KVManager:
         self.reap_expired()
         return self._invalidate(self.pool(pool_id), reason="reset_requested")
 
-    def _invalidate(self, pool: SequenceAllocator, reason: str, **details) -> int:
+    def _invalidate(self, pool: KVPool, reason: str, **details) -> int:
         num_cleared = pool.invalidate_prefix_cache()
         self._publish(pool)
         log.info("prefix_cache_invalidated", pool_id=pool.config.pool_id, reason=reason,
@@ -387,7 +387,7 @@ class KVManager:
             raise InvalidArgument("session_id: must not be empty")
         return self.sessions.get(session_id)
 
-    def _pool_and_session(self, pool_id: str, session_id: str) -> tuple[SequenceAllocator, Session]:
+    def _pool_and_session(self, pool_id: str, session_id: str) -> tuple[KVPool, Session]:
         """The pool and the caller's live session on it; using it renews its lease."""
         self.reap_expired()
         pool = self.pool(pool_id)
@@ -540,7 +540,7 @@ class KVManager:
         self._publish(pool)
         return num_blocks_freed
 
-    def _check_written(self, pool: SequenceAllocator, session_id: str, seq_ids: Sequence[int],
+    def _check_written(self, pool: KVPool, session_id: str, seq_ids: Sequence[int],
                        num_tokens: Sequence[int]) -> list[tuple[KVSequence, int]]:
         """Validates written-KV reports; returns (sequence, tokens written) pairs."""
         if len(seq_ids) != len(num_tokens):
@@ -572,7 +572,7 @@ class KVManager:
             fields.append(hashes)
         return fields[0], fields[1], fields[2]
 
-    def _apply_store_report(self, pool: SequenceAllocator, session_id: str, report) -> None:
+    def _apply_store_report(self, pool: KVPool, session_id: str, report) -> None:
         """Saves written whole become findable, failed ones never do, and loads that missed
         stop being findable. Hashes of orders this session no longer has (the pool was
         invalidated, or the order went with an earlier session) are ignored."""
@@ -604,7 +604,7 @@ class KVManager:
                                [o.block_key for o in orders], deletes)
 
     @staticmethod
-    def _own_sequence(pool: SequenceAllocator, session_id: str, seq_id: int, field: str) -> KVSequence:
+    def _own_sequence(pool: KVPool, session_id: str, seq_id: int, field: str) -> KVSequence:
         seq = pool.sequences.get(seq_id)
         if seq is None:
             raise NotFound(f"{field}: unknown sequence {seq_id}")
@@ -759,11 +759,11 @@ class KVManager:
             hub = self.hubs[pool_id] = EventHub(pool_id, self.event_buffer_size)
         return hub
 
-    def publish_events(self, pool: SequenceAllocator) -> None:
+    def publish_events(self, pool: KVPool) -> None:
         """Sends what the pool recorded (admin changes evict too)."""
         self._publish(pool)
 
-    def _publish(self, pool: SequenceAllocator) -> None:
+    def _publish(self, pool: KVPool) -> None:
         events = pool.drain_events()
         if events:
             self._emit(pool.config.pool_id, events, pool.medium)

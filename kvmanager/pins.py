@@ -3,7 +3,7 @@
 A pin names the chained hashes of a prefix's full blocks (for a tenant, or in the shared
 namespace). Each of them that is cached is held by the pin — one reference, so it is
 never free and never evicted; each that is not cached yet is held the moment it is
-published (a client computes the prefix once, as any prompt: ``SequenceAllocator._publish``
+published (a client computes the prefix once, as any prompt: ``KVPool._publish``
 calls ``on_published``). Pinned blocks count against their tenant's quota like any cached
 block. An invalidated pool (executor restart, reset) releases what its pins held: their KV
 may be gone; the pins wait for the prefix to be computed again.

@@ -119,7 +119,7 @@ class SaveOrder:
 class KVSequence:
     """A sequence as the KV manager sees it: its block table and its published prefix.
 
-    Owned and mutated only by ``SequenceAllocator``; the blocks in ``block_table`` are
+    Owned and mutated only by ``KVPool``; the blocks in ``block_table`` are
     shared objects whose refcounts ``BlockPool`` owns.
     """
 
@@ -166,7 +166,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class SequenceAllocator:
+class KVPool:
     """One paged KV cache: its blocks, its sequences and its counters."""
 
     def __init__(self, config: PoolConfig, policies: TenantPolicies | None = None,
@@ -638,7 +638,7 @@ def snapshot_events(keys: list[tuple[bytes, bytes]], root: bytes, block_size: in
     """What a subscriber that followed a pool's events from the start holds, as events:
     ``AllBlocksCleared``, then one ``BlockStored`` per run of chained cached blocks,
     parents before children. ``keys`` are the pool's cached (hash, block key) pairs
-    (``SequenceAllocator.cached_block_keys``): every block stored and not removed since
+    (``KVPool.cached_block_keys``): every block stored and not removed since
     the last clear, each with its parent hash (empty for a sequence's first block, as in
     the live events), tokens and adapter. Lazy: O(blocks) in all."""
     keys_of = dict(keys)
@@ -677,7 +677,7 @@ def snapshot_events(keys: list[tuple[bytes, bytes]], root: bytes, block_size: in
             yield run
 
 
-def match_cached_prefix(pools: Sequence[SequenceAllocator], extras: BlockExtras, packed_tokens: bytes | None,
+def match_cached_prefix(pools: Sequence[KVPool], extras: BlockExtras, packed_tokens: bytes | None,
                         num_tokens: int, block_hashes: Sequence[bytes] = ()) -> list[int]:
     """Cached prefix length in blocks, per pool, of one prompt, for pools that hash alike
     (same root hash, i.e. model fingerprint, and block size): the chain is hashed once

@@ -9,10 +9,10 @@ import kvmanager.pool as pool_module
 from kvmanager.hashing import block_key
 import struct
 
-from kvmanager.pool import SequenceAllocator, StepAllocation
+from kvmanager.pool import KVPool, StepAllocation
 
 
-def check_invariants(pool: SequenceAllocator) -> None:
+def check_invariants(pool: KVPool) -> None:
     """Every block in exactly one state; refcount = tables holding it; counters exact.
     (Hashes via ``pool_module.hash_key`` so that a test may monkeypatch it.)"""
     bp = pool.block_pool
@@ -210,7 +210,7 @@ class ShadowExecutor:
         self.pending_loads.pop(seq_id, None)
         self.stale.discard(seq_id)
 
-    def check(self, pool: SequenceAllocator) -> None:
+    def check(self, pool: KVPool) -> None:
         """Every written position of every live sequence reads its own token, and
         every findable block holds what it is found by."""
         bs = self.block_size
@@ -227,7 +227,7 @@ class ShadowExecutor:
                     f"seq {seq_id} pos {pos}: KV holds {slot}, token is {seq.token_ids[pos]}")
         self.check_findable(pool)
 
-    def check_findable(self, pool: SequenceAllocator) -> None:
+    def check_findable(self, pool: KVPool) -> None:
         """A hit means the KV is there: every findable block holds, written with a
         valid context, the tokens it is found by."""
         for block in pool.block_pool.cached_blocks.values():
