@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
 from kvmanager.block_pool import NULL_BLOCK_ID
 import kvmanager.pool as pool_module
 from kvmanager.hashing import block_key
@@ -239,3 +242,16 @@ class ShadowExecutor:
 def key_tokens(key: bytes, block_size: int) -> list[int]:
     """The token ids a block key (``hashing.block_key``) was computed from."""
     return list(struct.unpack(f"<{block_size}i", key[len(key) - 4 * block_size:]))
+
+
+class PinRules:
+    """The unpin rule of the kvmanager state machines that pin prefixes (tests/test_kvmanager_stateful.py,
+    tests/test_gateway_kv_shadow.py): each keeps ``self.pins`` (pin id -> what the pin held) and
+    ``self.manager``, and checks that pinned blocks stay held."""
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
+        self.manager.governance.unpin(pin_id)
+        del self.pins[pin_id]

@@ -46,7 +46,7 @@ from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import AllocationRequest, PoolConfig
 from kvserve.errors import KVServeError, StepRefused, Unavailable
 from kvserve.identity import tokenizer_fingerprint
-from tests.kvmanager_support import check_invariants, key_tokens
+from tests.kvmanager_support import PinRules, check_invariants, key_tokens
 
 POOL_ID = "shadow-pool"
 FIRST_TOKEN = 300  # ids the fake samples from: plain text tokens of the real tokenizer
@@ -577,7 +577,7 @@ class GatewayKVSpecMachine(GatewayKVMachine):
         self.submit(prompt, max_tokens, n, salt, seed)
 
 
-class GatewayKVTenantMachine(GatewayKVMachine):
+class GatewayKVTenantMachine(PinRules, GatewayKVMachine):
     """The same machine with requests of several tenants (one with a quota, one with twice the
     weight) that may mark their system prompt shareable, cache TTLs and a low priority, and pins
     coming and going: every hit is the request's own tenant's block or in its shared range (checked
@@ -604,13 +604,6 @@ class GatewayKVTenantMachine(GatewayKVMachine):
             self.seen.update([f"pin refused: {type(exc).__name__}"])
             return
         self.pins[pin_id] = {}
-
-    @precondition(lambda self: self.pins)
-    @rule(data=st.data())
-    def unpin(self, data):
-        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
-        self.manager.governance.unpin(pin_id)
-        del self.pins[pin_id]
 
     @invariant()
     def pinned_blocks_stay_held(self):

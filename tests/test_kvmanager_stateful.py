@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
 from kvserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from tests.kvmanager_support import ShadowExecutor, check_invariants
+from tests.kvmanager_support import PinRules, ShadowExecutor, check_invariants
 
 # Prompts are a shared system prompt (or none) plus a tail over a 3-letter
 # alphabet, so prefix hits and identical blocks computed twice are common.
@@ -40,7 +40,7 @@ class FakeClock:
         return self.now
 
 
-class KVManagerMachine(RuleBasedStateMachine):
+class KVManagerMachine(PinRules, RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 8]),
         num_blocks=st.integers(2, 40),
@@ -198,13 +198,6 @@ class KVManagerMachine(RuleBasedStateMachine):
                                    num_shared_tokens=len(system) if shared else 0)])
         self.execute()
         self.flush_reports(1)
-
-    @precondition(lambda self: self.pins)
-    @rule(data=st.data())
-    def unpin(self, data):
-        pin_id = data.draw(st.sampled_from(sorted(self.pins)))
-        self.manager.governance.unpin(pin_id)
-        del self.pins[pin_id]
 
     @rule()
     def time_passes(self):
