@@ -23,11 +23,14 @@ sources and ``cpu/``; see ``pyproject.toml``) as a top-level package beside
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 # The kernel sources: this file's directory, in a checkout and in site-packages alike.
 CSRC = Path(__file__).resolve().parent
@@ -96,6 +99,27 @@ def musa_arch() -> str:
     return f"mp_{major}{minor}"
 
 
+@contextlib.contextmanager
+def exclusive_build(build_dir: Path) -> Iterator[None]:
+    """Holds an exclusive ``flock`` on ``build_dir`` while torch builds or loads there, and clears
+    torch's ``lock`` file left by a build that was killed. torch marks a build in progress with
+    that file and waits, forever, for it to go: a process killed mid-build (a test's timeout, a
+    stopped container) leaves it behind and every later start hangs. The kernel releases a flock
+    when its holder dies, so a ``lock`` file found while holding the flock has no live builder."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvserve-build.flock", "a") as guard:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock: torch's own lock file, as before
+            yield
+            return
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
 def load(device_type: str | None = None, verbose: bool = False) -> ModuleType:
     """Builds (first call, cached on disk) and imports the extension for ``cuda`` or ``musa``."""
     device_type = device_type or detect_device_type()
@@ -148,16 +172,16 @@ def load_cpu(verbose: bool = False, march: str = "native"):
 
     if not hasattr(torch.ops.kvserve_cpu, "paged_decode_attention"):
         build_dir = cpu_build_dir(march)
-        build_dir.mkdir(parents=True, exist_ok=True)
-        torch_load(
-            name="kvserve_cpu_kernels",
-            sources=[str(path) for path in CPU_SOURCES],
-            extra_cflags=[f"-march={march}" if flag == "-march=native" else flag for flag in CPU_FLAGS],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        with exclusive_build(build_dir):
+            torch_load(
+                name="kvserve_cpu_kernels",
+                sources=[str(path) for path in CPU_SOURCES],
+                extra_cflags=[f"-march={march}" if flag == "-march=native" else flag for flag in CPU_FLAGS],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=verbose,
+            )
     return torch.ops.kvserve_cpu
 
 
@@ -165,16 +189,16 @@ def _load_cuda(verbose: bool) -> ModuleType:
     from torch.utils.cpp_extension import load as torch_load
 
     build_dir = build_root() / "cuda"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return torch_load(
-        name="kvserve_kernels",
-        sources=[str(CSRC / s) for s in [BINDING, *KERNEL_UNITS]],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=["-O3"],
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
+    with exclusive_build(build_dir):
+        return torch_load(
+            name="kvserve_kernels",
+            sources=[str(CSRC / s) for s in [BINDING, *KERNEL_UNITS]],
+            extra_cflags=["-O3"],
+            extra_cuda_cflags=["-O3"],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
 
 
 def stage_musa_sources(dest: Path) -> list[str]:
@@ -203,16 +227,16 @@ def _load_musa(verbose: bool) -> ModuleType:
     root = build_root() / "musa"
     sources = stage_musa_sources(root / "src")
     build_dir = root / "build"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return musa_load(
-        name="kvserve_kernels_musa",
-        sources=sources,
-        extra_cflags=["-O3", "-DKVSERVE_USE_MUSA"],
-        extra_musa_cflags=MUSA_FLAGS + [f"--offload-arch={musa_arch()}"],
-        extra_include_paths=[str(root / "src")],
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
+    with exclusive_build(build_dir):
+        return musa_load(
+            name="kvserve_kernels_musa",
+            sources=sources,
+            extra_cflags=["-O3", "-DKVSERVE_USE_MUSA"],
+            extra_musa_cflags=MUSA_FLAGS + [f"--offload-arch={musa_arch()}"],
+            extra_include_paths=[str(root / "src")],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
 
 
 def musa_setup_extension(name: str = "kvserve_kernels_musa"):
