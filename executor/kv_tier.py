@@ -14,7 +14,6 @@ computed over KV that is not there.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -27,19 +26,6 @@ log = get_logger("executor.kv_tier")
 
 # The default --kv-store-capacity: bytes of KV the store may hold for this namespace.
 DEFAULT_STORE_CAPACITY_BYTES = 8 << 30
-
-
-@dataclass
-class StoreOps:
-    """A step's saves and deletes (``ExecuteRequest``'s store fields)."""
-
-    save_block_ids: list[int] = field(default_factory=list)
-    save_hashes: list[bytes] = field(default_factory=list)
-    save_keys: list[bytes] = field(default_factory=list)
-    delete_hashes: list[bytes] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.save_block_ids or self.delete_hashes)
 
 
 def store_namespace(store_id: str, model_fingerprint: str, precision: str, backend: str, device_type: str,

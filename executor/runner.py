@@ -18,13 +18,14 @@ from executor.attention import AttentionMetadata, create_backend
 from executor.draft_verification import accept, check_drafts, logit_rows
 from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
-from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, StoreOps, store_namespace
+from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, store_namespace
 from executor.loader import eos_token_ids, load_model, model_fingerprint
 from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
 from executor.sampling import SampleResult, SamplingParams, sample
 from kvserve.errors import InvalidArgument
 from kvserve.kv_store import StoreError, describe_url, open_store
+from kvserve.store_orders import StoreOrders
 from kvserve.logs import get_logger
 
 log = get_logger("executor.runner")
@@ -230,14 +231,14 @@ class ModelRunner:
 
     # ---- validation ------------------------------------------------------------------------
     def validate(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int],
-                 store_ops: StoreOps | None = None) -> None:
+                 store_orders: StoreOrders | None = None) -> None:
         """Raises InvalidArgument naming the first bad field; touches no tensor."""
-        if not sequences and not store_ops:
+        if not sequences and not store_orders:
             raise InvalidArgument("sequences: empty batch (at least one sequence is required, "
                                   "unless the step carries store saves or deletes)")
         nb, bs, vocab = self.num_blocks, self.block_size, self.config.vocab_size
-        if store_ops:
-            self._validate_store_ops(store_ops)
+        if store_orders:
+            self._validate_store_orders(store_orders)
         if len(copy_src) != len(copy_dst):
             raise InvalidArgument(f"copy_dst: {len(copy_dst)} entries but copy_src has {len(copy_src)}")
         for name, ids in (("copy_src", copy_src), ("copy_dst", copy_dst)):
@@ -275,7 +276,7 @@ class ModelRunner:
             if seq.store_load_block_ids or seq.store_load_hashes:
                 self._validate_loads(where, seq)
 
-    def _validate_store_ops(self, ops: StoreOps) -> None:
+    def _validate_store_orders(self, ops: StoreOrders) -> None:
         if self.store_mover is None:
             raise InvalidArgument("store_save_block_ids: this executor has no KV store (start it with --kv-store)")
         if not len(ops.save_block_ids) == len(ops.save_hashes) == len(ops.save_keys):
@@ -303,16 +304,16 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     def execute(self, sequences: list[SequenceInput], copy_src: list[int] = (), copy_dst: list[int] = (),
-                store_ops: StoreOps | None = None) -> StepOutput:
+                store_orders: StoreOrders | None = None) -> StepOutput:
         start = time.perf_counter()
-        self.validate(sequences, list(copy_src), list(copy_dst), store_ops)
-        if not any(s.store_load_block_ids for s in sequences) and not store_ops:
+        self.validate(sequences, list(copy_src), list(copy_dst), store_orders)
+        if not any(s.store_load_block_ids for s in sequences) and not store_orders:
             return self._run(sequences, list(copy_src), list(copy_dst), self.kv_caches, start)
-        return self._run_with_store(sequences, list(copy_src), list(copy_dst), store_ops or StoreOps(), start)
+        return self._run_with_store(sequences, list(copy_src), list(copy_dst), store_orders or StoreOrders(), start)
 
     @torch.inference_mode()
     def _run_with_store(self, sequences: list[SequenceInput], copy_src: list[int], copy_dst: list[int],
-                        ops: StoreOps, start: float) -> StepOutput:
+                        ops: StoreOrders, start: float) -> StepOutput:
         """Loads first (a sequence whose load misses is dropped from the step), deletes, the step
         itself over the others, then saves."""
         mover = self.store_mover

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from executor.kv_tier import StoreOps
 from executor.runner import ModelRunner, SequenceInput, StepOutput
 from executor.sampling import SamplingParams
 from executor.torch_thread import TorchThread
 from kvserve.errors import StaleStep
+from kvserve.store_orders import StoreOrders
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
 
@@ -52,11 +52,11 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
     )
 
 
-def store_ops_from_proto(request: executor_pb2.ExecuteRequest) -> StoreOps | None:
+def store_orders_from_proto(request: executor_pb2.ExecuteRequest) -> StoreOrders | None:
     if not (request.store_save_block_ids or request.store_delete_hashes or request.store_save_hashes):
         return None
-    return StoreOps(list(request.store_save_block_ids), list(request.store_save_hashes),
-                    list(request.store_save_keys), list(request.store_delete_hashes))
+    return StoreOrders(list(request.store_save_block_ids), list(request.store_save_hashes),
+                       list(request.store_save_keys), list(request.store_delete_hashes))
 
 
 def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> executor_pb2.ExecuteResponse:
@@ -83,7 +83,7 @@ def run_step(runner: ModelRunner, request: executor_pb2.ExecuteRequest, started:
         raise StaleStep(f"expected_instance_id: this step was ordered for executor instance "
                         f"{request.expected_instance_id}, this is {runner.info.instance_id} (it restarted)")
     sequences = [sequence_from_proto(s) for s in request.sequences]
-    out = runner.execute(sequences, list(request.copy_src), list(request.copy_dst), store_ops_from_proto(request))
+    out = runner.execute(sequences, list(request.copy_src), list(request.copy_dst), store_orders_from_proto(request))
     return response_from_step(out, (time.perf_counter() - started) * 1e3, runner.info.instance_id)
 
 

@@ -21,7 +21,8 @@ from google.protobuf.message import DecodeError
 from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.step_socket import StepSocket, StepSocketRefused
-from gateway.store_exchange import StoreExchange, StoreOrders
+from gateway.store_exchange import StoreExchange
+from kvserve.store_orders import StoreOrders
 from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
 from kvserve.health import check_async

@@ -32,6 +32,7 @@ from kvserve.errors import (
     AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
 )
 from kvserve.kv_store import describe_url as describe_store_url
+from kvserve.store_orders import StoreOrders
 from kvserve.logs import get_logger
 
 log = get_logger("kvmanager")
@@ -94,16 +95,6 @@ class PoolStatsView:
     num_expired_blocks: int = 0
     num_pins: int = 0
     tenants: list[TenantStatsView] = dataclasses.field(default_factory=list)
-
-
-@dataclass(slots=True)
-class StoreOrdersView:
-    """Field names match ``kvserve.v1.StoreOrders``."""
-
-    save_block_ids: list[int]
-    save_hashes: list[bytes]
-    save_keys: list[bytes]
-    delete_hashes: list[bytes]
 
 
 @dataclass(frozen=True)
@@ -587,7 +578,7 @@ class KVManager:
         if events:  # the store tier's changes, in the pool's event stream with the store's medium
             self._emit(pool.config.pool_id, events, pool.store.medium)
 
-    def take_store_orders(self, pool_id: str, session_id: str) -> StoreOrdersView | None:
+    def take_store_orders(self, pool_id: str, session_id: str) -> StoreOrders | None:
         """The saves and deletes the last Allocate or Free of this session gave rise to, for the
         client's next Execute; None when there are none. Each save stays pending (its block
         allocated) until the session reports it, or ends."""
@@ -600,7 +591,7 @@ class KVManager:
             return None
         if deletes:  # evicted from the index: not findable in the store any more
             self._emit(pool_id, [BlockRemoved(list(deletes))], pool.store.medium)
-        return StoreOrdersView([o.block.block_id for o in orders], [o.block_hash for o in orders],
+        return StoreOrders([o.block.block_id for o in orders], [o.block_hash for o in orders],
                                [o.block_key for o in orders], deletes)
 
     @staticmethod

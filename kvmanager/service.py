@@ -10,13 +10,14 @@ import asyncio
 import dataclasses
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvmanager.manager import KVManager, StoreConfig, StoreOrdersView
+from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import PoolConfig
 from kvmanager.store_index import StoreIndex
 from kvserve.auth import BearerToken
 from kvserve.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from kvserve.kv_store import StoreError, describe_url, open_store
 from kvserve.logs import get_logger
+from kvserve.store_orders import StoreOrders
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -54,7 +55,7 @@ def list_store(url: str, namespace: str) -> list[tuple[bytes, bytes]]:
         store.close()
 
 
-def orders_to_proto(orders: StoreOrdersView | None) -> pb.StoreOrders | None:
+def orders_to_proto(orders: StoreOrders | None) -> pb.StoreOrders | None:
     return None if orders is None else pb.StoreOrders(**dataclasses.asdict(orders))
 
 
