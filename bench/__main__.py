@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="peer rows for the sweep (comma-separated): transformers, llama-server "
                              "(llama.cpp, built once), openvino "
                              "(OpenVINO GenAI, installed once), or none")
-    target.add_argument("--peer-dtype", default="bfloat16", help="dtype of the transformers peer")
+    target.add_argument("--peer-dtype", default="auto",
+                        help="dtype of the transformers peer (auto: as the executor's --dtype auto)")
     target.add_argument("--peer-threads", type=thread_counts, default=None,
                         help="compute threads of llama-server and OpenVINO, comma-separated: each peer row "
                              "runs once per count (default: the numbers of --executor-threads)")
@@ -122,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--dtype", default="bfloat16")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="the executor's --dtype, every kvserve row (auto: bfloat16 where the CPU runs it "
+                             "natively, else float32)")
     engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
                         help="the executor's K/V cache: auto (--dtype) or int8 (a float32 scale per token and "
                              "head; OpenVINO's CPU plugin keeps u8 by default), every kvserve row")
@@ -183,8 +186,10 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, references: list[rep
 
 def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
     """The seed-table rows and the peers' rows, ``--rounds`` times; every row carries its round."""
-    from bench.sweep import plan_budget, plan_configs, probe_auto_threads
+    from bench.sweep import plan_budget, plan_configs, probe_auto_threads, resolve_auto_dtype
 
+    # The flag as asked decides the rows' precision class; the resolved name is what runs.
+    args.dtype_flag, args.dtype = args.dtype, resolve_auto_dtype(args.dtype, args.model_dir)
     wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
     configs = plan_configs(wanted, args.kvserve_quantization, args.executor_threads)
     budget = plan_budget(requests, block_size=args.block_size, baseline_seqs=args.baseline_seqs,
@@ -236,7 +241,7 @@ def run_kvserve_rows(args, requests, meta, budget, configs) -> list[report.Row]:
     for row, config in zip(rows, configs):  # what every kvserve row ran with, for the side-by-side table
         row.system, row.threads, row.transport = "kvserve", config.threads, "HTTP"
         row.weights = weights_description(args.dtype, config.quantization)
-        row.weight_bits = weight_bits(args.dtype, config.quantization)
+        row.weight_bits = weight_bits(args.dtype_flag, config.quantization)
         row.kv_budget = (f"{usable} tokens ({budget.num_blocks - 1} blocks x {budget.block_size}, "
                          f"{args.baseline_seqs} x max_model_len {budget.max_model_len}), {budget.kv_description()}")
     return rows
@@ -247,13 +252,15 @@ def run_other_rows(args, requests, meta, budget) -> list[report.Row]:
     peers = set(parse_peers(args.peers))
     if "transformers" in peers:
         from bench.peers.transformers_peer import run_transformers_peer
+        from bench.sweep import resolve_auto_dtype
 
-        print("== peer: transformers static batching")
+        dtype = resolve_auto_dtype(args.peer_dtype, args.model_dir)
+        print(f"== peer: transformers static batching ({dtype})")
         rows.append(run_transformers_peer(args.model_dir, requests, args.concurrency or len(requests),
-                                          dtype=args.peer_dtype, progress=not args.no_progress))
+                                          dtype=dtype, progress=not args.no_progress))
         import torch
 
-        rows[-1].system, rows[-1].weights, rows[-1].threads = "transformers", args.peer_dtype, torch.get_num_threads()
+        rows[-1].system, rows[-1].weights, rows[-1].threads = "transformers", dtype, torch.get_num_threads()
         rows[-1].weight_bits = 32 if args.peer_dtype == "float32" else 16
         rows[-1].kv_budget, rows[-1].transport = "padded batch, no budget", "in-process"
     rows += run_cpu_peers(args, requests, budget, meta, [p for p in parse_peers(args.peers)

@@ -87,7 +87,7 @@ def threads_label(threads: int | None) -> str:
 
 def weights_description(dtype: str, quantization: str) -> str:
     """The side-by-side table's weights column of a kvserve row."""
-    loaded = f"{dtype} safetensors"
+    loaded = f"safetensors loaded in {dtype}"
     if quantization == "int8":
         return f"{loaded}, int8 weights (per channel) x int8 activations (per token, groups of 32); LM head int8"
     if quantization == "int4":
@@ -95,9 +95,23 @@ def weights_description(dtype: str, quantization: str) -> str:
     return loaded
 
 
-def weight_bits(dtype: str, quantization: str) -> int:
-    """Bits a projection weight of a kvserve row: what the peers' rows it is compared with hold."""
-    return {"int8": 8, "int4": 4}.get(quantization) or (32 if dtype == "float32" else 16)
+def weight_bits(dtype_flag: str, quantization: str) -> int:
+    """Bits a projection weight of a kvserve row: what the peers' rows it is compared with hold.
+    ``dtype_flag`` as asked: ``auto`` computes the checkpoint's 16-bit weights in the dtype the CPU
+    runs fastest (float32 on an AVX2-only CPU, as OpenVINO does its FP16 IR there)."""
+    return {"int8": 8, "int4": 4}.get(quantization) or (32 if dtype_flag == "float32" else 16)
+
+
+def resolve_auto_dtype(dtype: str, model_dir: Path) -> str:
+    """``auto`` as the executor resolves it on this machine (executor/devices.py): bfloat16 on a CPU
+    that runs it natively, float32 on one that emulates it (many times slower), the checkpoint's
+    dtype on a GPU. Any other name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    from executor.devices import dtype_name, resolve_device, resolve_dtype
+    from executor.model import ModelConfig
+
+    return dtype_name(resolve_dtype("auto", ModelConfig.from_dir(model_dir), resolve_device("auto")))
 
 
 @dataclass

@@ -208,7 +208,8 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     monkeypatch.setattr(sweep, "start_stack", record_and_refuse)
     args = build_parser().parse_args(["--sweep", "seed-table", "--configs", "paged", "--peers", "none",
                                       "--kvserve-quantization", "none,int8,int4", "--executor-threads", "1",
-                                      "--concurrency", "1", "--no-progress", "--out", str(tmp_path)])
+                                      "--dtype", "bfloat16", "--concurrency", "1", "--no-progress", "--out",
+                                      str(tmp_path)])
     args.model_dir = tmp_path
     rows, _ = run_sweep(args, [BenchRequest("p", 100, 50)], {})
     prefix = SEED_TABLE[3]
@@ -221,10 +222,10 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     assert [s.executor_args for s in asked[1:]] == [[*budget_args, "--quantization", "int8", "--num-threads", "1"],
                                                     [*budget_args, "--quantization", "int4", "--num-threads", "1"]]
     assert all(s.gateway_args[-len(prefix.gateway_args()):] == prefix.gateway_args() for s in asked[1:])
-    assert [r.weights for r in rows] == ["bfloat16 safetensors",
-                                         "bfloat16 safetensors, int8 weights (per channel) x int8 activations "
-                                         "(per token, groups of 32); LM head int8",
-                                         "bfloat16 safetensors, int4 weights (groups of 32); LM head int8"]
+    assert [r.weights for r in rows] == ["safetensors loaded in bfloat16",
+                                         "safetensors loaded in bfloat16, int8 weights (per channel) x int8 "
+                                         "activations (per token, groups of 32); LM head int8",
+                                         "safetensors loaded in bfloat16, int4 weights (groups of 32); LM head int8"]
     assert all(r.failed == 1 and "no stack under test" in r.errors[0] for r in rows)
     # The running executor's dtype says whether the quantization was applied.
     int4 = plan_configs(set(), ["int4"])[0]
@@ -321,7 +322,7 @@ def test_every_row_runs_once_per_thread_count_and_the_peers_too(tmp_path, monkey
     monkeypatch.setattr(cli, "run_cpu_peers_on", peers_on)
     args = cli.build_parser().parse_args(["--sweep", "seed-table", "--configs", "baseline,prefix", "--peers", "openvino",
                                           "--executor-threads", "1,2,auto", "--peer-threads", "1,2",
-                                          "--concurrency", "4", "--no-progress", "--out", str(tmp_path)])
+                                          "--dtype", "bfloat16", "--concurrency", "4", "--no-progress", "--out", str(tmp_path)])
     args.model_dir = tmp_path
     meta = {}
     rows, references = cli.run_sweep(args, [BenchRequest("p", 100, 50)], meta)

@@ -147,7 +147,8 @@ def test_rounds_alternate_who_goes_first_and_the_report_keeps_every_round(tmp_pa
     monkeypatch.setattr(cli, "run_kvserve_rows", kvserve_rows)
     monkeypatch.setattr(cli, "run_other_rows", other_rows)
     args = cli.build_parser().parse_args(["--sweep", "seed-table", "--configs", "prefix", "--peers", "openvino",
-                                          "--rounds", "3", "--concurrency", "32", "--out", str(tmp_path)])
+                                          "--rounds", "3", "--concurrency", "32", "--dtype", "bfloat16", "--out",
+                                          str(tmp_path)])
     args.model_dir = tmp_path
     meta = {"concurrency": 32}
     monkeypatch.setattr("bench.sweep.probe_auto_threads", lambda *a: {"chosen": 1})
