@@ -12,8 +12,8 @@ on ``--threads`` compute threads, and take turns on the same token ids: ``--cach
 a shared prefix (sent once before, a prefix-cache hit for both, as the served workload's
 system prompt), then ``--tokens`` new ones, prefilled and the first token picked (greedy).
 
-Every round: the matrix-unit probe (a 512 x 576 x 3072 bf16 matmul, best of 5, in kvserve's
-worker), both prefills in alternating order, the probe again. A round is "contended" when a probe
+Every round: the matrix-unit probe (a 512 x 576 x 3072 matmul, best of 5, in kvserve's worker; bf16
+where the CPU has it natively, else float32), both prefills in alternating order, the probe again. A round is "contended" when a probe
 took more than 1.5x the run's fastest. It prints each round, then the medians and in how many
 rounds kvserve was faster, over all rounds and split by the probe. The OpenVINO side is the
 served peer's set-up (bench/peers/openvino_peer.py: its venv and IR export, cached under
@@ -117,13 +117,17 @@ class KvserveWorker:
         return {"ms": (time.perf_counter() - started) * 1e3, "first_token": out.sampled_token_ids[0]}
 
     def probe(self) -> dict:
-        """Best of 5 of one bf16 matmul on the CPU's matrix unit (oneDNN takes AMX where there is one)."""
+        """Best of 5 of one matmul on the CPU's matrix unit: bf16 where the CPU runs it natively
+        (oneDNN takes AMX where there is one), else float32 (emulated bf16 takes seconds a call)."""
         import torch
+
+        from executor.model import cpu_packs_bf16
 
         if self._probe_inputs is None:
             generator = torch.Generator().manual_seed(0)
-            self._probe_inputs = (torch.randn(512, 576, generator=generator).bfloat16(),
-                                  torch.randn(576, 3072, generator=generator).bfloat16())
+            dtype = torch.bfloat16 if cpu_packs_bf16() else torch.float32
+            self._probe_inputs = (torch.randn(512, 576, generator=generator).to(dtype),
+                                  torch.randn(576, 3072, generator=generator).to(dtype))
         best = float("inf")
         for _ in range(5):
             started = time.perf_counter()
