@@ -140,7 +140,13 @@ def best_against_best_lines(rows: list[Row], meta: dict) -> list[str]:
     head = ("precision", "system", "fastest row", "threads", "weights", "KV", "output tok/s", "TTFT P99",
             "ITL mean")
     lines = ["best against best (each system's fastest row of each weight precision, every thread count "
-             "swept; all rows in results.json):", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+             "swept; all rows in results.json):"]
+    cpu = meta.get("lscpu") or {}
+    if cpu:
+        lines.append(f"machine: {cpu.get('Model name', '?')}, {cpu.get('CPU(s)', '?')} CPUs"
+                     f"{', ' + cpu['Hypervisor vendor'] + ' guest' if cpu.get('Hypervisor vendor') else ''} "
+                     "(lscpu.txt beside results.json)")
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for bits in sorted({r.weight_bits for r in systems}, reverse=True):
         ours = _fastest([r for r in systems if r.system == "kvserve" and r.weight_bits == bits])
         others = {}

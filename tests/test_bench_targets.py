@@ -50,8 +50,10 @@ def test_the_best_against_best_table_shows_each_systems_fastest_row_and_the_auto
             row("OpenVINO GenAI CB INT8 · 1 thread", OPENVINO, 8, 90.0, threads=1),
             row("transformers", "transformers", 16, 10.0, threads=2)]
     meta = {"executor_auto_threads": {"none": {"chosen": 2, "decode_step_ms_by_threads": {"1": 40.0, "2": 25.0}},
-                                      "int8": {"error": "TimeoutExpired: 600 s"}}}
+                                      "int8": {"error": "TimeoutExpired: 600 s"}},
+            "lscpu": {"Model name": "AMD EPYC", "CPU(s)": "2", "Hypervisor vendor": "KVM"}}
     lines = targets.best_against_best_lines(rows, meta)
+    assert lines[1] == "machine: AMD EPYC, 2 CPUs, KVM guest (lscpu.txt beside results.json)"
     table = [line for line in lines if line.startswith("| ") and "precision" not in line]
     assert [line.split(" | ")[:4] for line in table] == [
         ["| 16-bit", "kvserve", "prefix · 2 threads", "2"],
