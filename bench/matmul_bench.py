@@ -3,6 +3,7 @@ stand in for, at the model's shapes, on this machine.
 
     python -m bench.matmul_bench [--model DIR] [--rows 1,2,4,8,16,32] [--threads 1]
     python -m bench.matmul_bench --prompt [--rows 40,200,551]
+    python -m bench.matmul_bench --float32 [--rows 1,4,32,64]
 
 For each number of rows (tokens of a step), every projection of every layer and the LM head
 once, with random weights of the model's shapes: bf16 through oneDNN's packed matmul and through
@@ -25,7 +26,7 @@ import torch
 from executor.attention.csrc_loader import csrc_build_script
 from executor.model import ModelConfig, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
-from executor.skinny import SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
+from executor.skinny import SkinnyF32Matmul, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
 from kvserve.paths import default_model_dir
 
 
@@ -64,6 +65,14 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
     for name in ("skinny int8", "skinny int4"):
         kernels[name].append(lambda x: int8_head(x, None))
     return kernels
+
+
+def build_float32_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
+    """As ``build_kernels`` for a float32 model of a bf16 checkpoint: the weights are bf16 values."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16).float() for n, k in shapes]
+    return {"torch float32": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights],
+            "skinny f32": [lambda x, s=SkinnyF32Matmul(ops, w): s(x, None) for w in weights]}
 
 
 def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
@@ -130,10 +139,16 @@ def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> N
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
+# Bytes read per weight by each column's kernels: (the projections, the LM head). The quantized
+# columns' head is as build_kernels has it; int4 adds a bf16 scale and zero per group of 32.
+WEIGHT_BYTES = {"oneDNN bf16": (2, 2), "skinny bf16": (2, 2), "torch int8": (1, 2), "skinny int8": (1, 1),
+                "torch int4": (0.5 + 4 / 32, 2), "skinny int4": (0.5 + 4 / 32, 1), "torch float32": (4, 4),
+                "skinny f32": (2, 2)}
+
+
 def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
-    head = shapes[-1][0] * shapes[-1][1] * (1 if name in ("skinny int8", "skinny int4") else 2)
-    per_weight = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 4 / 32}[name.split()[-1]]  # int4: + bf16 scale, zero
-    return int(sum(n * k for n, k in shapes[:-1]) * per_weight) + head
+    projection, head = WEIGHT_BYTES[name]
+    return int(sum(n * k for n, k in shapes[:-1]) * projection + shapes[-1][0] * shapes[-1][1] * head)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                         "1,2,4,8,16,32, with --prompt 40,200,551")
     parser.add_argument("--prompt", action="store_true", help="a prompt step's matmuls and MLP activation on the "
                         "AMX prompt kernels instead of a decode step's")
+    parser.add_argument("--float32", action="store_true", help="a float32 model's decode step: torch's float32 "
+                        "matmul against skinny_linear_f32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -154,14 +171,15 @@ def main(argv: list[str] | None = None) -> int:
             run_prompt(config, ops, [int(r) for r in (args.rows or "40,200,551").split(",")], args.rounds)
         return 0
     shapes = model_shapes(config)
-    kernels = build_kernels(shapes, ops)
+    kernels = build_float32_kernels(shapes, ops) if args.float32 else build_kernels(shapes, ops)
+    dtype = torch.float32 if args.float32 else torch.bfloat16
     print(f"{len(shapes)} matmuls a step ({config.architecture}, hidden {config.hidden_size}), "
           f"{args.threads} thread(s), best of {args.rounds}")
     print("| rows | " + " | ".join(kernels) + " |")
     print("|---:|" + "---:|" * len(kernels))
     with torch.inference_mode():
         for rows in (int(r) for r in (args.rows or "1,2,4,8,16,32").split(",")):
-            inputs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
             best = {name: float("inf") for name in kernels}
             for round_ in range(args.rounds + 1):  # the first round warms up
                 for name, fns in kernels.items():

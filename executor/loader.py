@@ -121,6 +121,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         if skinny_ops is not None:
             model.use_skinny_matmuls(skinny_ops)
         model.release_unpacked_weights()
+    elif skinny_ops is not None and dtype == torch.float32 and device.type == "cpu":
+        model.use_skinny_f32_matmuls(skinny_ops)
     return model
 
 

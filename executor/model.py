@@ -23,7 +23,7 @@ from torch import nn
 
 from executor.attention import AttentionBackend, AttentionMetadata, KVCache
 from executor.layer_ops import TorchLayerOps
-from executor.skinny import GateUpActivation, SkinnyMatmul, bf16_skinny_max_rows
+from executor.skinny import GateUpActivation, SkinnyF32Matmul, SkinnyMatmul, bf16_skinny_max_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -189,7 +189,7 @@ class Linear(GateUpActivation, nn.Linear):
     the prompt kernel with the SiLU applied to its sums (``GateUpActivation``), as row by row."""
 
     packed_weight: torch.Tensor | None = None
-    skinny: SkinnyMatmul | None = None
+    skinny: SkinnyMatmul | SkinnyF32Matmul | None = None
 
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
         if self.skinny is not None and decode_step and self.skinny.takes(x):
@@ -296,7 +296,7 @@ class Transformer(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
-        self.skinny_lm_head: SkinnyMatmul | None = None  # set by use_skinny_matmuls
+        self.skinny_lm_head: SkinnyMatmul | SkinnyF32Matmul | None = None  # set by use_skinny_matmuls
         # set by quantize_model (executor/quantization.py): an int8 head for every step, in place of both
         self.quantized_lm_head = None
 
@@ -323,6 +323,16 @@ class Transformer(nn.Module):
                 module.skinny = SkinnyMatmul(cpu_ops, module.weight, max_rows)
         if self.packed_lm_head is not None and SkinnyMatmul.fits(self.lm_head_weight()):
             self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight(), max_rows)
+
+    def use_skinny_f32_matmuls(self, cpu_ops) -> None:
+        """Gives every float32 projection and the LM head whose values are all bf16 a
+        ``SkinnyF32Matmul`` for decode steps of up to ``F32_SKINNY_MAX_ROWS`` tokens: a float32
+        model on a CPU without native bf16 reads the checkpoint's bf16 weights in half the bytes."""
+        for module in self.modules():
+            if isinstance(module, Linear) and SkinnyF32Matmul.fits(module.weight):
+                module.skinny = SkinnyF32Matmul(cpu_ops, module.weight)
+        if self.quantized_lm_head is None and SkinnyF32Matmul.fits(self.lm_head_weight()):
+            self.skinny_lm_head = SkinnyF32Matmul(cpu_ops, self.lm_head_weight())
 
     def release_unpacked_weights(self) -> None:
         """Drops each oneDNN-packed projection's plain weight once every layout is made from it. The

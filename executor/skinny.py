@@ -18,6 +18,11 @@ SKINNY_MAX_ROWS = 8
 # Emerald Rapids-class Xeon, one thread, skinny vs oneDNN: 18.6 vs 24.6 ms at 1 row, 21.2 vs 24.7 at
 # 2, 27.6 vs 24.6 at 8 (docs/executor.md).
 AMX_SKINNY_MAX_ROWS = 2
+# The float32 kernel (float32 activations, the weights read as bf16) up to this many rows: on an
+# AVX2-only EPYC, a 135M model's decode-step matmuls (python -m bench.matmul_bench --float32), skinny
+# vs torch's float32 matmul, one thread: 27.5 vs 59.7 ms at 1 row, 52.5 vs 151 at 4, 407 vs 398 at
+# 32, 809 vs 653 at 64; two threads: 16.3 vs 60.2 at 1, 212 vs 289 at 32, 424 vs 446 at 64.
+F32_SKINNY_MAX_ROWS = 32
 # skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
 # many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
@@ -87,6 +92,36 @@ class SkinnyMatmul(_PackedMatmul):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] bf16 → [rows, out] bf16
         return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
+
+
+class SkinnyF32Matmul:
+    """A float32 weight whose values are all bf16 (a bf16 checkpoint loaded in float32, as on a CPU
+    without native bf16) in ``skinny_linear``'s layout, for ``skinny_linear_f32``: float32
+    activations times the weights widened in registers, exactly the float32 matmul's products at
+    half its weight bytes. The float32 weight stays for steps beyond ``max_rows`` and prompts."""
+
+    def __init__(self, cpu_ops, weight: torch.Tensor, max_rows: int = F32_SKINNY_MAX_ROWS):
+        self.out_features, self.in_features = weight.shape
+        self.packed = cpu_ops.pack_skinny_weight(weight.detach().to(torch.bfloat16))
+        self._ops = cpu_ops
+        self.max_rows = max_rows
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Float32 on the CPU, in_features even, and every value exactly a bf16 (nothing is rounded)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 2:
+            return False
+        return bool(torch.equal(weight.detach().to(torch.bfloat16).to(torch.float32), weight.detach()))
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_rows
+
+    def fuses_silu_and_mul(self, prompt: bool) -> bool:
+        return False  # the fused prompt kernel takes bf16 activations
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x: [rows, in] float32 → [rows, out] float32
+        return self._ops.skinny_linear_f32(x, self.packed, bias, self.out_features)
 
 
 class _QuantizedSkinnyMatmul(_PackedMatmul):

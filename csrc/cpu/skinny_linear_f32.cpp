@@ -1,0 +1,148 @@
+// y = x @ W^T (+ bias) for a few float32 rows of x, W stored in bf16: the decode-step projections
+// of a float32 model on a CPU without native bf16 (AVX2 only), whose checkpoint is bf16.
+//
+// Such a CPU runs the executor in float32 (bf16 matmuls are emulated there, many times slower),
+// and a decode step then reads every weight as 4 bytes although the checkpoint's values fit in 2.
+// A decode step is bound by that read. This kernel reads skinny_linear's bf16 layout
+// (pack_skinny_weight: tiles of 16 output rows, input columns in pairs) and widens each weight to
+// float32 in registers — a shift, exact — so it reads half the bytes and computes the same
+// products as the float32 matmul; only the order of the additions differs.
+//
+//   x: [rows, K] float32    packed: [ceil(N / 16), K / 2, 16, 2] bf16    y: [rows, N] float32
+//
+// With AVX2 a tile's 16 outputs are two 8-lane halves, taken one after the other; each row of x
+// keeps an accumulator per half, so a chunk of 4 rows (8 accumulators, 2 widened weight registers,
+// 2 broadcasts) fits the 16 registers. A row's sums run in the same order whatever the number of rows, so a token gets the
+// same result alone or in a batch.
+//
+// Registered as torch.ops.kvserve_cpu.skinny_linear_f32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "packed_layout.h"
+#include "vec16.h"
+
+namespace {
+
+using namespace kvserve_cpu;
+
+constexpr int kChunkRows = 4;          // rows of x sharing each widened weight register
+constexpr int64_t kPrefetchLines = 64;  // as skinny_linear.cpp: past the prefetcher's 4 KiB page stop
+
+// acc[m][0..16) = sum over k of x[m, k] * W[tile row, k], for ROWS rows of x.
+#if defined(__AVX2__) && defined(__FMA__)
+// The widened weights of one half (8 output rows) of a pair: k's and k+1's. Each 32-bit lane
+// holds one output row's (k, k+1) weights: k in the low half, k+1 in the high.
+struct HalfPair {
+  __m256 even, odd;
+  explicit HalfPair(const uint16_t* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    odd = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16));
+  }
+};
+
+template <int ROWS>
+void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc) {
+  // One half at a time, so that 4 rows' accumulators stay in registers.
+  __m256 lo[ROWS], hi[ROWS];
+  for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* pair = w + kp * 2 * kTile;
+    __builtin_prefetch(reinterpret_cast<const char*>(pair) + kPrefetchLines * 64, 0, 3);
+    const float* xk = x + 2 * kp;
+    const HalfPair first(pair);
+    for (int m = 0; m < ROWS; ++m)
+      lo[m] = _mm256_fmadd_ps(first.odd, _mm256_broadcast_ss(xk + m * x_stride + 1),
+                              _mm256_fmadd_ps(first.even, _mm256_broadcast_ss(xk + m * x_stride), lo[m]));
+    const HalfPair second(pair + kTile);
+    for (int m = 0; m < ROWS; ++m)
+      hi[m] = _mm256_fmadd_ps(second.odd, _mm256_broadcast_ss(xk + m * x_stride + 1),
+                              _mm256_fmadd_ps(second.even, _mm256_broadcast_ss(xk + m * x_stride), hi[m]));
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(acc + m * kTile, lo[m]);
+    _mm256_storeu_ps(acc + m * kTile + 8, hi[m]);
+  }
+}
+#else
+template <int ROWS>
+void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc) {
+  Vec16 sums[ROWS] = {};
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    UInt16 raw;
+    std::memcpy(&raw, w + kp * 2 * kTile, sizeof(raw));
+    const UInt16 lo = raw << 16, hi = raw & 0xFFFF0000u;
+    Vec16 w_even, w_odd;
+    std::memcpy(&w_even, &lo, sizeof(w_even));
+    std::memcpy(&w_odd, &hi, sizeof(w_odd));
+    for (int m = 0; m < ROWS; ++m) {
+      const float* xm = x + m * x_stride + 2 * kp;
+      sums[m] = sums[m] + w_even * xm[0] + w_odd * xm[1];
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) std::memcpy(acc + m * kTile, &sums[m], sizeof(sums[m]));
+}
+#endif
+
+template <size_t... I>
+constexpr auto tile_dots_for(std::index_sequence<I...>) {
+  return std::array{&tile_dot_f32<static_cast<int>(I) + 1>...};
+}
+constexpr auto kTileDots = tile_dots_for(std::make_index_sequence<kChunkRows>{});  // [r - 1]: r rows
+
+at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                             int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "skinny_linear_f32: x must be [rows, in_features] float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTile && packed.size(3) == 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16,
+              "skinny_linear_f32: packed must come from pack_skinny_weight");
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const int64_t k = xc.size(1), pairs = packed.size(1), tiles = packed.size(0), rows = xc.size(0);
+  TORCH_CHECK(pairs * 2 == k, "skinny_linear_f32: x has ", k, " features, the weight ", pairs * 2);
+  const at::Tensor bias_f32 = checked_bias_f32("skinny_linear_f32", tiles, kTile, out_features, bias);
+  at::Tensor out = at::empty({rows, out_features}, xc.options());
+  if (rows == 0) return out;
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const float* xp = xc.data_ptr<float>();
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+  const int64_t x_stride = xc.stride(0), tile_elems = pairs * 2 * kTile;
+  // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_elems * 2, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) float acc[kChunkRows * kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
+      for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
+        const int64_t chunk = std::min<int64_t>(kChunkRows, rows - m0);
+        kTileDots[chunk - 1](w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs, acc);
+        for (int64_t m = 0; m < chunk; ++m) {
+          float* dst = y + (m0 + m) * out_features + col0;
+          for (int64_t j = 0; j < cols; ++j) dst[j] = acc[m * kTile + j] + (b ? b[col0 + j] : 0.f);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("skinny_linear_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("skinny_linear_f32", &skinny_linear_f32); }
