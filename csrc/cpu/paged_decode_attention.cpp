@@ -34,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2_lanes.h"
 #include "vec16.h"
 
 namespace {
@@ -53,8 +54,31 @@ constexpr int kMaxRows = 4;
 // scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes]. Each row sums
 // into kChains accumulators (key dimensions d mod kChains) so that the FMAs of a row do not
 // wait on one another (a 4-cycle latency each); the sum's order depends on nothing but d.
+// kChains x kMaxRows accumulators plus a K column fit the 32 AVX-512 registers; AVX2's 16 hold
+// half as many 16-lane vectors.
+#if defined(KVSERVE_AVX2_LANES)
+constexpr int64_t kChains = 2;
+#else
 constexpr int64_t kChains = 4;
+#endif
 
+#if defined(KVSERVE_AVX2_LANES)
+template <typename T, int R>
+inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row,
+                         const T* ahead) {
+  Lanes16 s[R][kChains];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kChains; ++j) s[r][j] = zero_lanes();
+  for (int64_t d = 0; d < head_size; d += kChains) {
+    prefetch_lines<kChains * kLanes * sizeof(T)>(ahead + d * kLanes);
+    for (int64_t j = 0; j < kChains; ++j) {
+      const Lanes16 k = load_lanes(keys + (d + j) * kLanes);
+      for (int r = 0; r < R; ++r) s[r][j] = fma_lanes(q[r * head_size + d + j], k, s[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_lanes(scores + r * row, add_lanes(s[r][0], s[r][1]));
+}
+#else
 template <typename T, int R>
 inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row,
                          const T* ahead) {
@@ -69,9 +93,30 @@ inline void block_scores(const float* q, const T* keys, int64_t head_size, float
   static_assert(kChains == 4, "the pairwise sum below adds four chains");
   for (int r = 0; r < R; ++r) store16(scores + r * row, (s[r][0] + s[r][1]) + (s[r][2] + s[r][3]));
 }
+#endif
 
 // acc[r][c0, c0 + 16 C) += sum over the block's first n tokens of p[r][t] * V[t][c0, c0 + 16 C);
 // V tile [kLanes, head_size]. R x C independent accumulators stay in registers across the tokens.
+#if defined(KVSERVE_AVX2_LANES)
+template <typename T, int R, int C>
+inline void block_values_columns(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row,
+                                 int64_t c0, float* acc, const T* ahead) {
+  Lanes16 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = load_lanes(acc + r * head_size + c0 + c * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_lines<C * kLanes * sizeof(T)>(ahead + t * head_size + c0);
+    Lanes16 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load_lanes(values + t * head_size + c0 + c * kLanes);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) a[r][c] = fma_lanes(p[r * row + t], v[c], a[r][c]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store_lanes(acc + r * head_size + c0 + c * kLanes, a[r][c]);
+}
+
+constexpr int64_t kValueColumns = 1;  // R <= 4 rows: 8 accumulators and a V chunk in 16 registers
+#else
 template <typename T, int R, int C>
 inline void block_values_columns(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row,
                                  int64_t c0, float* acc, const T* ahead) {
@@ -93,6 +138,7 @@ inline void block_values_columns(const float* p, const T* values, int64_t n, int
 
 // Columns go four vectors (64) at a time: with R <= 4 rows that is at most 16 accumulators.
 constexpr int64_t kValueColumns = 4;
+#endif
 
 template <typename T, int R>
 inline void block_values(const float* p, const T* values, int64_t n, int64_t head_size, int64_t row, float* acc,
