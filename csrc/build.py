@@ -56,7 +56,8 @@ MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
 
 CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "write_kv.cpp", "greedy_sample.cpp",
                                                          "layer_ops.cpp", "skinny_linear.cpp", "skinny_linear_f32.cpp",
-                                                         "causal_softmax.cpp", "prompt_linear.cpp", "prefill_attention.cpp")]
+                                                         "causal_softmax.cpp", "prompt_linear.cpp", "prefill_attention.cpp",
+                                                         "decode_layer.cpp")]
 # OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the
 # copy torch has already loaded, so both share one thread pool. -Wno-psabi: without AVX-512,
 # GCC warns that 64-byte vector arguments pass differently than in AVX-512 code; every unit

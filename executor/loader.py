@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from executor.decode_layer import FusedDecodeLayers
 from executor.model import ModelConfig, Transformer, UnsupportedModel, cpu_weight_packing_available
 from executor.quantization import check_supported, quantize_model
 
@@ -123,6 +124,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
         model.release_unpacked_weights()
     elif skinny_ops is not None and dtype == torch.float32 and device.type == "cpu":
         model.use_skinny_f32_matmuls(skinny_ops)
+    if skinny_ops is not None and FusedDecodeLayers.fits(model):
+        model.fused_decode = FusedDecodeLayers(skinny_ops, model)
     return model
 
 

@@ -297,6 +297,7 @@ class Transformer(nn.Module):
         self.rope_cache: torch.Tensor | None = None  # [max_len, 2, head_dim], set by setup_rope
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights_for_cpu
         self.skinny_lm_head: SkinnyMatmul | SkinnyF32Matmul | None = None  # set by use_skinny_matmuls
+        self.fused_decode = None  # a FusedDecodeLayers (executor/decode_layer.py), set by the loader
         # set by quantize_model (executor/quantization.py): an int8 head for every step, in place of both
         self.quantized_lm_head = None
 
@@ -350,8 +351,13 @@ class Transformer(nn.Module):
         x = self.embed_tokens(token_ids)
         cos_sin = self.rope_cache[positions]  # [num_tokens, 2, head_dim]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, kv_cache, meta, backend)
+        fused = self.fused_decode
+        step = fused.step_inputs(x, meta, kv_caches[0], backend) if fused is not None else None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if step is not None:
+                x, residual = fused(index, x, residual, cos_sin, kv_cache, step)
+            else:
+                x, residual = layer(x, residual, cos_sin, kv_cache, meta, backend)
         normed, _ = self.norm(x, backend.layer_ops, residual)
         return normed
 

@@ -81,6 +81,13 @@ class AttentionBackend(ABC):
         (which already holds this step's K/V).
         query: [num_tokens, num_heads, head_size] → [num_tokens, num_heads, head_size]."""
 
+    def decode_kernel_inputs(self, meta: AttentionMetadata, kv_cache: KVCache,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of decode tokens only whose attention the compiled decode kernel takes
+        (``paged_decode_attention`` over a ``dtype`` cache): the (block_tables, seq_lens) it takes,
+        so that a whole layer can run in one compiled call (``decode_layer``); else None."""
+        return None
+
     @abstractmethod
     def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write: block src[i] → dst[i] in every layer. src, dst: [num_pairs] int64."""

@@ -79,6 +79,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         key_cache, value_cache = kv_cache
         self._ops.write_kv(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
 
+    def decode_kernel_inputs(self, meta, kv_cache, dtype):
+        if meta.max_query_len != 1 or not self._kernel_fits or kv_cache[0].dtype != dtype:
+            return None  # prompt tokens, shapes the kernel refuses, or a cache of another dtype (int8)
+        (group,) = self._groups(meta)
+        return group.block_tables, group.seq_lens
+
     def copy_blocks(self, kv_caches: list[KVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
         for key_cache, value_cache in kv_caches:
             key_cache.index_copy_(0, dst, key_cache.index_select(0, src))

@@ -1,0 +1,63 @@
+"""A decoder layer of a decode step in one compiled call on the CPU (``csrc/cpu/decode_layer.cpp``).
+
+At one token a step, the Python around a layer's dozen kernels (module calls, views, the attention
+backend's dispatch) cost about half what the kernels did on a 2-core AVX2 EPYC. ``decode_layer``
+runs the same kernels in the same order from C++, so a step gives the same bits either way. It takes
+the layers whose projections all have a few-row layout (``SkinnyMatmul`` in bf16,
+``SkinnyF32Matmul`` in float32; not the quantized ones), without q/k norms, and steps of decode
+tokens only, as many as those layouts take, whose attention the compiled decode kernel runs
+(``AttentionBackend.decode_kernel_inputs``); every other step runs ``DecoderLayer`` as before.
+"""
+from __future__ import annotations
+
+import torch
+
+from executor.attention.base import AttentionMetadata, AttentionBackend, KVCache
+from executor.skinny import SkinnyF32Matmul, SkinnyMatmul
+
+
+class FusedDecodeLayers:
+    """The model's layers as ``decode_layer``'s arguments, gathered once at load."""
+
+    def __init__(self, cpu_ops, model):
+        c = model.config
+        self._op = cpu_ops.decode_layer
+        self.sizes = [c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size]
+        self.eps = c.rms_norm_eps
+        self.layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            weights = [layer.input_layernorm.weight, attn.qkv_proj.skinny.packed, attn.o_proj.skinny.packed,
+                       layer.post_attention_layernorm.weight, mlp.gate_up_proj.skinny.packed,
+                       mlp.down_proj.skinny.packed]
+            self.layers.append((weights, [p.bias for p in projections], attn.scale))
+        self.max_rows = min(p.skinny.max_rows for layer in model.layers
+                            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
+
+    @staticmethod
+    def fits(model) -> bool:
+        """Every layer's four projections have a bf16 or float32 few-row layout, and no q/k norm."""
+        if model.config.qk_norm:
+            return False
+        return all(isinstance(getattr(p, "skinny", None), (SkinnyMatmul, SkinnyF32Matmul))
+                   for layer in model.layers
+                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj))
+
+    def step_inputs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                    backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(block_tables, seq_lens, slot_mapping) when this step takes ``decode_layer``, else None."""
+        if x.shape[0] > self.max_rows:
+            return None
+        attention = backend.decode_kernel_inputs(meta, kv_cache, x.dtype)
+        return None if attention is None else (*attention, meta.slot_mapping)
+
+    def __call__(self, index: int, x: torch.Tensor, residual: torch.Tensor | None, cos_sin: torch.Tensor,
+                 kv_cache: KVCache, step: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        # x: [num_tokens, hidden] → (layer output, residual stream before it), as DecoderLayer.forward
+        weights, biases, scale = self.layers[index]
+        block_tables, seq_lens, slot_mapping = step
+        return self._op(x, residual, weights, biases, kv_cache[0], kv_cache[1], block_tables, seq_lens,
+                        slot_mapping, cos_sin, self.sizes, self.eps, scale)
