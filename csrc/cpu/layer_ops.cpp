@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -183,6 +184,24 @@ void rotary_embedding_(at::Tensor& x, const at::Tensor& cos_sin) {
   });
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// silu(gate) * up over the first `whole` (a multiple of 8) elements of a float32 row, 8 lanes at a
+// time: the 16-lane form went through the stack there (~6 ns an element on the AVX2 EPYC). Returns
+// how many it did.
+inline int64_t silu_and_mul_float_lanes(const float* gate, const float* up, float* o, int64_t width) {
+  const int64_t whole = width / 8 * 8;
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp_nonpositive8(_mm256_or_ps(g, sign));  // e^-|g|
+    const __m256 numerator = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GE_OQ));
+    const __m256 silu = _mm256_mul_ps(g, _mm256_div_ps(numerator, _mm256_add_ps(one, e)));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  return whole;
+}
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), width = out.size(1), stride = gate_up.stride(0);
@@ -193,7 +212,11 @@ void silu_and_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
       const T* gate = in + r * stride;
       const T* up = gate + width;
       T* o = o_ptr + r * width;
-      for (int64_t i = 0; i < width; i += kLanes) {
+      int64_t done = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+      if constexpr (std::is_same_v<T, float>) done = silu_and_mul_float_lanes(gate, up, o, width);
+#endif
+      for (int64_t i = done; i < width; i += kLanes) {
         const int64_t n = std::min(kLanes, width - i);
         store_n(o + i, round16(silu(load_n(gate + i, n)), o) * load_n(up + i, n), n);
       }

@@ -8,7 +8,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -189,6 +189,34 @@ inline float reduce_sum(Vec16 v) {
 // e^x for x <= 0 (softmax after subtracting the max): Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2/2, and the Cephes expf polynomial (relative error ~1e-7);
 // below -87 the result flushes to ~1e-38.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// With AVX2 the generic form below went through the stack op by op (a 16-lane vector is two
+// registers): ~6 ns an element for the SiLU on the AVX2 EPYC. The same steps on each 8-lane half.
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 nf = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_fmadd_ps(nf, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i n = _mm256_cvtps_epi32(nf);  // exact: nf is an integer
+  const __m256 two_n = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(p, two_n);
+}
+
+inline Vec16 exp_nonpositive(Vec16 x) {
+  __m256 halves[2];
+  std::memcpy(halves, &x, sizeof(x));
+  halves[0] = exp_nonpositive8(halves[0]);
+  halves[1] = exp_nonpositive8(halves[1]);
+  std::memcpy(&x, halves, sizeof(x));
+  return x;
+}
+#else
 inline Vec16 exp_nonpositive(Vec16 x) {
   x = x < -87.f ? splat(-87.f) : x;
   const Vec16 y = x * 1.44269504088896341f + 0.5f;
@@ -210,6 +238,7 @@ inline Vec16 exp_nonpositive(Vec16 x) {
   std::memcpy(&two_n, &bits, sizeof(two_n));
   return p * two_n;
 }
+#endif
 
 // x * sigmoid(x), with exp taken of -|x| only (no overflow).
 inline Vec16 silu(Vec16 x) {
