@@ -16,6 +16,11 @@ from executor.attention.base import AttentionMetadata, AttentionBackend, KVCache
 from executor.skinny import SkinnyF32Matmul, SkinnyMatmul
 
 
+def projections(layer) -> tuple:
+    """A decoder layer's four projections, in the order ``decode_layer`` takes them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 class FusedDecodeLayers:
     """The model's layers as ``decode_layer``'s arguments, gathered once at load."""
 
@@ -26,15 +31,10 @@ class FusedDecodeLayers:
         self.eps = c.rms_norm_eps
         self.layers = []
         for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            weights = [layer.input_layernorm.weight, attn.qkv_proj.skinny.packed, attn.o_proj.skinny.packed,
-                       layer.post_attention_layernorm.weight, mlp.gate_up_proj.skinny.packed,
-                       mlp.down_proj.skinny.packed]
-            self.layers.append((weights, [p.bias for p in projections], attn.scale))
-        self.max_rows = min(p.skinny.max_rows for layer in model.layers
-                            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
+            qkv, o, gate_up, down = (p.skinny.packed for p in projections(layer))
+            weights = [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
+            self.layers.append((weights, [p.bias for p in projections(layer)], layer.self_attn.scale))
+        self.max_rows = min(p.skinny.max_rows for layer in model.layers for p in projections(layer))
 
     @staticmethod
     def fits(model) -> bool:
@@ -42,9 +42,7 @@ class FusedDecodeLayers:
         if model.config.qk_norm:
             return False
         return all(isinstance(getattr(p, "skinny", None), (SkinnyMatmul, SkinnyF32Matmul))
-                   for layer in model.layers
-                   for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                             layer.mlp.down_proj))
+                   for layer in model.layers for p in projections(layer))
 
     def step_inputs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                     backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
