@@ -7,7 +7,7 @@ import torch
 
 import executor.attention.cpu_backend as cpu_backend
 from executor.attention import AttentionMetadata, create_backend
-from executor.attention.cpu_backend import CpuAttentionBackend, CpuInt8KVAttentionBackend
+from executor.attention.cpu_backend import CAUSAL_QUERY_CHUNK, CpuAttentionBackend, CpuInt8KVAttentionBackend
 from executor.attention.torch_backend import TorchAttentionBackend
 
 NUM_HEADS, KV_HEADS, HEAD = 6, 2, 16
@@ -115,6 +115,18 @@ def test_bf16_prefill_and_mixed_steps_match_reference(backend_name):
     out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), 16, [1, 37, 5, 64], [40, 37, 70, 64],
                              num_heads=9, kv_heads=3, head=64, dtype=torch.bfloat16)
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_prefill_in_query_chunks_matches_reference():
+    """Prefill chunks longer than CAUSAL_QUERY_CHUNK take the GEMMs chunk by chunk, each against the
+    keys its last token sees: the same attention, with padded rows, a cached prefix and a decode token
+    in the step."""
+    torch.manual_seed(3)
+    query_lens, seq_lens = [300, 1, 130, 200], [300, 40, 200, 420]
+    assert max(query_lens) > 2 * CAUSAL_QUERY_CHUNK
+    out, expected = run_step(BACKENDS["cpu"](torch.device("cpu")), 16, query_lens, seq_lens, num_heads=9, kv_heads=3,
+                             head=64)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])

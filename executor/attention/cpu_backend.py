@@ -45,6 +45,8 @@ from executor.attention.torch_backend import (MATMUL_ATTENTION_MAX_SCORES, Torch
 from executor.layer_ops import CpuLayerOps
 
 KERNEL_BLOCK_SIZE = 16
+# Prefill chunks of more query tokens than this take the attention's GEMMs in chunks of this many.
+CAUSAL_QUERY_CHUNK = 128
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -129,10 +131,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # q: [num_seqs, kv_heads, group * query_len, d]; keys, values: [num_seqs, kv_heads, ctx_len, d]
         if q.numel() // q.shape[-1] * keys.shape[2] > MATMUL_ATTENTION_MAX_SCORES:
             return super()._masked_attention(q, keys, values, g, scale)
+        if g.query_len <= CAUSAL_QUERY_CHUNK:
+            return self._causal_gemms(q, keys, values, g.first_query_pos, g.seq_lens, g.query_len, scale)
+        # Query tokens in chunks, each against the keys its last token sees: the GEMMs skip the
+        # square's upper triangle (a 512-token prompt: 62 % of the full products in chunks of 128).
+        num_seqs, kv_heads, rows, d = q.shape
+        group = rows // g.query_len
+        q_tokens = q.view(num_seqs, kv_heads, group, g.query_len, d)
+        out = torch.empty_like(q_tokens)
+        first, lens = g.first_query_pos.tolist(), g.seq_lens.tolist()
+        for t0 in range(0, g.query_len, CAUSAL_QUERY_CHUNK):
+            t1 = min(t0 + CAUSAL_QUERY_CHUNK, g.query_len)
+            chunk_lens = [min(n, f + t1) for f, n in zip(first, lens)]
+            # a shorter sequence's padding rows past its prompt: any valid mask (their output is dropped)
+            chunk_first = [min(f + t0, n - 1) for f, n in zip(first, chunk_lens)]
+            seen = max(chunk_lens)
+            q_chunk = q_tokens[:, :, :, t0:t1].reshape(num_seqs, kv_heads, group * (t1 - t0), d)
+            attended = self._causal_gemms(q_chunk, keys[:, :, :seen], values[:, :, :seen],
+                                          torch.tensor(chunk_first, dtype=torch.int32),
+                                          torch.tensor(chunk_lens, dtype=torch.int32), t1 - t0, scale)
+            out[:, :, :, t0:t1] = attended.view(num_seqs, kv_heads, group, t1 - t0, d)
+        return out.view(num_seqs, kv_heads, rows, d)
+
+    def _causal_gemms(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_query_pos: torch.Tensor,
+                      seq_lens: torch.Tensor, query_len: int, scale: float) -> torch.Tensor:
         # Two oneDNN GEMMs around causal_softmax_, which applies the mask as it goes (no additive
         # mask tensor, no separate add): csrc/cpu/causal_softmax.cpp.
         scores = torch.matmul(q * scale, keys.transpose(-1, -2))
-        self._ops.causal_softmax_(scores, g.first_query_pos, g.seq_lens, g.query_len)
+        self._ops.causal_softmax_(scores, first_query_pos, seq_lens, query_len)
         return torch.matmul(scores, values)
 
 
