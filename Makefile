@@ -41,8 +41,10 @@ model: install
 run: model
 	$(PY) -m kvserve up
 
+# Whole modules go to TEST_WORKERS parallel pytest processes (a module's shared stacks stay in one).
+TEST_WORKERS ?= 2
 test: model
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: model
 	$(PY) -m bench --sweep seed-table --num-prompts 64 --max-input-len 1024 --max-output-len 512 \

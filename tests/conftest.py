@@ -231,6 +231,22 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     return out
 
 
+# The modules that take longest (pytest --durations, about 35-150 s each on a 2-core box), first:
+# `make test` deals whole modules to parallel workers in collection order, and a long module
+# dealt last would run alone at the end.
+SLOWEST_MODULES = (
+    "test_kv_store_e2e", "test_gateway_multi_executor", "test_structured_outputs", "test_gateway_real_model",
+    "test_gateway_recovery", "test_sampling_parity", "test_kv_correctness_e2e", "test_csrc_compile",
+    "test_executor_skinny_linear", "test_foundation", "test_step_socket", "test_gateway_kv_shadow",
+    "test_gateway_discovery", "test_executor_exactness", "test_gateway_tenants", "test_bench", "test_auth",
+)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(Path(item.nodeid.split("::", 1)[0]).stem, len(rank)))
+
+
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
     """Polls ``predicate`` until true or ``timeout`` s pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -15,6 +15,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -116,12 +117,20 @@ def _socket_dir(parent: Path, name: str, *, listening: bool | None, age_s: float
     return directory, sock
 
 
+@pytest.fixture
+def short_tmp_path():
+    """A Unix socket's path must fit in 108 bytes; tmp_path under a parallel worker's base
+    directory plus two more levels may not."""
+    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as path:
+        yield Path(path)
+
+
 def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executors_ones(
-        start_service, tiny_model_dir, tmp_path):
+        start_service, tiny_model_dir, short_tmp_path):
     """Several executors sharing one --step-socket-dir (compose: a volume the gateway mounts too):
     each gets its own directory, and what executors killed before they could clean up left there
     goes at the next start; a live executor's directory, or one made a moment ago, stays."""
-    parent = tmp_path / "steps"
+    parent = short_tmp_path / "steps"
     parent.mkdir()
     dead, _ = _socket_dir(parent, "dead", listening=False, age_s=600)
     empty, _ = _socket_dir(parent, "empty", listening=None, age_s=600)
@@ -145,7 +154,7 @@ def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executor
     finally:
         listener.close()
     proc = subprocess.run([sys.executable, "-m", "executor", *tiny_executor_args(tiny_model_dir),
-                           "--port", str(free_port()), "--step-socket-dir", str(tmp_path / "missing")],
+                           "--port", str(free_port()), "--step-socket-dir", str(short_tmp_path / "missing")],
                           cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "step socket's directory" in proc.stderr and "Traceback" not in proc.stderr
