@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -16,7 +17,8 @@ from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer
 from executor.step_socket import StepSocketListener
-from executor.threads import parse_num_threads, probe_runner_threads
+from executor.thread_probe_cache import ProbeKey, ThreadProbeCache
+from executor.threads import ThreadProbe, parse_num_threads, probe_runner_threads
 from executor.torch_thread import TorchThread
 from kvserve.auth import token_or_none
 from kvserve.config import (
@@ -24,7 +26,7 @@ from kvserve.config import (
 )
 from kvserve.errors import StartupError
 from kvserve.logs import configure_logging, get_logger
-from kvserve.paths import default_model_dir
+from kvserve.paths import cache_dir, default_model_dir
 from kvserve.ports import DEFAULT_EXECUTOR_PORT
 from kvserve.server import GrpcServer, Service, TlsFiles, run_service, wait_for_shutdown_signal
 from kvserve.v1 import executor_pb2, executor_pb2_grpc
@@ -71,6 +73,11 @@ def build_parser() -> EnvArgumentParser:
                              "4, ... and every usable CPU after it loads and keeps the fastest (the fewer "
                              "threads when within 5 %%; docs/executor.md, 'Threads'); on a GPU device auto "
                              "leaves torch's default")
+    parser.add_argument("--thread-probe-cache", default="auto", metavar="auto|off|PATH",
+                        help="where --num-threads auto keeps what it measured, keyed by CPU, usable CPUs, torch, "
+                             "model and precision, so a restart skips the probe and replicas sharing the file "
+                             "probe one at a time: auto: thread-probes.json in the kvserve cache directory; "
+                             "off: probe at every start")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generator unseeded sampling uses")
     parser.add_argument("--kv-store", default="", metavar="DIR|URL",
                         help="the KV store tier: a directory (a path or file:///dir; local disk, or a volume "
@@ -108,6 +115,43 @@ def check_model_dir(model_dir: Path) -> None:
         raise StartupError(f"model directory {model_dir} is incomplete (run `kvserve prepare-model --force`)")
 
 
+def probe_cache_path(text: str) -> Path | None:
+    if text == "off":
+        return None
+    return cache_dir() / "thread-probes.json" if text == "auto" else Path(text)
+
+
+def choose_threads(runner: ModelRunner, cache_path: Path | None) -> None:
+    """``--num-threads auto``: the cached count for this CPU and model, else a probe (run in the torch thread)."""
+    def probe() -> ThreadProbe | None:
+        result = probe_runner_threads(runner)
+        if result is not None:
+            log.info("threads_probed", chosen=result.chosen, decode_step_ms_by_threads=result.summary())
+        return result
+
+    if cache_path is None:
+        probe()
+        return
+    chosen, probed = ThreadProbeCache(cache_path).chosen_or_probe(ProbeKey.for_runner(runner), probe)
+    if chosen is not None and not probed:
+        torch.set_num_threads(chosen)
+        log.info("threads_from_probe_cache", chosen=chosen, path=str(cache_path))
+
+
+def start_huge_pages(runner: ModelRunner) -> None:
+    """Moves the weights and KV cache into huge pages beside the serving executor, not before it:
+    collapsing 2 GiB takes 4 s, and madvise(2) leaves the memory readable and writable meanwhile
+    (steps run at 4 KiB-page speed until it is done)."""
+    if runner.device.type != "cpu":
+        return
+
+    def collapse() -> None:
+        collapsed = back_large_allocations_with_huge_pages()
+        log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
+
+    threading.Thread(target=collapse, name="executor-huge-pages", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -127,13 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 — e.g. a corrupt safetensors file: still one line
             torch_thread.close()
             raise StartupError(f"cannot load {args.model_dir}: {type(exc).__name__}: {exc}") from exc
-        if runner.device.type == "cpu":
-            collapsed = await torch_thread.run(back_large_allocations_with_huge_pages)
-            log.info("host_memory_in_huge_pages", mib=collapsed >> 20)
         if args.num_threads is None:
-            probe = await torch_thread.run(probe_runner_threads, runner)
-            if probe is not None:
-                log.info("threads_probed", chosen=probe.chosen, decode_step_ms_by_threads=probe.summary())
+            await torch_thread.run(choose_threads, runner, probe_cache_path(args.thread_probe_cache))
         token = token_or_none(args.service_token)
         step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token,
                                                   args.step_socket_dir)
@@ -149,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("executor_ready", model=runner.info.model_name, device=runner.info.device,
                      attention_backend=runner.info.attention_backend,
                      torch_threads=await torch_thread.run(torch.get_num_threads))
+            start_huge_pages(runner)
             sig = await wait_for_shutdown_signal()
             log.info("shutting_down", signal=sig.name)
             await server.stop(args.shutdown_grace)

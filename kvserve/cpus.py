@@ -10,6 +10,27 @@ import os
 from pathlib import Path
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_model_name(cpuinfo: Path = CPUINFO) -> str:
+    """The first CPU's model name with its family, model and stepping (Linux; a hypervisor may
+    report one name, "AMD EPYC", for CPUs generations apart), else the platform's processor string."""
+    fields: dict[str, str] = {}
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if not name.strip():
+                break  # the first processor's block ends at its blank line
+            fields.setdefault(name.strip(), value.strip())
+    except OSError:
+        pass
+    if "model name" in fields:
+        return "{} (family {} model {} stepping {})".format(
+            fields["model name"], *(fields.get(key, "?") for key in ("cpu family", "model", "stepping")))
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def cgroup_cpu_limit(cpu_max: Path = CGROUP_CPU_MAX) -> int | None:

@@ -78,3 +78,26 @@ def test_kv_sizing():
     with pytest.raises(ValueError, match="too small"):
         size_kv_cache(config, 16, torch.bfloat16, cpu, num_blocks=1)
     assert max_concurrency(257, 16, 4096) == pytest.approx(1.0)
+
+
+def test_loading_a_model_and_sampling_never_import_torch_dynamo(tiny_model_dir):
+    """torch._dynamo's import costs 2-3 s of CPU; a random init on the meta device (nn.Embedding's
+    normal_) pulled it into every executor's start."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.sampling import SamplingParams
+runner = ModelRunner(RunnerOptions({str(tiny_model_dir)!r}, dtype="float32", num_blocks=16))
+sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed=1, top_logprobs=2,
+                          presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                          penalty_token_ids=(5,), penalty_output_counts=(1,))
+print(runner.execute([SequenceInput(seq_id=1, token_ids=[1, 5, 7], start_position=0, block_table=[1],
+                                    sample=True, sampling=sampling)]).sampled_token_ids)
+print("torch._dynamo" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False"

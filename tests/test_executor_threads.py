@@ -7,10 +7,11 @@ import torch
 
 from executor.__main__ import build_parser
 from executor.runner import ModelRunner, RunnerOptions
+from executor.thread_probe_cache import ProbeKey, ThreadProbeCache
 from executor.threads import (
-    choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads, probe_thread_counts,
+    ThreadProbe, choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads, probe_thread_counts,
 )
-from kvserve.cpus import cgroup_cpu_limit, thread_counts_to_try, usable_cpus
+from kvserve.cpus import cgroup_cpu_limit, cpu_model_name, thread_counts_to_try, usable_cpus
 
 
 def test_candidates_are_one_the_powers_of_two_and_every_cpu():
@@ -109,14 +110,105 @@ def test_the_probe_step_never_writes_the_null_block(tiny_model_dir):
     assert not any(bool(part[0].abs().sum()) for part in parts)
 
 
-def test_an_executor_started_with_auto_probes_and_serves_on_its_choice(start_service, tiny_model_dir):
+def test_an_executor_started_with_auto_probes_once_and_a_restart_reuses_the_choice(start_service, tiny_model_dir,
+                                                                                    tmp_path):
     import json
 
-    executor = start_service("executor", "--model", str(tiny_model_dir), "--dtype", "float32", "--num-blocks", "64",
-                             "--num-threads", "auto", "--step-socket", "off")
-    events = [json.loads(line) for line in executor.logs().splitlines() if line.startswith("{")]
-    probed = next(e for e in events if e.get("event") == "threads_probed")
-    ready = next(e for e in events if e.get("event") == "executor_ready")
+    cache = tmp_path / "probes" / "thread-probes.json"
+    args = ("--model", str(tiny_model_dir), "--dtype", "float32", "--num-blocks", "64", "--num-threads", "auto",
+            "--thread-probe-cache", str(cache), "--step-socket", "off")
+
+    def events_of(executor) -> dict[str, dict]:
+        return {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"),
+                                                                executor.logs().splitlines()))}
+
+    first = start_service("executor", *args)
+    events = events_of(first)
+    probed, ready = events["threads_probed"], events["executor_ready"]
     assert set(probed["decode_step_ms_by_threads"]) <= {str(n) for n in range(1, 65)}
     assert ready["torch_threads"] == probed["chosen"]
     assert str(probed["chosen"]) in probed["decode_step_ms_by_threads"]
+    first.stop()
+
+    events = events_of(start_service("executor", *args))
+    assert "threads_probed" not in events
+    assert events["threads_from_probe_cache"]["chosen"] == probed["chosen"]
+    assert events["executor_ready"]["torch_threads"] == probed["chosen"]
+
+
+def key(**changes) -> ProbeKey:
+    fields = dict(cpu="Some CPU (family 6 model 143 stepping 8)", cpus=2, torch="2.13.0", model_fingerprint="abc",
+                  precision="bfloat16", attention_backend="cpu")
+    return ProbeKey(**{**fields, **changes})
+
+
+def counting_probe(chosen: int, calls: list):
+    def probe() -> ThreadProbe:
+        calls.append(chosen)
+        return ThreadProbe({1: 0.02, 2: 0.01}, chosen)
+    return probe
+
+
+def test_the_cache_probes_once_per_key_and_keeps_each_answer(tmp_path):
+    cache, calls = ThreadProbeCache(tmp_path / "thread-probes.json"), []
+    assert cache.chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
+    assert cache.chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
+    assert ThreadProbeCache(tmp_path / "thread-probes.json").chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
+    for other in (key(cpus=4), key(cpu="AMD EPYC (family 25 model 1 stepping 1)"), key(precision="bfloat16+int8"),
+                  key(model_fingerprint="def"), key(torch="2.14.0")):
+        assert cache.chosen_or_probe(other, counting_probe(1, calls)) == (1, True)
+    assert calls == [2, 1, 1, 1, 1, 1]
+    assert cache.chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 99, "entries": {}}', '["a list"]',
+                                     '{"version": 1, "entries": {"%s": {"chosen": "two"}}}'])
+def test_an_unreadable_or_foreign_cache_file_is_probed_over_and_rewritten(tmp_path, content):
+    path = tmp_path / "thread-probes.json"
+    path.write_text(content.replace("%s", key().text().replace('"', '\\"')))
+    calls = []
+    assert ThreadProbeCache(path).chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
+    assert ThreadProbeCache(path).chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
+    assert calls == [2]
+
+
+def test_a_cache_that_cannot_be_written_only_costs_the_saving(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cache, calls = ThreadProbeCache(blocker / "thread-probes.json"), []
+    assert cache.chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
+    assert cache.chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
+    assert calls == [2, 2]
+
+
+def test_replicas_sharing_the_file_probe_one_at_a_time_and_the_others_take_its_answer(tmp_path):
+    import threading
+    import time
+
+    path, calls, running, overlaps = tmp_path / "thread-probes.json", [], [0], []
+
+    def slow_probe() -> ThreadProbe:
+        running[0] += 1
+        overlaps.append(running[0])
+        time.sleep(0.2)
+        calls.append(1)
+        running[0] -= 1
+        return ThreadProbe({1: 0.02, 2: 0.01}, 2)
+
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(ThreadProbeCache(path).chosen_or_probe(key(), slow_probe)))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [1] and overlaps == [1]
+    assert sorted(answers) == [(2, False)] * 3 + [(2, True)]
+
+
+def test_the_cpu_name_says_its_family_and_model(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+                       "model name\t: AMD EPYC\nstepping\t: 2\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_model_name(cpuinfo) == "AMD EPYC (family 23 model 1 stepping 2)"
+    assert cpu_model_name(tmp_path / "missing")  # the platform's string, never empty
