@@ -38,3 +38,46 @@ def test_a_large_tensor_ends_up_in_huge_pages_with_its_contents():
 
 def test_small_mappings_are_left_alone():
     assert back_large_allocations_with_huge_pages(min_bytes=1 << 50) == 0
+
+
+def test_the_launcher_asks_glibc_for_huge_pages_and_keeps_other_tunables():
+    from kvserve.launcher import with_huge_page_malloc
+
+    assert with_huge_page_malloc({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    assert with_huge_page_malloc({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    chosen = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}  # the user's own choice wins
+    assert with_huge_page_malloc(chosen) == chosen
+
+
+def glibc_supports_hugetlb_tunable() -> bool:
+    libc, version = platform.libc_ver()
+    return libc == "glibc" and tuple(int(p) for p in version.split(".")[:2]) >= (2, 35)
+
+
+@pytest.mark.skipif(not (kernel_collapses() and glibc_supports_hugetlb_tunable()),
+                    reason="needs Linux >= 6.1 with transparent huge pages and glibc >= 2.35")
+def test_with_the_tunable_large_allocations_fault_in_as_huge_pages_without_a_collapse():
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.launcher import with_huge_page_malloc
+
+    script = """
+import torch
+from pathlib import Path
+from executor.devices import tune_host_allocator
+tune_host_allocator()
+weights = torch.ones(48 << 20, dtype=torch.int32)  # 192 MiB, written
+huge = next(int(l.split()[1]) for l in Path("/proc/self/smaps_rollup").read_text().splitlines()
+            if l.startswith("AnonHugePages:"))
+print(huge << 10)
+"""
+    def huge_bytes(env: dict[str, str]) -> int:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.split()[-1])
+
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    assert huge_bytes(with_huge_page_malloc(plain)) >= 128 << 20
