@@ -139,17 +139,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         group = rows // g.query_len
         q_tokens = q.view(num_seqs, kv_heads, group, g.query_len, d)
         out = torch.empty_like(q_tokens)
-        first, lens = g.first_query_pos.tolist(), g.seq_lens.tolist()
-        for t0 in range(0, g.query_len, CAUSAL_QUERY_CHUNK):
-            t1 = min(t0 + CAUSAL_QUERY_CHUNK, g.query_len)
-            chunk_lens = [min(n, f + t1) for f, n in zip(first, lens)]
-            # a shorter sequence's padding rows past its prompt: any valid mask (their output is dropped)
-            chunk_first = [min(f + t0, n - 1) for f, n in zip(first, chunk_lens)]
-            seen = max(chunk_lens)
+        for t0, t1, seen, chunk_first, chunk_lens in g.causal_query_chunks(CAUSAL_QUERY_CHUNK):
             q_chunk = q_tokens[:, :, :, t0:t1].reshape(num_seqs, kv_heads, group * (t1 - t0), d)
-            attended = self._causal_gemms(q_chunk, keys[:, :, :seen], values[:, :, :seen],
-                                          torch.tensor(chunk_first, dtype=torch.int32),
-                                          torch.tensor(chunk_lens, dtype=torch.int32), t1 - t0, scale)
+            attended = self._causal_gemms(q_chunk, keys[:, :, :seen], values[:, :, :seen], chunk_first,
+                                          chunk_lens, t1 - t0, scale)
             out[:, :, :, t0:t1] = attended.view(num_seqs, kv_heads, group, t1 - t0, d)
         return out.view(num_seqs, kv_heads, rows, d)
 

@@ -55,6 +55,25 @@ class _Group:
     # Rows of the flat [kv_heads * num_blocks, block_size * head_size] cache view to gather,
     # head-major; keyed by (kv_heads, num_blocks).
     gather_rows: dict = field(default_factory=dict)
+    # A long prefill's query chunks (the cpu backend's causal GEMMs), the same in every layer:
+    # keyed by the chunk length.
+    query_chunks: dict = field(default_factory=dict)
+
+    def causal_query_chunks(self, chunk: int) -> list[tuple[int, int, int, torch.Tensor, torch.Tensor]]:
+        """Per chunk of ``chunk`` query tokens: (t0, t1, keys its last token sees, each sequence's
+        first query position in it, its keys seen) — [num_seqs] int32 tensors."""
+        if chunk not in self.query_chunks:
+            first, lens = self.first_query_pos.tolist(), self.seq_lens.tolist()
+            chunks = []
+            for t0 in range(0, self.query_len, chunk):
+                t1 = min(t0 + chunk, self.query_len)
+                chunk_lens = [min(n, f + t1) for f, n in zip(first, lens)]
+                # a shorter sequence's padding rows past its prompt: any valid mask (their output is dropped)
+                chunk_first = [min(f + t0, n - 1) for f, n in zip(first, chunk_lens)]
+                chunks.append((t0, t1, max(chunk_lens), torch.tensor(chunk_first, dtype=torch.int32),
+                               torch.tensor(chunk_lens, dtype=torch.int32)))
+            self.query_chunks[chunk] = chunks
+        return self.query_chunks[chunk]
 
     def cache_rows(self, kv_heads: int, num_blocks: int) -> torch.Tensor:
         key = (kv_heads, num_blocks)
