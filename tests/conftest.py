@@ -12,6 +12,7 @@ The process stacks, one home each:
 * ``service_stack(model_dir, ...)``: the same three started one by one with
   ``start_service``, per test, for tests that kill, stop or restart one of them.
 * ``tiny_executor``: one executor of the tiny model (``tiny_executor_args``), per test.
+* ``stub``: a KVManager stub on a module's ``server`` fixture (its own kvmanager and flags).
 """
 from __future__ import annotations
 
@@ -107,6 +108,15 @@ def module_stack(tmp_path_factory, request):
     for stack, exit_0 in reversed(started):
         codes = stack.stop()
         assert {m: codes[m] for m in exit_0} == dict.fromkeys(exit_0, 0), (codes, stack.gateway.logs()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """A KVManager stub on the module's own ``server`` fixture (a kvmanager started with its flags)."""
+    from kvserve.v1 import kvmanager_pb2_grpc
+
+    with grpc.insecure_channel(server.address) as channel:
+        yield kvmanager_pb2_grpc.KVManagerStub(channel)
 
 
 @dataclass

@@ -24,12 +24,6 @@ def server(tmp_path_factory):
     assert service.stop(signal.SIGTERM) == 0, service.logs()[-2000:]
 
 
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield kvmanager_pb2_grpc.KVManagerStub(channel)
-
-
 _counter = iter(range(10**6))
 
 

@@ -24,7 +24,6 @@ from kvmanager.pool import PoolConfig
 from kvserve.errors import FailedPrecondition, InvalidArgument
 from tests.conftest import free_port, launch
 from kvserve.v1 import kvmanager_pb2 as pb
-from kvserve.v1 import kvmanager_pb2_grpc
 
 try:  # the kv-events extra (in the test extra): only the ZeroMQ test needs it
     import msgspec
@@ -396,12 +395,6 @@ def server(tmp_path_factory):
     service.zmq_pub, service.zmq_replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
     yield service
     assert service.stop(signal.SIGTERM) == 0, service.logs()[-2000:]
-
-
-@pytest.fixture(scope="module")
-def stub(server):
-    with grpc.insecure_channel(server.address) as channel:
-        yield kvmanager_pb2_grpc.KVManagerStub(channel)
 
 
 def register(stub, pool_id: str, num_blocks: int = 6, medium: str = "") -> str:
