@@ -18,7 +18,7 @@ from executor.runner import ModelRunner, RunnerOptions
 from executor.service import ExecutorServicer
 from executor.step_socket import StepSocketListener
 from executor.thread_probe_cache import ProbeKey, ThreadProbeCache
-from executor.threads import ThreadProbe, parse_num_threads, probe_runner_threads
+from executor.threads import ThreadProbe, loading_thread_count, parse_num_threads, probe_runner_threads
 from executor.torch_thread import TorchThread
 from kvserve.auth import token_or_none
 from kvserve.config import (
@@ -121,8 +121,13 @@ def probe_cache_path(text: str) -> Path | None:
     return cache_dir() / "thread-probes.json" if text == "auto" else Path(text)
 
 
-def choose_threads(runner: ModelRunner, cache_path: Path | None) -> None:
-    """``--num-threads auto``: the cached count for this CPU and model, else a probe (run in the torch thread)."""
+def choose_threads(runner: ModelRunner, cache_path: Path | None, torch_default_threads: int) -> None:
+    """``--num-threads auto`` once the model is loaded: on the CPU the cached count for this CPU and
+    model, else a probe; on a GPU torch's default (run in the torch thread)."""
+    if runner.device.type != "cpu":
+        torch.set_num_threads(torch_default_threads)
+        return
+
     def probe() -> ThreadProbe | None:
         result = probe_runner_threads(runner)
         if result is not None:
@@ -162,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         check_model_dir(args.model_dir)
         options = config_from_args(RunnerOptions, args)
-        torch_thread = TorchThread(args.num_threads)  # all torch work happens there, see executor.service
+        torch_default_threads = torch.get_num_threads()
+        # all torch work happens there, see executor.service
+        torch_thread = TorchThread(args.num_threads or loading_thread_count())
         try:
             runner = await torch_thread.run(ModelRunner, options)
         except (UnsupportedModel, ValueError, ImportError, OSError) as exc:
@@ -172,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             torch_thread.close()
             raise StartupError(f"cannot load {args.model_dir}: {type(exc).__name__}: {exc}") from exc
         if args.num_threads is None:
-            await torch_thread.run(choose_threads, runner, probe_cache_path(args.thread_probe_cache))
+            await torch_thread.run(choose_threads, runner, probe_cache_path(args.thread_probe_cache),
+                                   torch_default_threads)
         token = token_or_none(args.service_token)
         step_socket = StepSocketListener.create(args.step_socket, runner, torch_thread, token,
                                                   args.step_socket_dir)

@@ -81,6 +81,26 @@ def _destinations(model: Transformer) -> dict[str, tuple[torch.Tensor, int, int]
     return dest
 
 
+def materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Uninitialized storage on ``device`` for every parameter and buffer built on the meta device,
+    floating ones in ``dtype``: ``model.to(dtype).to_empty(device)`` without its ``empty_like`` on
+    meta tensors, which runs through torch._refs and imports sympy on first use (1 s of a start)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays one tensor
+
+    def empty(tensor: torch.Tensor, as_parameter: bool) -> torch.Tensor:
+        if id(tensor) not in made:
+            kind = dtype if tensor.is_floating_point() else tensor.dtype
+            storage = torch.empty(tuple(tensor.shape), dtype=kind, device=device)
+            made[id(tensor)] = torch.nn.Parameter(storage, requires_grad=False) if as_parameter else storage
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for tensors, as_parameter in ((module._parameters, True), (module._buffers, False)):
+            for name, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[name] = empty(tensor, as_parameter)
+
+
 @torch.no_grad()
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_len: int,
                quantization: str = "none", skinny_ops=None) -> Transformer:
@@ -91,7 +111,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_le
     check_supported(quantization, dtype, device)
     with torch.device("meta"):
         model = Transformer(config)
-    model = model.to(dtype).to_empty(device=device)
+    materialize_empty(model, dtype, device)
     model.eval().requires_grad_(False)
     dest = _destinations(model)
     loaded: set[str] = set()

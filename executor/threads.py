@@ -120,6 +120,15 @@ def decode_probe_step(runner) -> Callable[[], None]:
     return step
 
 
+def loading_thread_count(cpus: int | None = None) -> int:
+    """``--num-threads auto``: the threads the model loads on, before the probe chooses: half the
+    usable CPUs (at least one). The gateway, kvmanager or another replica usually start beside
+    it, and OpenMP teams that outnumber the cores stall at every parallel region: on 2 cores two
+    replicas loading SmolLM2 at once took 4.9 s each on 2 threads and 2.7 s on 1 (alone: 2.1 s
+    and 2.7 s)."""
+    return max(1, (cpus or usable_cpus()) // 2)
+
+
 def probe_runner_threads(runner, cpus: int | None = None) -> ThreadProbe | None:
     """``--num-threads auto`` on the CPU: probe the runner's decode step (run it in the torch
     thread). None on a GPU device, where the CPU threads only feed the device: torch's default."""

@@ -80,9 +80,10 @@ def test_kv_sizing():
     assert max_concurrency(257, 16, 4096) == pytest.approx(1.0)
 
 
-def test_loading_a_model_and_sampling_never_import_torch_dynamo(tiny_model_dir):
-    """torch._dynamo's import costs 2-3 s of CPU; a random init on the meta device (nn.Embedding's
-    normal_) pulled it into every executor's start."""
+def test_loading_a_model_and_sampling_never_import_torch_dynamo_or_sympy(tiny_model_dir):
+    """torch._dynamo's import costs 2-3 s of CPU and sympy's 1 s; torch._refs, which a random init
+    (nn.Embedding's normal_) and ``to_empty`` on the meta device run through, pulled them into
+    every executor's start."""
     import subprocess
     import sys
 
@@ -96,8 +97,22 @@ sampling = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, seed
                           penalty_token_ids=(5,), penalty_output_counts=(1,))
 print(runner.execute([SequenceInput(seq_id=1, token_ids=[1, 5, 7], start_position=0, block_table=[1],
                                     sample=True, sampling=sampling)]).sampled_token_ids)
-print("torch._dynamo" in sys.modules)
+print("torch._dynamo" in sys.modules or "sympy" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "False"
+
+
+def test_materializing_keeps_shared_parameters_shared_and_casts_only_floats():
+    from executor.loader import materialize_empty
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        model.register_buffer("steps", torch.zeros(3, dtype=torch.int64))
+    materialize_empty(model, torch.bfloat16, torch.device("cpu"))
+    assert model[0].weight is model[1].weight and model[0].weight.device.type == "cpu"
+    assert model[0].weight.dtype == torch.bfloat16 and not model[0].weight.requires_grad
+    assert model.steps.dtype == torch.int64 and model.steps.device.type == "cpu"
+    assert len(list(model.parameters())) == 1

@@ -9,7 +9,8 @@ from executor.__main__ import build_parser
 from executor.runner import ModelRunner, RunnerOptions
 from executor.thread_probe_cache import ProbeKey, ThreadProbeCache
 from executor.threads import (
-    ThreadProbe, choose_thread_count, decode_probe_step, parse_num_threads, probe_runner_threads, probe_thread_counts,
+    ThreadProbe, choose_thread_count, decode_probe_step, loading_thread_count, parse_num_threads, probe_runner_threads,
+    probe_thread_counts,
 )
 from kvserve.cpus import cgroup_cpu_limit, cpu_model_name, thread_counts_to_try, usable_cpus
 
@@ -19,6 +20,10 @@ def test_candidates_are_one_the_powers_of_two_and_every_cpu():
     assert thread_counts_to_try(2) == [1, 2]
     assert thread_counts_to_try(6) == [1, 2, 4, 6]
     assert thread_counts_to_try(16) == [1, 2, 4, 8, 16]
+
+
+def test_auto_loads_the_model_on_half_the_cpus_leaving_room_for_what_starts_beside_it():
+    assert [loading_thread_count(cpus) for cpus in (1, 2, 3, 16)] == [1, 1, 1, 8]
 
 
 def test_the_fastest_count_wins_and_a_near_tie_goes_to_fewer_threads():
