@@ -87,7 +87,10 @@ class ThreadProbeCache:
             yield
             return
         with lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError as exc:  # a file system without locks: probes may overlap, nothing worse
+                log.warning("thread_probe_cache_unlocked", path=str(lock_path), error=str(exc))
             yield
 
     def _read(self) -> dict:

@@ -217,3 +217,15 @@ def test_the_cpu_name_says_its_family_and_model(tmp_path):
                        "model name\t: AMD EPYC\nstepping\t: 2\n\nprocessor\t: 1\nmodel name\t: other\n")
     assert cpu_model_name(cpuinfo) == "AMD EPYC (family 23 model 1 stepping 2)"
     assert cpu_model_name(tmp_path / "missing")  # the platform's string, never empty
+
+
+def test_a_file_system_without_locks_costs_only_the_lock(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    calls = []
+    assert ThreadProbeCache(tmp_path / "thread-probes.json").chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
+    assert ThreadProbeCache(tmp_path / "thread-probes.json").chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
