@@ -42,12 +42,12 @@ class ProbeKey:
     attention_backend: str
 
     @classmethod
-    def for_runner(cls, runner, cpus: int | None = None) -> "ProbeKey":
+    def for_runner(cls, runner) -> "ProbeKey":
         import torch
 
         info = runner.info
-        return cls(cpu_model_name(), cpus or usable_cpus(), torch.__version__, info.model_fingerprint,
-                   info.dtype, info.attention_backend)
+        return cls(cpu_model_name(), usable_cpus(), torch.__version__, info.model_fingerprint, info.dtype,
+                   info.attention_backend)
 
     def text(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
