@@ -101,25 +101,7 @@ void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pa
 #else
 template <int ROWS>
 void tile_dot(const uint16_t* w, const uint16_t* x, int64_t x_stride, int64_t pairs, float* acc) {
-  Vec16 sums[ROWS] = {};
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    // Each 32-bit lane holds one row's (k, k+1) pair: k in the low half, k+1 in the high.
-    UInt16 raw;
-    std::memcpy(&raw, w + kp * 2 * kTile, sizeof(raw));
-    const UInt16 lo = raw << 16, hi = raw & 0xFFFF0000u;
-    Vec16 w_even, w_odd;
-    std::memcpy(&w_even, &lo, sizeof(w_even));
-    std::memcpy(&w_odd, &hi, sizeof(w_odd));
-    for (int m = 0; m < ROWS; ++m) {
-      const uint16_t* xm = x + m * x_stride + 2 * kp;
-      const uint32_t even_bits = static_cast<uint32_t>(xm[0]) << 16, odd_bits = static_cast<uint32_t>(xm[1]) << 16;
-      float even, odd;
-      std::memcpy(&even, &even_bits, sizeof(even));
-      std::memcpy(&odd, &odd_bits, sizeof(odd));
-      sums[m] += w_even * even + w_odd * odd;
-    }
-  }
-  for (int m = 0; m < ROWS; ++m) store16(acc + m * kTile, sums[m]);
+  portable_pair_tile_dot<ROWS>(w, x, x_stride, pairs, acc);
 }
 #endif
 

@@ -80,20 +80,7 @@ void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t p
 #else
 template <int ROWS>
 void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc) {
-  Vec16 sums[ROWS] = {};
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    UInt16 raw;
-    std::memcpy(&raw, w + kp * 2 * kTile, sizeof(raw));
-    const UInt16 lo = raw << 16, hi = raw & 0xFFFF0000u;
-    Vec16 w_even, w_odd;
-    std::memcpy(&w_even, &lo, sizeof(w_even));
-    std::memcpy(&w_odd, &hi, sizeof(w_odd));
-    for (int m = 0; m < ROWS; ++m) {
-      const float* xm = x + m * x_stride + 2 * kp;
-      sums[m] = sums[m] + w_even * xm[0] + w_odd * xm[1];
-    }
-  }
-  for (int m = 0; m < ROWS; ++m) std::memcpy(acc + m * kTile, &sums[m], sizeof(sums[m]));
+  portable_pair_tile_dot<ROWS>(w, x, x_stride, pairs, acc);
 }
 #endif
 

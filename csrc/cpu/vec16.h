@@ -87,6 +87,23 @@ inline Vec16 load16(const int8_t* p) {
 #endif
 }
 
+// A tile of packed bf16 pairs (pack_skinny_weight): 16 lanes of 32 bits, lane r holding output
+// row r's weights for inputs k (low half) and k + 1 (high half), widened to float.
+inline void load_bf16_pairs(const uint16_t* tile, Vec16& even, Vec16& odd) {
+  UInt16 raw;
+  std::memcpy(&raw, tile, sizeof(raw));
+  const UInt16 low = raw << 16, high = raw & 0xFFFF0000u;
+  std::memcpy(&even, &low, sizeof(even));
+  std::memcpy(&odd, &high, sizeof(odd));
+}
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
 inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // v rounded to bfloat16 (to nearest even, NaN kept NaN, as c10::BFloat16 converts), in float lanes.
