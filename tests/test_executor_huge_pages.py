@@ -81,3 +81,26 @@ print(huge << 10)
 
     plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     assert huge_bytes(with_huge_page_malloc(plain)) >= 128 << 20
+
+
+def resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
+@pytest.mark.parametrize("backend_name, kv_cache_dtype", [("cpu", "auto"), ("cpu", "int8"), ("torch", "auto")])
+def test_a_host_kv_cache_reads_zero_and_costs_memory_only_where_written(backend_name, kv_cache_dtype):
+    from executor.attention import create_backend
+
+    backend = create_backend(backend_name, torch.device("cpu"), kv_cache_dtype)
+    before = resident_bytes()
+    # 30 layers of SmolLM2-135M's K and V in 2048 blocks of 16 tokens: 720 MiB in bf16.
+    caches = [backend.allocate_kv_cache(2048, 16, 3, 64, torch.bfloat16, torch.device("cpu")) for _ in range(30)]
+    assert resident_bytes() - before < 64 << 20, "the cache was written at allocation"
+    key, value = caches[-1]
+    assert 2048 in key.shape[:2] and not key.any() and not value.any()
+    key.view(-1)[:5].fill_(3)
+    assert key.view(-1)[:6].tolist() == [3] * 5 + [0] and not caches[0][0].any()

@@ -9,6 +9,7 @@ V ``[num_blocks, num_kv_heads, head_size, block_size]``.
 """
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,18 @@ from executor.layer_ops import TorchLayerOps
 
 # One layer's cache: (key_cache, value_cache), layout chosen by the backend.
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.zeros(shape)``; on the host, over a fresh anonymous mapping instead: the kernel hands
+    out its pages already zero at their first write, where ``torch.zeros`` writes every byte of a
+    1 GiB cache before the executor can start (a second on two busy cores). The tensor keeps the
+    mapping alive; the start's huge-page collapse (``start_huge_pages``) reaches it like the heap."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=dtype).view(shape)
 
 
 @dataclass

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from executor.attention.base import KVCache
+from executor.attention.base import KVCache, zeroed_cache
 from executor.attention.csrc_loader import csrc_build_script
 from executor.attention.torch_backend import (MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group, rows_per_kv_head,
                                              tokens_from_rows)
@@ -68,8 +68,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
         self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
-        key_cache = torch.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype=dtype, device=device)
-        value_cache = torch.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype=dtype, device=device)
+        key_cache = zeroed_cache((num_blocks, num_kv_heads, head_size, block_size), dtype, device)
+        value_cache = zeroed_cache((num_blocks, num_kv_heads, block_size, head_size), dtype, device)
         return key_cache, value_cache
 
     def _fused_prefill_fits(self, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
@@ -175,7 +175,7 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
         self._compute_dtype = dtype
         self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
         shape = (num_blocks, num_kv_heads, int8_record_bytes(block_size, head_size))
-        return torch.zeros(shape, dtype=torch.int8, device=device), torch.zeros(shape, dtype=torch.int8, device=device)
+        return zeroed_cache(shape, torch.int8, device), zeroed_cache(shape, torch.int8, device)
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         key_cache, value_cache = kv_cache

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from executor.attention.base import AttentionBackend, AttentionMetadata, KVCache, zeroed_cache
 
 
 @dataclass
@@ -133,7 +133,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         shape = (num_kv_heads, num_blocks, block_size, head_size)
-        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed_cache(shape, dtype, device), zeroed_cache(shape, dtype, device)
 
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
