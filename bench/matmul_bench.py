@@ -46,7 +46,7 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
     weights = [(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16) for n, k in shapes]
     projections, lm_head = weights[:-1], weights[-1]
     onednn_head = pack_weight(lm_head)
-    int8_head = SkinnyInt8Matmul(ops, *quantize_int8(lm_head, torch.bfloat16))
+    int8_head = SkinnyInt8Matmul(ops, *quantize_int8(lm_head, torch.bfloat16), torch.bfloat16)
     kernels = {
         "oneDNN bf16": [lambda x, p=pack_weight(w): packed_linear(x, p, None) for w in weights],
         "skinny bf16": [lambda x, s=SkinnyMatmul(ops, w): s(x, None) for w in weights],
@@ -57,9 +57,9 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
         linear.weight.data.copy_(w)
         codes8, scales8 = quantize_int8(w, torch.bfloat16)
         kernels["torch int8"].append(Int8Linear(linear))
-        kernels["skinny int8"].append(lambda x, s=SkinnyInt8Matmul(ops, codes8, scales8): s(x, None))
+        kernels["skinny int8"].append(lambda x, s=SkinnyInt8Matmul(ops, codes8, scales8, torch.bfloat16): s(x, None))
         kernels["torch int4"].append(Int4Linear(linear))
-        kernels["skinny int4"].append(lambda x, s=SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16)): s(x, None))
+        kernels["skinny int4"].append(lambda x, s=SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16), torch.bfloat16): s(x, None))
     for name in ("torch int8", "torch int4"):
         kernels[name].append(lambda x: packed_linear(x, onednn_head, None))
     for name in ("skinny int8", "skinny int4"):
@@ -68,11 +68,17 @@ def build_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
 
 
 def build_float32_kernels(shapes: list[tuple[int, int]], ops) -> dict[str, list]:
-    """As ``build_kernels`` for a float32 model of a bf16 checkpoint: the weights are bf16 values."""
+    """As ``build_kernels`` for a float32 model of a bf16 checkpoint: the weights are bf16 values;
+    the quantized columns take float32 activations (the LM head int8 in both, as the model has it)."""
     generator = torch.Generator().manual_seed(0)
     weights = [(torch.randn(n, k, generator=generator) * 0.05).to(torch.bfloat16).float() for n, k in shapes]
+    int8_head = SkinnyInt8Matmul(ops, *quantize_int8(weights[-1], torch.float32), torch.float32)
+    int8 = [SkinnyInt8Matmul(ops, *quantize_int8(w, torch.float32), torch.float32) for w in weights[:-1]]
+    int4 = [SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16), torch.float32) for w in weights[:-1]]
     return {"torch float32": [lambda x, w=w: torch.nn.functional.linear(x, w) for w in weights],
-            "skinny f32": [lambda x, s=SkinnyF32Matmul(ops, w): s(x, None) for w in weights]}
+            "skinny f32": [lambda x, s=SkinnyF32Matmul(ops, w): s(x, None) for w in weights],
+            "skinny int8 f32": [lambda x, s=s: s(x, None) for s in int8 + [int8_head]],
+            "skinny int4 f32": [lambda x, s=s: s(x, None) for s in int4 + [int8_head]]}
 
 
 def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
@@ -86,8 +92,9 @@ def build_prompt_kernels(config: ModelConfig, ops) -> dict[str, object]:
 
     def quantized(kind: str):
         """(SiLU separate, SiLU from the sums) over one set of ``kind`` weights."""
-        matmuls = [[SkinnyInt8Matmul(ops, *quantize_int8(w, torch.bfloat16)) if kind == "int8" else
-                    SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16)) for w in layer] for layer in layers]
+        matmuls = [[SkinnyInt8Matmul(ops, *quantize_int8(w, torch.bfloat16), torch.bfloat16) if kind == "int8" else
+                    SkinnyInt4Matmul(ops, *quantize_int4(w, torch.bfloat16), torch.bfloat16) for w in layer]
+                   for layer in layers]
 
         def run(hidden: torch.Tensor, intermediate: torch.Tensor, fused: bool) -> None:
             for qkv, o, gate_up, down in matmuls:
@@ -143,7 +150,7 @@ def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> N
 # columns' head is as build_kernels has it; int4 adds a bf16 scale and zero per group of 32.
 WEIGHT_BYTES = {"oneDNN bf16": (2, 2), "skinny bf16": (2, 2), "torch int8": (1, 2), "skinny int8": (1, 1),
                 "torch int4": (0.5 + 4 / 32, 2), "skinny int4": (0.5 + 4 / 32, 1), "torch float32": (4, 4),
-                "skinny f32": (2, 2)}
+                "skinny f32": (2, 2), "skinny int8 f32": (1, 1), "skinny int4 f32": (0.5 + 4 / 32, 1)}
 
 
 def weight_bytes(shapes: list[tuple[int, int]], name: str) -> int:
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", action="store_true", help="a prompt step's matmuls and MLP activation on the "
                         "AMX prompt kernels instead of a decode step's")
     parser.add_argument("--float32", action="store_true", help="a float32 model's decode step: torch's float32 "
-                        "matmul against skinny_linear_f32")
+                        "matmul against skinny_linear_f32 and the int8 / int4 kernels on float32 activations")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)

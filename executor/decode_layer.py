@@ -4,8 +4,8 @@ At one token a step, the Python around a layer's dozen kernels (module calls, vi
 backend's dispatch) cost about half what the kernels did on a 2-core AVX2 EPYC. ``decode_layer``
 runs the same kernels in the same order from C++, so a step gives the same bits either way. It takes
 the layers whose projections all have a few-row layout (``SkinnyMatmul`` in bf16,
-``SkinnyF32Matmul`` in float32; not the quantized ones), without q/k norms, and steps of decode
-tokens only, as many as those layouts take, whose attention the compiled decode kernel runs
+``SkinnyF32Matmul`` in float32, the int8 and int4 ones in either), without q/k norms, and steps of
+decode tokens only, as many as those layouts take, whose attention the compiled decode kernel runs
 (``AttentionBackend.decode_kernel_inputs``); every other step runs ``DecoderLayer`` as before.
 """
 from __future__ import annotations
@@ -13,7 +13,10 @@ from __future__ import annotations
 import torch
 
 from executor.attention.base import AttentionMetadata, AttentionBackend, KVCache
-from executor.skinny import SkinnyF32Matmul, SkinnyMatmul
+from executor.skinny import SkinnyF32Matmul, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
+
+# The quantized layouts take decode steps of any size (they have no other kernel).
+FEW_ROW_LAYOUTS = (SkinnyMatmul, SkinnyF32Matmul, SkinnyInt8Matmul, SkinnyInt4Matmul)
 
 
 def projections(layer) -> tuple:
@@ -34,20 +37,21 @@ class FusedDecodeLayers:
             qkv, o, gate_up, down = (p.skinny.packed for p in projections(layer))
             weights = [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             self.layers.append((weights, [p.bias for p in projections(layer)], layer.self_attn.scale))
-        self.max_rows = min(p.skinny.max_rows for layer in model.layers for p in projections(layer))
+        self.max_rows = min((p.skinny.max_rows for layer in model.layers for p in projections(layer)
+                             if isinstance(p.skinny, (SkinnyMatmul, SkinnyF32Matmul))), default=None)
 
     @staticmethod
     def fits(model) -> bool:
-        """Every layer's four projections have a bf16 or float32 few-row layout, and no q/k norm."""
+        """Every layer's four projections have one few-row layout, and no q/k norm."""
         if model.config.qk_norm:
             return False
-        return all(isinstance(getattr(p, "skinny", None), (SkinnyMatmul, SkinnyF32Matmul))
-                   for layer in model.layers for p in projections(layer))
+        kinds = {type(getattr(p, "skinny", None)) for layer in model.layers for p in projections(layer)}
+        return len(kinds) == 1 and issubclass(kinds.pop(), FEW_ROW_LAYOUTS)
 
     def step_inputs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                     backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(block_tables, seq_lens, slot_mapping) when this step takes ``decode_layer``, else None."""
-        if x.shape[0] > self.max_rows:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
             return None
         attention = backend.decode_kernel_inputs(meta, kv_cache, x.dtype)
         return None if attention is None else (*attention, meta.slot_mapping)

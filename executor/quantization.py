@@ -141,7 +141,7 @@ class Int8Linear(GateUpActivation, nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         codes, scales = quantize_int8(linear.weight.detach(), linear.weight.dtype)
         self.bias = linear.bias
-        self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales)
+        self.skinny = (SkinnyInt8Matmul(skinny_ops, codes, scales, linear.weight.dtype)
                        if skinny_ops is not None and SkinnyInt8Matmul.fits(codes, scales) else None)
         keep = self.skinny is None
         self.register_buffer("codes", codes if keep else None)  # [out, in] int8
@@ -167,10 +167,11 @@ class Int4Linear(GateUpActivation, nn.Module):
         self.group_size = group_size
         weight = linear.weight.detach()
         device = weight.device
-        codes, scales, zeros = quantize_int4(weight, weight.dtype, group_size)
+        # The CPU kernel's records hold bf16 scales and zeros, whatever the model computes in.
+        skinny = skinny_ops is not None and SkinnyInt4Matmul.fits(device, group_size)
+        codes, scales, zeros = quantize_int4(weight, torch.bfloat16 if skinny else weight.dtype, group_size)
         self.bias = linear.bias
-        self.skinny = (SkinnyInt4Matmul(skinny_ops, codes, scales, zeros)
-                       if skinny_ops is not None and SkinnyInt4Matmul.fits(scales, group_size) else None)
+        self.skinny = SkinnyInt4Matmul(skinny_ops, codes, scales, zeros, weight.dtype) if skinny else None
         packed = scales_and_zeros = None
         if self.skinny is None:
             pack_op, mm_op = _INT4_OPS[device.type]
@@ -223,7 +224,7 @@ def quantize_lm_head(model: nn.Module, skinny_ops) -> int:
     codes, scales = quantize_int8(weight.detach(), weight.dtype)
     if not SkinnyInt8Matmul.fits(codes, scales):
         return 0
-    model.quantized_lm_head = SkinnyInt8Matmul(skinny_ops, codes, scales)
+    model.quantized_lm_head = SkinnyInt8Matmul(skinny_ops, codes, scales, weight.dtype)
     if not model.config.tie_word_embeddings:
         model.lm_head = None  # nothing else reads a separate head's matrix
     return model.quantized_lm_head.packed.nbytes
@@ -254,7 +255,6 @@ def quantize_model(model: nn.Module, mode: str, skinny_ops=None) -> int:
         # Measured on an AVX2-only EPYC (float32 compute, one thread, a 1536 x 576 projection at 27
         # rows): torch's int8 kernel 66 ms, the float32 matmul 4 ms.
         log.warning("quantization_slower_than_none", mode=mode, dtype=str(model.embed_tokens.weight.dtype),
-                    reason="the compiled int8/int4 kernels take bf16 activations, which this CPU does not "
-                           "compute natively (or they are not built); torch's kernels run instead, several "
-                           "times slower than --quantization none at more than one row a step")
+                    reason="the compiled int8/int4 kernels are not built here; torch's kernels run instead, "
+                           "several times slower than --quantization none at more than one row a step")
     return total

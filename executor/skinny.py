@@ -126,15 +126,19 @@ class SkinnyF32Matmul:
 
 class _QuantizedSkinnyMatmul(_PackedMatmul):
     """What the int8 and int4 layouts share: decode steps take the skinny kernel, steps with prompt
-    tokens the AMX bf16 one where the CPU has it (``csrc/cpu/prompt_linear.cpp``)."""
+    tokens the AMX bf16 one where the CPU has it (``csrc/cpu/prompt_linear.cpp``) and the model
+    computes in bf16. ``activation_dtype``: the model's, bf16 or float32 (a CPU without native
+    bf16, where every step takes the skinny kernel: AVX2's VPMADDUBSW in place of VNNI)."""
 
-    def __init__(self, cpu_ops, codes: torch.Tensor, packed: torch.Tensor, decode_op, prompt_op, prompt_silu_op):
+    def __init__(self, cpu_ops, codes: torch.Tensor, packed: torch.Tensor, decode_op, prompt_op, prompt_silu_op,
+                 activation_dtype: torch.dtype):
         # codes: [out, in]
         super().__init__(cpu_ops, codes.shape[0], codes.shape[1], packed, prompt_silu_op)
+        self.has_prompt_kernel = self.has_prompt_kernel and activation_dtype == torch.bfloat16
         self._decode_op, self._prompt_op = decode_op, prompt_op
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None, prompt: bool = False) -> torch.Tensor:
-        # x: [rows, in] bf16 → [rows, out] bf16; prompt: the step has prompt tokens
+        # x: [rows, in] bf16 or float32 → [rows, out] in x's dtype; prompt: the step has prompt tokens
         op = self._prompt_op if prompt and self.has_prompt_kernel else self._decode_op
         return op(x, self.packed, bias, self.out_features)
 
@@ -151,14 +155,14 @@ class SkinnyInt8Matmul(_QuantizedSkinnyMatmul):
     however few there are, so that a prompt's rounding does not depend on how much of it was
     cached (as bf16's take oneDNN)."""
 
-    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, activation_dtype: torch.dtype):
         # codes: [out, in] int8; scales: [out]
         super().__init__(cpu_ops, codes, cpu_ops.pack_skinny_int8(codes, scales), cpu_ops.skinny_linear_int8,
-                         cpu_ops.prompt_linear_int8, cpu_ops.prompt_silu_and_mul_int8)
+                         cpu_ops.prompt_linear_int8, cpu_ops.prompt_silu_and_mul_int8, activation_dtype)
 
     @staticmethod
     def fits(codes: torch.Tensor, scales: torch.Tensor) -> bool:
-        return (scales.dtype == torch.bfloat16 and scales.device.type == "cpu"
+        return (scales.dtype in (torch.bfloat16, torch.float32) and scales.device.type == "cpu"
                 and codes.shape[1] % INT8_ACTIVATION_GROUP == 0)
 
 
@@ -170,11 +174,12 @@ class SkinnyInt4Matmul(_QuantizedSkinnyMatmul):
     with prompt tokens take ``prompt_linear_int4`` where it runs, as int8's (each weight
     ``(c - 8) * scale + zero`` rounded to bf16 per tile)."""
 
-    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
-        # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16
-        super().__init__(cpu_ops, codes, cpu_ops.pack_skinny_int4(codes, scales, zeros),
-                         cpu_ops.skinny_linear_int4, cpu_ops.prompt_linear_int4, cpu_ops.prompt_silu_and_mul_int4)
+    def __init__(self, cpu_ops, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 activation_dtype: torch.dtype):
+        # codes: [out, in] uint8 in [0, 15]; scales, zeros: [out, in / 32] bf16 (whatever activation_dtype)
+        super().__init__(cpu_ops, codes, cpu_ops.pack_skinny_int4(codes, scales, zeros), cpu_ops.skinny_linear_int4,
+                         cpu_ops.prompt_linear_int4, cpu_ops.prompt_silu_and_mul_int4, activation_dtype)
 
     @staticmethod
-    def fits(scales: torch.Tensor, group_size: int) -> bool:
-        return scales.dtype == torch.bfloat16 and scales.device.type == "cpu" and group_size == 32
+    def fits(device: torch.device, group_size: int) -> bool:
+        return device.type == "cpu" and group_size == INT8_ACTIVATION_GROUP

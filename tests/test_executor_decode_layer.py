@@ -47,13 +47,17 @@ def dtypes():
                                                             "bf16 matmuls: a bf16 model has no few-row layouts"))
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", dtypes())
-def test_decode_steps_give_the_same_bits_and_kv_as_the_python_layers(default_model_dir, cpu_ops, prompts, dtype):
+def test_decode_steps_give_the_same_bits_and_kv_as_the_python_layers(default_model_dir, cpu_ops, prompts, dtype,
+                                                                       quantization):
     """Prompts prefilled, then greedy decode steps of several sequences and of one alone: every
-    logit and every KV slot written equal, and one compiled call per layer on each decode step."""
-    fused, layered = runner_pair(default_model_dir, dtype)
+    logit and every KV slot written equal, and one compiled call per layer on each decode step
+    (quantized projections: at any batch size)."""
+    fused, layered = runner_pair(default_model_dir, dtype, quantization=quantization)
     calls = counting(fused.model.fused_decode)
-    max_rows = fused.model.fused_decode.max_rows
+    max_rows = fused.model.fused_decode.max_rows or len(prompts)
+    assert (fused.model.fused_decode.max_rows is None) == (quantization != "none")
     batch = list(range(min(len(prompts), max_rows)))
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
     for chosen in (batch, [3]):

@@ -1,6 +1,8 @@
 """``--quantization int8|int4``: the formats, the kernels against them, the model, and the refusals."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from executor.quantization import (
     dequantize_int8, quantize_int4, quantize_int8,
 )
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.skinny import SkinnyInt8Matmul
 
 CPU = torch.device("cpu")
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
@@ -144,14 +147,30 @@ def one_layer_model(dtype=torch.float32) -> nn.Module:
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantizing_where_only_torchs_kernels_run_says_it_is_slower_than_none(mode, monkeypatch):
-    """Without the compiled kernels (a float32 CPU: they take bf16 activations) the quantized
-    modes run torch's kernels, 10x slower than float32 at 27 rows on an AVX2 EPYC: a user asking
-    for them there is told at start, not left to find it in a benchmark."""
+    """Without the compiled kernels (no C++ compiler) the quantized modes run torch's kernels, 10x
+    slower than float32 at 27 rows on an AVX2 EPYC: a user asking for them there is told at start,
+    not left to find it in a benchmark."""
     warnings = []
     monkeypatch.setattr(quantization.log, "warning", lambda event, **fields: warnings.append((event, fields)))
     quantization.quantize_model(one_layer_model(), mode, skinny_ops=None)
     assert [event for event, _ in warnings] == ["quantization_slower_than_none"]
     assert warnings[0][1]["mode"] == mode and "--quantization none" in warnings[0][1]["reason"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_float32_model_takes_the_compiled_kernels_without_a_warning(mode, cpu_ops, monkeypatch):
+    """A CPU without native bf16 computes in float32: the compiled kernels take its activations, so
+    nothing is slower than none and nothing is logged."""
+    warnings = []
+    monkeypatch.setattr(quantization.log, "warning", lambda event, **fields: warnings.append((event, fields)))
+    model = one_layer_model(torch.float32)
+    model.config = SimpleNamespace(tie_word_embeddings=True)
+    quantization.quantize_model(model, mode, skinny_ops=cpu_ops)
+    assert isinstance(model.quantized_lm_head, SkinnyInt8Matmul)
+    projections = [m for m in model.modules() if isinstance(m, (quantization.Int8Linear, quantization.Int4Linear))]
+    assert len(projections) == 4 and all(p.skinny is not None for p in projections) and not warnings
+    x = torch.randn(3, 64)
+    assert model.layers[0].self_attn.qkv_proj(x, decode_step=True).dtype == torch.float32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

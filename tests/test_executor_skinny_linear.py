@@ -167,6 +167,31 @@ def test_int8_a_nan_activation_reaches_its_token_only(cpu_ops, rows):
     assert out[1].isnan().all() and not out[[0, *range(2, rows)]].isnan().any()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_kernels_take_float32_activations_and_return_float32(cpu_ops, mode, rows):
+    """A float32 model (a CPU without native bf16) calls the int8 / int4 kernels with float32 x: the
+    same quantized activations and integer dots as from bf16 x of the same values, in float32 out."""
+    weight, bias = randn(40, 576, scale=0.05), randn(40)
+    if mode == "int8":
+        codes, scales = quantize_int8(weight.float(), torch.float32)
+        packed, op, dequantized = cpu_ops.pack_skinny_int8(codes, scales), cpu_ops.skinny_linear_int8, \
+            dequantize_int8(codes, scales)
+    else:
+        quantized = quantize_int4(weight.float(), torch.bfloat16)
+        packed, op, dequantized = cpu_ops.pack_skinny_int4(*quantized), cpu_ops.skinny_linear_int4, \
+            dequantize_int4(*quantized)
+    x = randn(rows, 576).float() + torch.randn(rows, 576) * 1e-3  # not bf16 values
+    out = op(x, packed, bias.float(), 40)
+    assert out.dtype == torch.float32 and out.shape == (rows, 40)
+    expected = quantize_activations_int8(x) @ dequantized.float().T + bias.float()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-5)
+    bf16_x = x.to(torch.bfloat16)
+    assert torch.equal(op(bf16_x.float(), packed, bias.float(), 40).to(torch.bfloat16), op(bf16_x, packed, bias.float(), 40))
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        op(x.double(), packed, None, 40)
+
+
 def test_int8_bad_arguments_are_refused_clearly(cpu_ops):
     codes, scales = quantize_int8(randn(32, 64), torch.bfloat16)
     packed = cpu_ops.pack_skinny_int8(codes, scales)

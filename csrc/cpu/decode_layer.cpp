@@ -8,13 +8,15 @@
 //
 //   x: [tokens, hidden]; residual: [tokens, hidden] or None (the first layer)
 //   weights: input_norm [hidden], qkv, o, post_norm [hidden], gate_up, down (the projections in
-//            pack_skinny_weight's layout); biases: qkv, o, gate_up, down (each None or [out])
+//            pack_skinny_weight's, pack_skinny_int8's or pack_skinny_int4's layout, all four in one);
+//   biases: qkv, o, gate_up, down (each None or [out])
 //   key_cache / value_cache, block_tables, seq_lens, slot_mapping: as paged_decode_attention and
 //            write_kv take them; cos_sin: [tokens, 2, head_dim]
 //   sizes: num_heads, num_kv_heads, head_dim, intermediate
 //   returns (the layer's output [tokens, hidden], the residual stream before it)
 //
-// x float32 takes skinny_linear_f32, bf16 skinny_linear. Registered as
+// The projections take skinny_linear (bf16 x) or skinny_linear_f32 (float32 x) for bf16 weights,
+// skinny_linear_int8 / _int4 for quantized ones (either x). Registered as
 // torch.ops.kvserve_cpu.decode_layer.
 
 #include <ATen/ATen.h>
@@ -42,6 +44,8 @@ struct Kernels {
       paged_decode_attention;
   c10::TypedOperatorHandle<Linear> skinny_linear;
   c10::TypedOperatorHandle<Linear> skinny_linear_f32;
+  c10::TypedOperatorHandle<Linear> skinny_linear_int8;
+  c10::TypedOperatorHandle<Linear> skinny_linear_int4;
 
   static const Kernels& get() {
     static const Kernels kernels = [] {
@@ -61,11 +65,21 @@ struct Kernels {
                                 const at::Tensor&, double)>(),
           op("kvserve_cpu::skinny_linear").typed<Linear>(),
           op("kvserve_cpu::skinny_linear_f32").typed<Linear>(),
+          op("kvserve_cpu::skinny_linear_int8").typed<Linear>(),
+          op("kvserve_cpu::skinny_linear_int4").typed<Linear>(),
       };
     }();
     return kernels;
   }
 };
+
+// The kernel of a packed projection: bytes in two dimensions are pack_skinny_int8's layout, in three
+// pack_skinny_int4's; bf16 is pack_skinny_weight's, read by the kernel of x's dtype.
+const c10::TypedOperatorHandle<Linear>& projection_kernel(const Kernels& k, const at::Tensor& packed,
+                                                          c10::ScalarType x_type) {
+  if (packed.scalar_type() == at::kByte) return packed.dim() == 2 ? k.skinny_linear_int8 : k.skinny_linear_int4;
+  return x_type == at::kFloat ? k.skinny_linear_f32 : k.skinny_linear;
+}
 
 enum Weight { kInputNorm, kQkv, kO, kPostNorm, kGateUp, kDown, kWeights };
 enum Bias { kQkvBias, kOBias, kGateUpBias, kDownBias, kBiases };
@@ -82,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const c10::
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "decode_layer: x must be [tokens, hidden] float32 or bfloat16");
   const Kernels& k = Kernels::get();
-  const auto& linear = x.scalar_type() == at::kFloat ? k.skinny_linear_f32 : k.skinny_linear;
+  const auto& linear = projection_kernel(k, weights[kQkv], x.scalar_type());
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_heads = sizes[0], num_kv_heads = sizes[1], head_dim = sizes[2], intermediate = sizes[3];
   const int64_t heads = num_heads + 2 * num_kv_heads;

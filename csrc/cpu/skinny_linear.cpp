@@ -24,7 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -137,7 +138,8 @@ struct NoThreadSetup {
 
 // Checks x and bias, and runs `tile_chunk(t, m0, chunk, acc)` — acc[m][16] = the dot products of
 // rows m0..m0+chunk (chunk <= ChunkRows) of x with tile t's 16 weight rows — over every tile and
-// chunk of rows, then adds the bias and stores bf16. `tile_bytes`: a tile's weight bytes, to size
+// chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or float32 for the quantized
+// kernels on a CPU without native bf16). `tile_bytes`: a tile's weight bytes, to size
 // a thread's share; `thread_setup` runs on each thread before its first chunk.
 template <int ChunkRows = kMaxChunkRows, typename TileChunk, typename ThreadSetup = NoThreadSetup>
 at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t tile_bytes,
@@ -148,34 +150,49 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  auto* y = out.data_ptr<at::BFloat16>();
-  // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    thread_setup();
-    alignas(64) float acc[ChunkRows * kTile];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
-      const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
-      for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
-        const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
-        tile_chunk(t, m0, chunk, acc);
-        for (int64_t m = 0; m < chunk; ++m) {
-          at::BFloat16* dst = y + (m0 + m) * out_features + col0;
-          if (cols == kTile) {
-            store16(dst, load16(acc + m * kTile) + bias_v);
-          } else {
-            for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<at::BFloat16>(acc[m * kTile + j] + (b ? b[col0 + j] : 0.f));
+  const auto store_all = [&](auto* y) {
+    using Out = std::remove_pointer_t<decltype(y)>;
+    // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes, 1));
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      thread_setup();
+      alignas(64) float acc[ChunkRows * kTile];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
+        const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
+        for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
+          const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
+          tile_chunk(t, m0, chunk, acc);
+          for (int64_t m = 0; m < chunk; ++m) {
+            Out* dst = y + (m0 + m) * out_features + col0;
+            if (cols == kTile) {
+              store16(dst, load16(acc + m * kTile) + bias_v);
+            } else {
+              for (int64_t j = 0; j < cols; ++j) dst[j] = static_cast<Out>(acc[m * kTile + j] + (b ? b[col0 + j] : 0.f));
+            }
           }
         }
       }
-    }
-  });
+    });
+  };
+  if (out.scalar_type() == at::kFloat) {
+    store_all(out.data_ptr<float>());
+  } else {
+    store_all(out.data_ptr<at::BFloat16>());
+  }
   return out;
 }
 
 at::Tensor bf16_rows(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [rows, in_features] bfloat16");
+  return x.stride(1) == 1 ? x : x.contiguous();
+}
+
+// The quantized kernels' x: bfloat16, or float32 where the model computes in it (a CPU without
+// native bf16); the output has x's dtype.
+at::Tensor quantizable_rows(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat), op,
+              ": x must be [rows, in_features] bfloat16 or float32");
   return x.stride(1) == 1 ? x : x.contiguous();
 }
 
@@ -233,27 +250,16 @@ struct QuantizedRows {
   float* scaled_sums;   // [rows, K / 32]: sx * sum(a)
 };
 
-// `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
-QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
-  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
-  const int64_t float_bytes = 2 * total * groups * static_cast<int64_t>(sizeof(float));
-  const int64_t codes_offset = (float_bytes + 63) / 64 * 64;
-  QuantizedRows q{at::empty({codes_offset + total * k}, x.options().dtype(at::kByte)), total};
-  auto* base = q.storage.data_ptr<uint8_t>();
-  q.scales = reinterpret_cast<float*>(base);
-  q.scaled_sums = q.scales + total * groups;
-  q.codes = reinterpret_cast<int8_t*>(base + codes_offset);
-  const int64_t padding = total - rows;
-  std::fill_n(q.scales + rows * groups, padding * groups, 0.f);
-  std::fill_n(q.scaled_sums + rows * groups, padding * groups, 0.f);
-  std::memset(q.codes + rows * k, 0, padding * k);
-  const auto* xp = x.data_ptr<at::BFloat16>();
+// Rows [0, rows) of x (float32 or bf16) into q's codes, scales and scaled sums.
+template <typename T>
+void quantize_groups(const T* xp, int64_t x_stride, int64_t rows, int64_t k, QuantizedRows& q) {
+  const int64_t groups = k / kGroup;
   int8_t* codes = q.codes;
   float* scales = q.scales;
   float* scaled_sums = q.scaled_sums;
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
-      const auto* src = reinterpret_cast<const c10::BFloat16*>(xp + m * x.stride(0) + g * kGroup);
+      const T* src = xp + m * x_stride + g * kGroup;
       const Vec16 v[2] = {load16(src), load16(src + kLanes)};
       Vec16 magnitude = v[0] < 0 ? -v[0] : v[0];
       magnitude = magnitude > (v[1] < 0 ? -v[1] : v[1]) ? magnitude : (v[1] < 0 ? -v[1] : v[1]);
@@ -288,6 +294,27 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
       scales[slot] = scale;
       scaled_sums[slot] = scale * static_cast<float>(sum);
     }
+  }
+}
+
+// `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
+QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
+  const int64_t float_bytes = 2 * total * groups * static_cast<int64_t>(sizeof(float));
+  const int64_t codes_offset = (float_bytes + 63) / 64 * 64;
+  QuantizedRows q{at::empty({codes_offset + total * k}, x.options().dtype(at::kByte)), total};
+  auto* base = q.storage.data_ptr<uint8_t>();
+  q.scales = reinterpret_cast<float*>(base);
+  q.scaled_sums = q.scales + total * groups;
+  q.codes = reinterpret_cast<int8_t*>(base + codes_offset);
+  const int64_t padding = total - rows;
+  std::fill_n(q.scales + rows * groups, padding * groups, 0.f);
+  std::fill_n(q.scaled_sums + rows * groups, padding * groups, 0.f);
+  std::memset(q.codes + rows * k, 0, padding * k);
+  if (x.scalar_type() == at::kFloat) {
+    quantize_groups(x.data_ptr<float>(), x.stride(0), rows, k, q);
+  } else {
+    quantize_groups(x.data_ptr<at::BFloat16>(), x.stride(0), rows, k, q);
   }
   return q;
 }
@@ -491,6 +518,53 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   }
   for (int m = 0; m < ROWS; ++m) _mm512_storeu_ps(acc + m * kTile, totals[m]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without VNNI: VPMADDUBSW multiplies the unsigned codes by the signed activation codes into 16-bit
+// pairs (at most 2 * 15 * 127 each, so a group's eight fit in 16 bits), VPMADDWD widens them to
+// the VNNI kernel's 32-bit dots, and the float steps after it are its own, in its order: both
+// builds give the same bits. The 16 weight rows are two 8-lane halves, one after the other (each
+// row's accumulators then fit the 16 registers).
+template <int ROWS>
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+  const int64_t groups = k / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 totals[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) totals[m][0] = totals[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = w + g * kInt4RecordBytes;
+    prefetch_ahead(record + 4 * kQuadBytes);  // the record's scales and zeros
+    const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
+    const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
+    __m256 scale_halves[2], a_coef_halves[2];
+    std::memcpy(scale_halves, &scale, sizeof(scale));
+    std::memcpy(a_coef_halves, &a_coef, sizeof(a_coef));
+    for (int half = 0; half < 2; ++half) {
+      __m256i pair_sums[ROWS];
+      for (int m = 0; m < ROWS; ++m) pair_sums[m] = _mm256_setzero_si256();
+      for (int block = 0; block < 4; ++block) {
+        prefetch_ahead(record + block * kQuadBytes);
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + block * kQuadBytes + 32 * half));
+        const __m256i low = _mm256_and_si256(both, nibble), high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+        const int64_t k0 = g * kGroup + 4 * block;
+        for (int m = 0; m < ROWS; ++m) {
+          pair_sums[m] = _mm256_add_epi16(pair_sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(load_32_bits(a + m * k + k0))));
+          pair_sums[m] = _mm256_add_epi16(pair_sums[m],
+                                          _mm256_maddubs_epi16(high, _mm256_set1_epi32(load_32_bits(a + m * k + k0 + 16))));
+        }
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pair_sums[m], ones)),
+                                         _mm256_set1_ps(sx[m * groups + g]));
+        totals[m][half] = _mm256_fmadd_ps(dot, scale_halves[half], totals[m][half]);
+        totals[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(sxa[m * groups + g]), a_coef_halves[half], totals[m][half]);
+      }
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    _mm256_storeu_ps(acc + m * kTile, totals[m][0]);
+    _mm256_storeu_ps(acc + m * kTile + 8, totals[m][1]);
+  }
+}
 #else
 template <int ROWS>
 void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
@@ -617,7 +691,7 @@ at::Tensor pack_skinny_int4(const at::Tensor& codes, const at::Tensor& scales, c
 
 at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  const at::Tensor xc = bf16_rows("skinny_linear_int4", x);
+  const at::Tensor xc = quantizable_rows("skinny_linear_int4", x);
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kInt4RecordBytes && packed.is_contiguous() &&
                   packed.scalar_type() == at::kByte,
               "skinny_linear_int4: packed must come from pack_skinny_int4");
@@ -691,6 +765,57 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
     _mm512_storeu_ps(acc + m * kTile, _mm512_mul_ps(_mm512_sub_ps(totals[m], _mm512_set1_ps(offsets[m])), scale));
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Without VNNI: VPMADDUBSW multiplies unsigned by signed bytes into saturating 16-bit pairs, which
+// the stored codes q + 128 would overflow (2 * 255 * 127); the signed code q, its sign moved onto
+// the activation, cannot (2 * 127 * 127), and VPMADDWD sums the pairs into 32 bits. Started at
+// 128 A, each group's integer dot is the VNNI kernel's, sum (q + 128) a, and the float steps after
+// it are its own, in its order: both builds give the same bits. The 16 weight rows are two 8-lane
+// halves, one after the other (each row's accumulators then fit the 16 registers).
+inline int32_t code_sum_times_128(const int8_t* group) {
+  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
+  __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), codes), _mm256_set1_epi16(1));
+  sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0x4E));
+  sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0xB1));
+  return 128 * (_mm256_cvtsi256_si32(sum) + _mm256_extract_epi32(sum, 4));
+}
+
+template <int ROWS>
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+  const int64_t groups = k / kGroup;
+  const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256 totals[ROWS][2];
+  for (int m = 0; m < ROWS; ++m) totals[m][0] = totals[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t offset_dots[ROWS];
+    for (int m = 0; m < ROWS; ++m) offset_dots[m] = code_sum_times_128(a + m * k + g * kGroup);
+    for (int half = 0; half < 2; ++half) {
+      __m256i dots[ROWS];
+      for (int m = 0; m < ROWS; ++m) dots[m] = _mm256_set1_epi32(offset_dots[m]);
+      for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
+        const int64_t k0 = g * kGroup + 4 * quad;
+        const uint8_t* codes = w + (k0 / 4) * kQuadBytes;
+        prefetch_ahead(codes);
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * half)), sign_bit);
+        const __m256i magnitude = _mm256_abs_epi8(q);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(load_32_bits(a + m * k + k0)), q);
+          dots[m] = _mm256_add_epi32(dots[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
+        }
+      }
+      for (int m = 0; m < ROWS; ++m) {
+        totals[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(sx[m * groups + g]), totals[m][half]);
+      }
+    }
+  }
+  const float* scales = reinterpret_cast<const float*>(w + (k / 4) * kQuadBytes);
+  for (int m = 0; m < ROWS; ++m) {
+    for (int half = 0; half < 2; ++half) {
+      _mm256_storeu_ps(acc + m * kTile + 8 * half, _mm256_mul_ps(_mm256_sub_ps(totals[m][half], _mm256_set1_ps(offsets[m])),
+                                                                 _mm256_loadu_ps(scales + 8 * half)));
+    }
+  }
+}
 #else
 template <int ROWS>
 void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
@@ -737,7 +862,7 @@ at::Tensor pack_skinny_int8(const at::Tensor& codes, const at::Tensor& scales) {
 
 at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                               int64_t out_features) {
-  const at::Tensor xc = bf16_rows("skinny_linear_int8", x);
+  const at::Tensor xc = quantizable_rows("skinny_linear_int8", x);
   const int64_t rows = xc.size(0), k = xc.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "skinny_linear_int8: packed must come from pack_skinny_int8");
