@@ -269,7 +269,11 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     for row in (baseline, prefix, peer):
         assert row.completed == 6 and row.failed == 0, row.errors
         assert row.output_tokens == meta["workload"]["total_output_tokens"]
-    assert baseline.max_concurrency <= 2  # the budget holds two reservations
+    # The budget holds two reservations, so a step computes two sequences at most. Asserted on the
+    # steps: a client sees a next batch's first token before the last one's end (the gateway writes
+    # a step's outputs after the next step's Execute), and the running gauge counts an admission
+    # whose reservation is then refused.
+    assert 0 < baseline.profile["mean_seqs_per_step"] <= 2
     assert prefix.kv_utilization is not None and 0 < prefix.kv_utilization <= 1
     assert prefix.internal_fragmentation == pytest.approx(1 - prefix.kv_utilization)
     assert baseline.internal_fragmentation is None and baseline.unused_kv_slots is not None
