@@ -269,7 +269,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     for row in (baseline, prefix, peer):
         assert row.completed == 6 and row.failed == 0, row.errors
         assert row.output_tokens == meta["workload"]["total_output_tokens"]
-    # The budget holds two reservations, so a step computes two sequences at most. Asserted on the
+    # The budget holds two reservations, so steps average two sequences at most. Asserted on the
     # steps: a client sees a next batch's first token before the last one's end (the gateway writes
     # a step's outputs after the next step's Execute), and the running gauge counts an admission
     # whose reservation is then refused.
