@@ -37,6 +37,10 @@ def build_parser() -> EnvArgumentParser:
     add_server_flags(parser, default_port=DEFAULT_GATEWAY_PORT)
     # Each dest that names an EngineConfig or SchedulerConfig field sets it (see serve).
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="OpenAI-compatible HTTP port")
+    parser.add_argument("--http-keep-alive", dest="http_keep_alive_s", type=float, default=75.0,
+                        help="seconds an idle HTTP connection stays open; longer than a load balancer's or client "
+                             "pool's idle timeout, so the gateway is not the side that closes a connection a client "
+                             "is about to reuse")
     parser.add_argument("--kvmanager-address", default=DEFAULT_KVMANAGER_ADDRESS, help="kvmanager gRPC address")
     parser.add_argument("--executor-address", default=DEFAULT_EXECUTOR_ADDRESS,
                         help="executor gRPC addresses, comma-separated: host:port, or dns:///name:port for every "
@@ -154,7 +158,8 @@ async def serve(args, parser: EnvArgumentParser) -> None:
                      admin_key=args.admin_key or None)
     ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
-                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5, **ssl))
+                                           access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=args.http_keep_alive_s, **ssl))
     await engine.start()
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())

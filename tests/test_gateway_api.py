@@ -1,8 +1,10 @@
 """The gateway's OpenAI-compatible and gRPC APIs against real kvmanager + executor processes (tiny model)."""
 from __future__ import annotations
 
+import http.client
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -65,6 +67,24 @@ def test_models_health_and_metric_names(stack, model_name, tiny_model_dir):
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
                  "kvserve:step_rpc_seconds", "kvserve:kv_stored_tokens", "kvserve:kv_allocated_slots"]:
         assert f"{name}" in text and 'model_name="' in text, name
+
+
+def test_an_idle_connection_outlives_a_client_pools_idle_timeout(stack):
+    # A server that closes idle connections sooner than the client's pool forgets them races the
+    # client's next request on them ("Server disconnected without sending a response"). uvicorn's
+    # own default closes after 5 s; the gateway keeps them --http-keep-alive (75 s).
+    conn = http.client.HTTPConnection("127.0.0.1", stack.http_port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read()
+    sock = conn.sock
+    time.sleep(6.5)
+    sock.setblocking(False)
+    with pytest.raises(BlockingIOError):  # b"" would mean the gateway closed it
+        sock.recv(1, socket.MSG_PEEK)
+    sock.setblocking(True)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200 and conn.sock is sock
+    conn.close()
 
 
 def test_completion_stream_and_not_agree(client, model_name, stack):
