@@ -87,7 +87,8 @@ def ref_token(row: torch.Tensor, p: SamplingParams, position: int) -> int:
         return int(ref_edit(row, p).argmax())
     assert p.seed is not None and not p.top_k and not p.top_p
     scaled = ref_logprobs(row, p).masked_fill(~ref_kept(row, p), -math.inf)
-    noise = torch.empty(VOCAB).exponential_(generator=torch.Generator().manual_seed(splitmix(p.seed, position)))
+    uniform = torch.empty(VOCAB).uniform_(generator=torch.Generator().manual_seed(splitmix(p.seed, position)))
+    noise = -uniform.log()  # Exp(1)
     return int((scaled.softmax(-1) / noise).argmax())
 
 
