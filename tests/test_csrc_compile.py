@@ -10,9 +10,14 @@
   production -O3 instead (several minutes on 2 cores).
 - The torch binding syntax-checks with g++ against the installed torch headers.
 - The portability rules: no inline PTX, no CUDA-only names outside compat.h.
+- A compile check that passed is remembered under ``~/.cache/kvserve/compile-checks/``, keyed by
+  the bytes of every file in csrc/, the exact commands and the compilers' versions: the same
+  inputs pass again without the two-minute compile. A change to any of them compiles afresh;
+  KVSERVE_COMPILE_CHECK_CACHE=off always compiles.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -23,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from kvserve.paths import cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -49,10 +56,38 @@ def run(cmd: list[str]) -> tuple[list[str], subprocess.CompletedProcess]:
     return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
 
 
+def passed_check(name: str, commands: list[list[str]], tmp_path: Path, *versions: str) -> Path | None:
+    """The marker of a check that passed with exactly these inputs (it exists once one has);
+    None where the cache is off."""
+    if os.environ.get("KVSERVE_COMPILE_CHECK_CACHE") == "off":
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
+    for cmd in commands:
+        digest.update(" ".join(cmd).replace(str(tmp_path), "<tmp>").encode() + b"\n")
+    for version in versions:
+        digest.update(version.encode())
+    return cache_dir() / "compile-checks" / f"{name}-{digest.hexdigest()[:32]}"
+
+
+def tool_version(tool: str) -> str:
+    return subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
+
+
+def remember_pass(marker: Path | None) -> None:
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("passed\n")
+
+
 @pytest.mark.timeout(1800)  # a loaded 2-core CI box; nominally ~2 min
 @pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 def test_kernel_units_compile_sm80_sm90_werror(tmp_path):
     jobs = [nvcc_command(u, a, s, tmp_path) for u in csrc_build.KERNEL_UNITS for a, s in ARCHS]
+    marker = passed_check("kernel-units", jobs, tmp_path, tool_version(NVCC))
+    if marker is not None and marker.exists():
+        return
     # Longest (fp32 attention) first so the two workers finish together.
     jobs.sort(key=lambda c: "attention" not in c[2])
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
@@ -61,6 +96,7 @@ def test_kernel_units_compile_sm80_sm90_werror(tmp_path):
     assert not failures, "\n\n".join(failures)
     for cmd, res in results:
         assert res.stderr.strip() == "" or "warning" not in res.stderr.lower(), res.stderr
+    remember_pass(marker)
 
 
 def torch_include_flags() -> list[str]:
@@ -87,8 +123,15 @@ def test_binding_syntax_checks_against_torch_headers(tmp_path):
         *torch_include_flags(), "-isystem", str(tmp_path / "stub"), "-isystem", str(cuda_include),
         "-isystem", sysconfig.get_paths()["include"], f"-I{CSRC}", str(CSRC / csrc_build.BINDING),
     ]  # fmt: skip
+    import torch
+
+    marker = passed_check("binding", [cmd], tmp_path, tool_version(NVCC), tool_version("g++"),
+                          torch.__version__, torch.version.git_version)
+    if marker is not None and marker.exists():
+        return
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
+    remember_pass(marker)
 
 
 def test_sources_follow_portability_rules():
@@ -115,3 +158,20 @@ def test_musa_staging_is_a_byte_copy(tmp_path):
     mtime = (tmp_path / "attention_f16.mu").stat().st_mtime_ns
     csrc_build.stage_musa_sources(tmp_path)  # unchanged sources keep their mtimes (no ninja rebuild)
     assert (tmp_path / "attention_f16.mu").stat().st_mtime_ns == mtime
+
+
+def test_a_remembered_check_is_keyed_by_every_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cmd = ["nvcc", "-c", str(tmp_path / "x.cu"), "-O1"]
+    marker = passed_check("kernel-units", [cmd], tmp_path, "nvcc 12.8")
+    elsewhere = tmp_path / "another-test-run"
+    assert marker == passed_check("kernel-units", [["nvcc", "-c", str(elsewhere / "x.cu"), "-O1"]], elsewhere,
+                                  "nvcc 12.8")  # the test's scratch directory is not an input
+    assert marker != passed_check("kernel-units", [cmd[:-1] + ["-O3"]], tmp_path, "nvcc 12.8")
+    assert marker != passed_check("kernel-units", [cmd], tmp_path, "nvcc 12.9")
+    assert marker != passed_check("binding", [cmd], tmp_path, "nvcc 12.8")
+    assert not marker.exists()
+    remember_pass(marker)
+    assert marker.exists() and marker.parent == tmp_path / "cache" / "compile-checks"
+    monkeypatch.setenv("KVSERVE_COMPILE_CHECK_CACHE", "off")
+    assert passed_check("kernel-units", [cmd], tmp_path, "nvcc 12.8") is None
