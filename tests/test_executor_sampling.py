@@ -107,6 +107,24 @@ def test_unseeded_draws_vary_and_follow_the_distribution():
     assert counts.tolist() == pytest.approx([0.5, 0.3, 0.2], abs=0.04)
 
 
+def test_draws_reach_both_ends_of_the_vocabulary_and_never_an_impossible_token():
+    # The draw inverts the cumulative distribution: the first and last tokens' intervals, and
+    # those of tokens of probability 0 between allowed ones (width 0), are where it could go wrong.
+    for allowed in ([0], [VOCAB - 1], [3, VOCAB - 1]):
+        x = torch.full((200, VOCAB), -math.inf)
+        x[:, allowed] = 0.0
+        for params in ([SamplingParams(temperature=1.0)] * 200,
+                       [SamplingParams(temperature=1.0, seed=s) for s in range(200)]):
+            assert set(draw(x, params).token_ids) == set(allowed)
+    # Every other token allowed, equally likely: each quarter of the vocabulary gets its share.
+    x = torch.full((4000, VOCAB), -math.inf)
+    x[:, 1::2] = 0.0
+    tokens = torch.tensor(draw(x, [SamplingParams(temperature=1.0)] * 4000).token_ids)
+    assert (tokens % 2 == 1).all()
+    shares = torch.bincount(tokens * 4 // VOCAB, minlength=4).float() / 4000
+    assert shares.tolist() == pytest.approx([0.25] * 4, abs=0.03)
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4))
     x = probs.clamp_min(1e-30).log().expand(500, VOCAB)

@@ -82,14 +82,15 @@ def splitmix(seed: int, position: int) -> int:
 
 
 def ref_token(row: torch.Tensor, p: SamplingParams, position: int) -> int:
-    """Greedy: argmax of the edited logits. Seeded: the exponential race over the kept tokens."""
+    """Greedy: argmax of the edited logits. Seeded: the cumulative distribution of the kept tokens,
+    inverted at one uniform of the (seed, position) generator."""
     if p.temperature == 0:
         return int(ref_edit(row, p).argmax())
     assert p.seed is not None and not p.top_k and not p.top_p
     scaled = ref_logprobs(row, p).masked_fill(~ref_kept(row, p), -math.inf)
-    uniform = torch.empty(VOCAB).uniform_(generator=torch.Generator().manual_seed(splitmix(p.seed, position)))
-    noise = -uniform.log()  # Exp(1)
-    return int((scaled.softmax(-1) / noise).argmax())
+    cdf = scaled.softmax(-1).double().cumsum(-1)
+    u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(splitmix(p.seed, position)))
+    return int((cdf <= u * cdf[-1]).sum())  # the tokens whose whole interval lies below the target
 
 
 def check_against_reference(x: torch.Tensor, params: list[SamplingParams], greedy=None):
