@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor import sampling
 from executor.sampling import SamplingParams, sample, seed_for
 from kvserve.errors import InvalidArgument
 
@@ -132,6 +133,23 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert tokens == {0, 1}
     tokens = set(draw(x, [SamplingParams(temperature=1.0, top_k=3)] * 500).token_ids)
     assert tokens == {0, 1, 2}
+
+
+def test_top_k_top_p_from_the_most_likely_candidates_equal_the_full_sort(monkeypatch):
+    monkeypatch.setattr(sampling, "TOP_CANDIDATES", 64)
+    gen = torch.Generator().manual_seed(3)
+    # Peaked rows (the candidates hold top_p), flat rows (they do not: the full sort), -inf masks.
+    x = torch.cat([torch.randn(6, VOCAB, generator=gen) * 8, torch.randn(6, VOCAB, generator=gen) * 0.1])
+    x[::3, :500] = -math.inf
+    cases = [(0, 0.9), (10, 1.0), (10, 0.5), (64, 0.95), (65, 1.0), (300, 0.8), (0, 0.999), (VOCAB, 0.7),
+             (0, 1.0), (1, 0.3), (100, 1.0), (0, 0.2)]
+    top_k = torch.tensor([k for k, _ in cases])
+    top_p = torch.tensor([p for _, p in cases])
+    fast = sampling._filter_top_k_top_p(x, top_k, top_p)
+    full = sampling._filter_sorted(x, top_k, top_p)
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
+    assert (fast.isfinite().sum(-1) < VOCAB).any() and (fast.isfinite().sum(-1) > 64).any()
 
 
 def test_suppressed_ids_are_never_sampled():
