@@ -155,6 +155,13 @@ def hf_refs(hf_model, prompt_ids):
         return [hf_greedy(hf_model, p, MAX_NEW) for p in prompt_ids]
 
 
+@pytest.fixture(scope="module")
+def hf_logits(hf_model, prompt_ids, hf_refs) -> list[torch.Tensor]:
+    """transformers' fp32 logits over each prompt and its greedy continuation: [len, vocab] each."""
+    with torch.inference_mode():
+        return [hf_model(torch.tensor([p + r])).logits[0].float() for p, r in zip(prompt_ids, hf_refs)]
+
+
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_fp32_greedy_matches_transformers(default_model_dir, prompt_ids, hf_refs, block_size):
     assert len({len(p) for p in prompt_ids}) >= 8 and all(len(p) > 0 for p in prompt_ids)
@@ -165,7 +172,7 @@ def test_fp32_greedy_matches_transformers(default_model_dir, prompt_ids, hf_refs
 
 
 @pytest.mark.parametrize("cached_prefix", [False, True], ids=["whole-prompt", "cached-prefix"])
-def test_bf16_logits_close_to_fp32(default_model_dir, prompt_ids, hf_refs, hf_model, cached_prefix):
+def test_bf16_logits_close_to_fp32(default_model_dir, prompt_ids, hf_refs, hf_logits, cached_prefix):
     """Teacher-forced over each prompt and its fp32 greedy continuation, every step's bf16
     logits against transformers' fp32 logits at the same positions. Tolerance per row: the
     log-probabilities of fp32's 5 most likely tokens within 0.6 nats (measured: <= 0.33), and the
@@ -176,8 +183,6 @@ def test_bf16_logits_close_to_fp32(default_model_dir, prompt_ids, hf_refs, hf_mo
     from the cache (on an AMX CPU in bf16, the fused prefill kernel over paged blocks)."""
     runner = ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", num_blocks=160))
     seqs = [p + r for p, r in zip(prompt_ids, hf_refs)]
-    with torch.inference_mode():
-        ref_logits = [hf_model(torch.tensor([s])).logits[0].float() for s in seqs]
     tables = [[1 + 8 * i + j for j in range(8)] for i in range(len(seqs))]
     if cached_prefix:
         prefixes = [max(1, (len(p) - 1) // runner.block_size * runner.block_size) for p in prompt_ids]
@@ -195,7 +200,7 @@ def test_bf16_logits_close_to_fp32(default_model_dir, prompt_ids, hf_refs, hf_mo
                      for i, (s, p) in enumerate(zip(seqs, prompt_ids))]
         bf16 = runner.forward_logits(batch)
         for i, p in enumerate(prompt_ids):
-            ref = ref_logits[i][len(p) - 1 + step]
+            ref = hf_logits[i][len(p) - 1 + step]
             rel = ((bf16[i] - ref).norm() / (ref - ref.mean()).norm()).item()
             top5 = ref.topk(5).indices
             top5_err = (bf16[i].log_softmax(-1)[top5] - ref.log_softmax(-1)[top5]).abs().max().item()
