@@ -64,8 +64,8 @@ def passed_check(name: str, commands: list[list[str]], tmp_path: Path, *versions
     digest = hashlib.sha256()
     for path in sorted(p for p in CSRC.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
         digest.update(str(path.relative_to(CSRC)).encode() + b"\0" + path.read_bytes())
-    for cmd in commands:
-        digest.update(" ".join(cmd).replace(str(tmp_path), "<tmp>").encode() + b"\n")
+    for cmd in commands:  # where the checkout and the test's scratch directory lie is not an input
+        digest.update(" ".join(cmd).replace(str(tmp_path), "<tmp>").replace(str(ROOT), "<repo>").encode() + b"\n")
     for version in versions:
         digest.update(version.encode())
     return cache_dir() / "compile-checks" / f"{name}-{digest.hexdigest()[:32]}"
@@ -167,6 +167,10 @@ def test_a_remembered_check_is_keyed_by_every_input(tmp_path, monkeypatch):
     elsewhere = tmp_path / "another-test-run"
     assert marker == passed_check("kernel-units", [["nvcc", "-c", str(elsewhere / "x.cu"), "-O1"]], elsewhere,
                                   "nvcc 12.8")  # the test's scratch directory is not an input
+    here = passed_check("kernel-units", [["nvcc", "-c", str(ROOT / "csrc" / "x.cu")]], tmp_path, "nvcc 12.8")
+    monkeypatch.setitem(globals(), "ROOT", Path("/another/clone"))
+    assert here == passed_check("kernel-units", [["nvcc", "-c", "/another/clone/csrc/x.cu"]], tmp_path,
+                                "nvcc 12.8")  # nor where the checkout lies
     assert marker != passed_check("kernel-units", [cmd[:-1] + ["-O3"]], tmp_path, "nvcc 12.8")
     assert marker != passed_check("kernel-units", [cmd], tmp_path, "nvcc 12.9")
     assert marker != passed_check("binding", [cmd], tmp_path, "nvcc 12.8")
