@@ -102,8 +102,8 @@ def _uniforms(params: list[SamplingParams], positions: list[int], generator: tor
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """probs [rows, vocab], uniforms [rows] → [rows] token ids: each row's token whose interval of
     the cumulative distribution holds ``u · total``. One uniform a row where the exponential race
-    (``argmax(p / E)``) draws one per token of the vocabulary, 4x the time of the rest of a 32-row
-    sample. The sums run in float64, so a token's interval is its probability to ~1e-16."""
+    (``argmax(p / E)``) draws one per token of the vocabulary (bench/sampling_bench.py). The sums
+    run in float64, so a token's interval is its probability to ~1e-16."""
     cdf = probs.double().cumsum_(dim=-1)  # [rows, vocab], non-decreasing
     target = uniforms.to(cdf.device).view(-1, 1) * cdf[:, -1:]
     # The first position whose sum exceeds the target: a token of probability 0 has an interval of
@@ -139,7 +139,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     """``_filter_sorted``'s result, from the ``TOP_CANDIDATES`` most likely tokens of each row
     where they decide it: top-k keeps no more than them, or they already hold top_p of the
     mass (a token past them has at least that before it: dropped)."""
-    rows, vocab = logits.shape
+    vocab = logits.shape[-1]
     width = min(vocab, TOP_CANDIDATES)
     k = torch.where(top_k > 0, top_k, vocab)
     values, order = logits.topk(width, dim=-1)  # [rows, width], most likely first
@@ -148,15 +148,17 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.
     within = k <= width
     # Top-k's renormalization: over the kept tokens, all of them in ``values`` when k <= width;
     # otherwise over the whole row (rows with width < k < vocab are not settled here).
-    norm = torch.where(within.view(-1, 1), values.logsumexp(dim=-1, keepdim=True),
-                       logits.logsumexp(dim=-1, keepdim=True))
+    norm = values.logsumexp(dim=-1, keepdim=True)
+    if not bool(within.all()):
+        norm = torch.where(within.view(-1, 1), norm, logits.logsumexp(dim=-1, keepdim=True))
     probs = (values - norm).exp()
     mass_before = probs.cumsum(dim=-1) - probs
     values = values.masked_fill(mass_before >= top_p.view(-1, 1), float("-inf"))
     unfiltered = (k >= vocab) & (top_p >= 1.0)
     settled = within | ((k >= vocab) & (probs.sum(dim=-1) >= top_p)) | unfiltered
     out = torch.full_like(logits, float("-inf")).scatter_(-1, order, values)
-    out = torch.where(unfiltered.view(-1, 1), logits, out)
+    if bool(unfiltered.any()):
+        out = torch.where(unfiltered.view(-1, 1), logits, out)
     if not bool(settled.all()):
         rest = (~settled).nonzero().view(-1)
         out[rest] = _filter_sorted(logits[rest], top_k[rest], top_p[rest])
