@@ -187,12 +187,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     # One fused pass (on the CPU 2.6x faster than logsumexp, which takes four); the greedy pick
     # stays the argmax of the logits themselves, so ties break exactly as transformers does.
     logprobs = scaled.log_softmax(dim=-1)
-    chosen = scaled.argmax(dim=-1)
     random_rows = [row for row, p in enumerate(params) if not p.is_greedy]
+    all_random = len(random_rows) == rows > 0  # no greedy pick to make, no rows to pick out
+    chosen = None if all_random else scaled.argmax(dim=-1)
     if random_rows:
         rand_params = [params[r] for r in random_rows]
         row_index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
-        candidates = scaled.index_select(0, row_index)
+        candidates = scaled if all_random else scaled.index_select(0, row_index)
         if any(p.min_p > 0.0 for p in rand_params):
             min_p = torch.tensor([p.min_p for p in rand_params], dtype=torch.float32, device=logits.device)
             candidates = min_p_filter(candidates, min_p)
@@ -203,7 +204,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
             candidates = _filter_top_k_top_p(candidates, top_k, top_p)
         uniforms = _uniforms(rand_params, [positions[r] for r in random_rows], generator)
         drawn = _draw(candidates.softmax(dim=-1), uniforms)
-        chosen = chosen.index_copy(0, row_index, drawn)
+        chosen = drawn if all_random else chosen.index_copy(0, row_index, drawn)
     chosen_logprobs = logprobs.gather(1, chosen.view(-1, 1)).view(-1)
     top = None
     max_top = max(p.top_logprobs for p in params)
