@@ -13,13 +13,13 @@ Prints ``lscpu``'s model name first.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import time
 from unittest import mock
 
 import torch
 
 from executor import sampling
+from bench.peers.common import lscpu_summary, lscpu_text
 from executor.sampling import SamplingParams, sample, seed_for
 from kvserve.paths import default_model_dir
 
@@ -81,15 +81,6 @@ def time_sample(logits: torch.Tensor, params: list[SamplingParams], rounds: int,
         return best_ms(lambda: sample(logits, params, positions, generator), rounds)
 
 
-def cpu_model_name() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (lscpu failed)"
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Model name")),
-                "unknown")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=default_model_dir())
@@ -101,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
     logits = model_logits(args.model, max(rows_list))
-    print(f"CPU: {cpu_model_name()}; torch threads {torch.get_num_threads()}; vocabulary {logits.shape[1]}")
+    print(f"CPU: {lscpu_summary(lscpu_text()).get('Model name', 'unknown')}; torch threads {torch.get_num_threads()}; vocabulary {logits.shape[1]}")
     print(f"{'rows':>4}  {'setting':24} {'sample ms':>9}  {'before ms':>9}  {'full sort ms':>12}")
     for rows in rows_list:
         for name, extra in SETTINGS.items():
