@@ -16,11 +16,12 @@ the best of ``--rounds`` is kept. GB/s is K/V bytes attended per second.
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from bench.timing import timed_interleaved
 from executor.attention.csrc_loader import csrc_build_script
 from executor.model import ModelConfig
 from kvserve.paths import default_model_dir
@@ -86,14 +87,14 @@ def main(argv: list[str] | None = None) -> int:
             tables = block_tables(batch, ctx, num_blocks, order, generator)
             layers = {layout: [layer_caches(layout, num_blocks, kv_heads, head_size, generator)
                                for _ in range(num_layers)] for layout in ("head-major", "block-major")}
-            best = {layout: float("inf") for layout in layers}
-            for _ in range(args.rounds):
-                for layout, caches in layers.items():
-                    start = time.perf_counter()
-                    for key_cache, value_cache in caches:
-                        ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
-                    best[layout] = min(best[layout], (time.perf_counter() - start) / len(caches))
-            cells = [f"{best[layout] * 1e3:.3f} ({attended / best[layout] / 1e9:.1f} GB/s)" for layout in layers]
+            def every_layer(caches, query=query, tables=tables, lens=lens):
+                for key_cache, value_cache in caches:
+                    ops.paged_decode_attention(query, key_cache, value_cache, tables, lens, scale)
+
+            best = {layout: ms / num_layers for layout, ms in timed_interleaved(
+                {layout: partial(every_layer, caches) for layout, caches in layers.items()}, args.rounds,
+                warmup=0).items()}
+            cells = [f"{best[layout]:.3f} ({attended / best[layout] / 1e6:.1f} GB/s)" for layout in layers]
             print(f"| {batch} x {ctx} | {order} | {cells[0]} | {cells[1]} | "
                   f"{best['head-major'] / best['block-major']:.2f}x |", flush=True)
             del layers

@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.timing import timed_interleaved
 from executor.devices import tune_host_allocator
 from executor.layer_ops import TorchLayerOps
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
@@ -35,21 +36,6 @@ from kvserve.v1 import executor_pb2_grpc
 DECODE_CASES = [(b, ctx) for ctx in (128, 1024) for b in (1, 8, 32)]
 PREFILL_TOKENS = 512
 BLOCK = 16
-
-
-def timed_interleaved(fns: dict[str, callable], rounds: int, warmup: int = 2) -> dict[str, float]:
-    """Best-of-``rounds`` milliseconds of each function, calling them in turn every round so
-    that load from other processes on a shared machine hits all of them alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    best = {name: float("inf") for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    return best
 
 
 def decode_batch(batch: int, ctx: int) -> list[SequenceInput]:
@@ -192,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     only = set(args.only.split(","))
     # As `python -m executor` does; in this process it applies to transformers too.
-    allocator_tuned = tune_host_allocator()
+    tune_host_allocator()
     results = run(args.model, args.dtype, args.steps, args.port, only)
     columns = {c: {case: r[c] for case, r in results.items()} for c in ("executor", "torch-layer-ops", "grpc", "transformers")
                if c in only}

@@ -19,10 +19,11 @@ gate_up projection's sums (``prompt_silu_and_mul_*``). G multiply-adds/s of the 
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import torch
 
+from bench.timing import timed_interleaved
 from executor.attention.csrc_loader import csrc_build_script
 from executor.model import ModelConfig, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -135,14 +136,9 @@ def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> N
     for rows in rows_list:
         hidden = torch.randn(rows, config.hidden_size).to(torch.bfloat16)
         intermediate = torch.randn(rows, config.intermediate_size).to(torch.bfloat16)
-        best = {name: float("inf") for name in kernels}
-        for round_ in range(rounds + 1):  # the first round warms up
-            for name, fn in kernels.items():
-                start = time.perf_counter()
-                fn(hidden, intermediate)
-                if round_:
-                    best[name] = min(best[name], time.perf_counter() - start)
-        cells = [f"{best[n] * 1e3:.1f} ms ({macs_per_row * rows / best[n] / 1e9:.0f} G/s)" for n in kernels]
+        best = timed_interleaved({name: partial(fn, hidden, intermediate) for name, fn in kernels.items()},
+                                 rounds, warmup=1)
+        cells = [f"{best[n]:.1f} ms ({macs_per_row * rows / best[n] / 1e6:.0f} G/s)" for n in kernels]
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
@@ -187,15 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for rows in (int(r) for r in (args.rows or "1,2,4,8,16,32").split(",")):
             inputs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
-            best = {name: float("inf") for name in kernels}
-            for round_ in range(args.rounds + 1):  # the first round warms up
-                for name, fns in kernels.items():
-                    start = time.perf_counter()
-                    for fn, (_, k) in zip(fns, shapes):
-                        fn(inputs[k])
-                    if round_:
-                        best[name] = min(best[name], time.perf_counter() - start)
-            cells = [f"{best[n] * 1e3:.1f} ms ({weight_bytes(shapes, n) / best[n] / 1e9:.1f} GB/s)" for n in kernels]
+            def step(fns, inputs=inputs):
+                for fn, (_, k) in zip(fns, shapes):
+                    fn(inputs[k])
+
+            best = timed_interleaved({name: partial(step, fns) for name, fns in kernels.items()}, args.rounds,
+                                     warmup=1)
+            cells = [f"{best[n]:.1f} ms ({weight_bytes(shapes, n) / best[n] / 1e6:.1f} GB/s)" for n in kernels]
             print(f"| {rows} | " + " | ".join(cells) + " |")
     return 0
 

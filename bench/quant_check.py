@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from bench.executor_bench import BLOCK, decode_batch, timed_interleaved
+from bench.executor_bench import BLOCK, decode_batch
+from bench.timing import timed_interleaved
 from executor.devices import tune_host_allocator
 from executor.quantization import QUANTIZATION_MODES
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput

@@ -7,19 +7,20 @@ distributions are a model's (a few likely tokens over a long tail), not random. 
 rows and each setting (temperature 1 with and without seeds, top_p, top_k) it prints ``sample``'s
 time; "before": the sampler it replaced, which drew by the exponential race (``argmax(p / E)``, E
 drawn by ``exponential_`` for every token of the vocabulary) and filtered top-k / top-p by sorting
-the whole vocabulary; "full sort": today's draw with that sort. The best of ``--rounds`` is kept.
+the whole vocabulary; "full sort": today's draw with that sort. The three run in turn and the best of
+``--rounds`` is kept (bench/timing.py).
 Prints ``lscpu``'s model name first.
 """
 from __future__ import annotations
 
 import argparse
-import time
 from unittest import mock
 
 import torch
 
 from executor import sampling
 from bench.peers.common import lscpu_summary, lscpu_text
+from bench.timing import timed_interleaved
 from executor.sampling import SamplingParams, sample, seed_for
 from kvserve.paths import default_model_dir
 
@@ -58,27 +59,29 @@ def exponential_race(probs: torch.Tensor, uniforms_params, positions, generator)
     return (probs / noise).argmax(dim=-1)
 
 
-def best_ms(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
-def time_sample(logits: torch.Tensor, params: list[SamplingParams], rounds: int, *, race: bool = False,
-                full_sort: bool = False) -> float:
+def time_sample(logits: torch.Tensor, params: list[SamplingParams], rounds: int) -> dict[str, float]:
+    """Best-of-``rounds`` ms of one ``sample`` call: as it is ("sample"), with the whole-vocabulary sort
+    ("full sort", only where top-k / top-p filter) and as it was ("before"), interleaved."""
     positions = list(range(len(params)))
     generator = torch.Generator().manual_seed(0)
-    with mock.patch.object(sampling, "_filter_top_k_top_p", sampling._filter_sorted if full_sort
-                           else sampling._filter_top_k_top_p):
-        if race:  # the race takes the rows' params in place of their uniforms
-            with mock.patch.object(sampling, "_uniforms", lambda ps, pos, gen: (ps, pos, gen)), \
-                    mock.patch.object(sampling, "_draw", lambda probs, u: exponential_race(probs, *u)):
-                return best_ms(lambda: sample(logits, params, positions, generator), rounds)
-        return best_ms(lambda: sample(logits, params, positions, generator), rounds)
+
+    def today():
+        sample(logits, params, positions, generator)
+
+    def full_sort():
+        with mock.patch.object(sampling, "_filter_top_k_top_p", sampling._filter_sorted):
+            sample(logits, params, positions, generator)
+
+    def before():  # the race takes the rows' params in place of their uniforms
+        with mock.patch.object(sampling, "_filter_top_k_top_p", sampling._filter_sorted), \
+                mock.patch.object(sampling, "_uniforms", lambda ps, pos, gen: (ps, pos, gen)), \
+                mock.patch.object(sampling, "_draw", lambda probs, u: exponential_race(probs, *u)):
+            sample(logits, params, positions, generator)
+
+    fns = {"sample": today, "before": before}
+    if any(p.top_k > 0 or 0.0 < p.top_p < 1.0 for p in params):
+        fns["full sort"] = full_sort
+    return timed_interleaved(fns, rounds, warmup=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, extra in SETTINGS.items():
             params = [SamplingParams(temperature=1.0, **{k: v + i if k == "seed" else v for k, v in extra.items()})
                       for i in range(rows)]
-            now = time_sample(logits[:rows], params, args.rounds)
-            race = time_sample(logits[:rows], params, args.rounds, race=True, full_sort=True)
-            sort = (time_sample(logits[:rows], params, args.rounds, full_sort=True)
-                    if "top_" in name else float("nan"))
-            print(f"{rows:4d}  {name:24} {now:9.2f}  {race:9.2f}  {sort:12.2f}")
+            best = time_sample(logits[:rows], params, args.rounds)
+            print(f"{rows:4d}  {name:24} {best['sample']:9.2f}  {best['before']:9.2f}  "
+                  f"{best.get('full sort', float('nan')):12.2f}")
     return 0
 
 
