@@ -367,9 +367,9 @@ class ModelRunner:
         if sample_rows and any(sequences[i].num_draft_tokens for i in sample_rows):
             result, accepted = self._verify_drafts(hidden, meta, sequences, sample_rows)
         elif sample_rows:
-            logits = self._last_token_logits(hidden, meta, sample_rows)
+            logits = self._last_token_logits(hidden, meta, sequences, sample_rows)
             params = [sequences[i].sampling for i in sample_rows]
-            next_positions = [meta.seq_lens_cpu[i] for i in sample_rows]
+            next_positions = [sequence_end(sequences[i]) for i in sample_rows]
             result = sample(logits, params, next_positions, self.generator, self.backend.greedy_sample)
         end = time.perf_counter()
         return StepOutput(
@@ -388,14 +388,16 @@ class ModelRunner:
                        sample_rows: list[int]) -> tuple[SampleResult, list[int]]:
         """Greedy picks at each drafted sequence's last n + 1 positions (one row per other sampled
         sequence), then acceptance; validation made every drafted row plain greedy."""
-        ends = list(itertools.accumulate(meta.query_lens_cpu))
+        ends = list(itertools.accumulate(len(s.token_ids) for s in sequences))
         rows = logit_rows(ends, sample_rows, [s.num_draft_tokens for s in sequences])
         index = torch.tensor(rows.token_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index), decode_step=False)  # [rows, vocab]
+        logits = self.model.compute_logits(hidden.index_select(0, index),
+                                           decode_step=meta.is_decode_only)  # [rows, vocab]
         params, positions = [], []
         for i, count in zip(sample_rows, rows.counts):
             params += [sequences[i].sampling] * count
-            positions += range(meta.seq_lens_cpu[i] - count + 1, meta.seq_lens_cpu[i] + 1)
+            end = sequence_end(sequences[i])
+            positions += range(end - count + 1, end + 1)
         picked = sample(logits, params, positions, self.generator, self.backend.greedy_sample)
         drafts = [sequences[i].token_ids[len(sequences[i].token_ids) - sequences[i].num_draft_tokens:]
                   for i in sample_rows]
@@ -408,11 +410,12 @@ class ModelRunner:
                 offset += count
         return SampleResult(tokens, logprobs, top), accepted
 
-    def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, rows: list[int]) -> torch.Tensor:
+    def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, sequences: list[SequenceInput],
+                           rows: list[int]) -> torch.Tensor:
         # hidden: [num_tokens, hidden] → logits [len(rows), vocab] (the head's dtype) at each row's last token
-        ends = list(itertools.accumulate(meta.query_lens_cpu))
+        ends = list(itertools.accumulate(len(s.token_ids) for s in sequences))
         last_tokens = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.max_query_len == 1)
+        return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.is_decode_only)
 
     @torch.inference_mode()
     def forward_logits(self, sequences: list[SequenceInput]) -> torch.Tensor:
@@ -421,10 +424,12 @@ class ModelRunner:
         self.validate(sequences, [], [])
         token_ids, positions, meta = self._prepare(sequences)
         hidden = self.model(token_ids, positions, self.kv_caches, meta, self.backend)
-        return self._last_token_logits(hidden, meta, list(range(len(sequences)))).float().cpu()
+        return self._last_token_logits(hidden, meta, sequences, list(range(len(sequences)))).float().cpu()
 
     def _prepare(self, sequences: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)."""
+        """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)
+        of the step's attention rows (``attention_rows``)."""
+        sequences = attention_rows(sequences)
         bs = self.block_size
         query_lens = [len(s.token_ids) for s in sequences]
         seq_lens = [s.start_position + n for s, n in zip(sequences, query_lens)]
@@ -460,6 +465,25 @@ class ModelRunner:
             block_size=bs,
         )
         return token_ids.to(device), positions.to(device), meta
+
+
+def sequence_end(sequence: SequenceInput) -> int:
+    """The sequence's length once this step's tokens are in: the position its next token takes."""
+    return sequence.start_position + len(sequence.token_ids)
+
+
+def attention_rows(sequences: list[SequenceInput]) -> list[SequenceInput]:
+    """The step as the model runs it. A verify step — every sequence one decode token and its drafts
+    (``num_draft_tokens``), no prompt tokens — runs as a decode step with a row per token: each row
+    one query over the sequence's blocks up to its own position, so the few-row matmuls, the fused
+    decode layers and the decode attention kernel take it, and each row computes the bits a plain
+    decode step at its position would (those kernels give a row the same result in any batch).
+    The KV of every row is written before any row attends. Any other step runs as it comes."""
+    if all(len(s.token_ids) == 1 for s in sequences) or any(
+            len(s.token_ids) != s.num_draft_tokens + 1 for s in sequences):
+        return sequences
+    return [SequenceInput(s.seq_id, [token], s.start_position + offset, s.block_table)
+            for s in sequences for offset, token in enumerate(s.token_ids)]
 
 
 def check_hashes(name: str, hashes: list[bytes]) -> None:

@@ -96,6 +96,35 @@ def test_drafts_right_wrong_and_partly_right_decode_exactly_as_plain_greedy(runn
         assert accepted == expected, propose.__name__
 
 
+def greedy_with_logprobs(runner: ModelRunner, prompt: list[int], first_block: int, drafts_from=None):
+    """NEW greedy tokens and their logprobs: one token a step, or, given ``drafts_from`` (the answer),
+    each step drafting the next 4 of it (every one accepted: the rows of verify steps)."""
+    table = table_for(first_block, len(prompt) + NEW + 8)
+    tokens, logprobs = list(prompt), []
+    out = runner.execute([SequenceInput(1, tokens, 0, table, sample=True)])
+    while True:
+        tokens += out.sampled_token_ids
+        logprobs += out.sampled_logprobs
+        if len(tokens) - len(prompt) >= NEW:
+            return tokens[len(prompt):len(prompt) + NEW], logprobs[:NEW]
+        drafts = drafts_from[len(tokens) - len(prompt):][:4] if drafts_from else []
+        out = runner.execute([SequenceInput(1, [tokens[-1]] + drafts, len(tokens) - 1, table, sample=True,
+                                            num_draft_tokens=len(drafts))])
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_verify_steps_compute_the_bits_of_plain_decode_steps(default_model_dir, cpu_ops, prompt_ids, quantization):
+    """On the CPU kernels in bf16, where a prompt's matmuls round otherwise than a decode step's, a
+    verify step runs its rows as decode rows: each accepted token's logprob is bit for bit the one a
+    plain decode step gave it, so speculation changes no token even at a near-tie."""
+    runner = ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", quantization=quantization,
+                                       attention_backend="cpu", num_blocks=32, max_model_len=512))
+    tokens, logprobs = greedy_with_logprobs(runner, prompt_ids, 1)
+    drafted_tokens, drafted_logprobs = greedy_with_logprobs(runner, prompt_ids, 10, drafts_from=tokens)
+    assert drafted_tokens == tokens
+    assert drafted_logprobs == logprobs
+
+
 def test_a_batch_mixes_drafted_and_plain_sequences(runner, prompt_ids):
     reference = plain_greedy(runner, prompt_ids, 1)
     table_a, table_b = table_for(20, 200), table_for(40, 200)
