@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding against plain decoding, on the same executor, interleaved.
 
-Starts kvmanager and one executor, and two gateways on the same pool: one plain, one with
-``--speculative-decoding prompt-lookup``. Prefix caching is off in both, so neither arm
+Starts kvmanager and one executor, and two gateways on the same pool: one with
+``--speculative-decoding off``, one with ``prompt-lookup`` (the default). Prefix caching is off in both, so neither arm
 finds the prompts the other computed. Every measurement runs both arms back to back
 (alternating which goes first), so load from other processes on the box falls on both.
 
@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--no-enable-prefix-caching", "--max-num-seqs", str(max(64, args.concurrency))]
     stack = start_stack(StackConfig(model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
                                     gateway_port=free_port(), http_port=free_port(), log_dir=args.out / "logs",
-                                    executor_args=["--dtype", args.dtype], gateway_args=common))
+                                    executor_args=["--dtype", args.dtype],
+                                    gateway_args=[*common, "--speculative-decoding", "off"]))
     spec_http = free_port()
     spec = spawn("gateway", ["--kvmanager-address", stack.kvmanager.address, "--executor-address",
                              stack.executor.address, "--model", str(model_dir), "--http-port", str(spec_http),

@@ -35,7 +35,9 @@ KV_CACHE_DTYPES = ("auto", "int8")
 @dataclass(frozen=True)
 class SweepConfig:
     """One row of the seed table: how the gateway is told to batch and allocate, and the
-    executor's weight quantization."""
+    executor's weight quantization. Prompt-lookup drafting (the gateway's default) is off in
+    every row, as the peers' speculative modes are: the table compares batching, paging and
+    kernels; ``bench.prompt_lookup_bench`` measures speculation."""
 
     name: str
     slug: str
@@ -47,7 +49,8 @@ class SweepConfig:
 
     def gateway_args(self) -> list[str]:
         return ["--batching", self.batching, "--kv-allocation", self.kv_allocation,
-                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+                "--speculative-decoding", "off"]
 
     def executor_args(self) -> list[str]:
         quantization = [] if self.quantization == "none" else ["--quantization", self.quantization]

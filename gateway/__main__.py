@@ -60,10 +60,10 @@ def build_parser() -> EnvArgumentParser:
                         help="most tokens computed per step (prefill is chunked to fit)")
     parser.add_argument("--batching", choices=["continuous", "static"], default="continuous",
                         help="continuous (iteration-level) or static (batch runs to completion) batching")
-    parser.add_argument("--speculative-decoding", choices=["off", "prompt-lookup"], default="off",
+    parser.add_argument("--speculative-decoding", choices=["off", "prompt-lookup"], default="prompt-lookup",
                         help="prompt-lookup: greedy requests send n-gram drafts from their own prompt and output, "
                              "verified by the executor in the step's forward (same tokens, fewer steps on text that "
-                             "copies its input; docs/gateway.md)")
+                             "copies its input; docs/gateway.md); off: one token a step")
     parser.add_argument("--num-speculative-tokens", type=int, default=5,
                         help="most drafts a sequence sends per step (adapted per sequence to its acceptance)")
     parser.add_argument("--speculative-token-budget", type=int, default=16,

@@ -63,7 +63,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     batching: str = "continuous"  # or "static"
-    speculative_decoding: str = "off"  # or "prompt-lookup" (gateway.prompt_lookup)
+    speculative_decoding: str = "prompt-lookup"  # (gateway.prompt_lookup) or "off"
     num_speculative_tokens: int = 5  # the most drafts one sequence sends in a step
     # Drafts go only into steps of at most this many tokens (step's tokens + drafts): a big batch is
     # compute-bound already, where verifying guesses costs more than it saves.

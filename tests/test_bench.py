@@ -167,7 +167,7 @@ def test_budget_fits_baseline_seqs_full_reservations():
     budget.kv_cache_dtype = "int8"  # bench --kv-cache-dtype int8: every kvserve row's executor, and its label
     assert budget.executor_args()[-2:] == ["--kv-cache-dtype", "int8"] and budget.kv_description().startswith("int8")
     assert SEED_TABLE[0].gateway_args() == ["--batching", "static", "--kv-allocation", "reserve",
-                                            "--no-enable-prefix-caching"]
+                                            "--no-enable-prefix-caching", "--speculative-decoding", "off"]
     info = {"batching": "continuous", "kv_allocation": "reserve", "enable_prefix_caching": False}
     assert check_applied(SEED_TABLE[1], info) == []
     assert check_applied(SEED_TABLE[0], info) == ["asked batching='static', gateway reports 'continuous'"]

@@ -1,6 +1,6 @@
 """Prompt-lookup speculative decoding end to end: gateway, kvmanager and executor as processes.
 
-The gateway runs with ``--speculative-decoding prompt-lookup``; the executor in float32 (greedy
+The gateway runs with its default, ``--speculative-decoding prompt-lookup``; the executor in float32 (greedy
 verification in a multi-token forward then picks what single-token decoding picks). A copy-heavy
 request drafts and must answer the same text as the same request decoded without drafts: one
 with ``logprobs`` (which never drafts: the executor refuses drafts with top_logprobs) and one on
@@ -35,10 +35,11 @@ def counter(metrics: str, name: str) -> float:
 def stacks(default_model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("speculative-e2e")
     stack = start_stack(default_model_dir, log_dir, executor_args=["--dtype", "float32"],
-                        gateway_args=["--speculative-decoding", "prompt-lookup", "--num-speculative-tokens", "6"])
+                        gateway_args=["--num-speculative-tokens", "6"])
     http_port = free_port()
     plain = spawn("gateway", ["--kvmanager-address", stack.kvmanager.address, "--executor-address",
-                              stack.executor.address, "--model", str(default_model_dir), "--http-port", str(http_port)],
+                              stack.executor.address, "--model", str(default_model_dir), "--http-port", str(http_port),
+                              "--speculative-decoding", "off"],
                   port=free_port(), log_path=log_dir / "plain-gateway.log", env=service_env())
     # No --pool-id: both gateways use the executor's one pool in kvmanager (executor@<address>).
     yield stack.http_url, f"http://127.0.0.1:{http_port}", plain
