@@ -112,13 +112,17 @@ def greedy_with_logprobs(runner: ModelRunner, prompt: list[int], first_block: in
                                             num_draft_tokens=len(drafts))])
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_verify_steps_compute_the_bits_of_plain_decode_steps(default_model_dir, cpu_ops, prompt_ids, quantization):
-    """On the CPU kernels in bf16, where a prompt's matmuls round otherwise than a decode step's, a
-    verify step runs its rows as decode rows: each accepted token's logprob is bit for bit the one a
-    plain decode step gave it, so speculation changes no token even at a near-tie."""
-    runner = ModelRunner(RunnerOptions(default_model_dir, dtype="bfloat16", quantization=quantization,
-                                       attention_backend="cpu", num_blocks=32, max_model_len=512))
+@pytest.mark.parametrize("dtype, quantization, kv_cache_dtype", [
+    ("bfloat16", "none", "auto"), ("bfloat16", "int8", "auto"), ("bfloat16", "int4", "auto"),
+    ("bfloat16", "none", "int8"), ("float32", "none", "auto")])
+def test_verify_steps_compute_the_bits_of_plain_decode_steps(default_model_dir, cpu_ops, prompt_ids, dtype,
+                                                             quantization, kv_cache_dtype):
+    """On the CPU kernels, where a prompt's matmuls round otherwise than a decode step's, a verify
+    step runs its rows as decode rows: each accepted token's logprob is bit for bit the one a plain
+    decode step gave it, so speculation changes no token even at a near-tie."""
+    runner = ModelRunner(RunnerOptions(default_model_dir, dtype=dtype, quantization=quantization,
+                                       kv_cache_dtype=kv_cache_dtype, attention_backend="cpu", num_blocks=32,
+                                       max_model_len=512))
     tokens, logprobs = greedy_with_logprobs(runner, prompt_ids, 1)
     drafted_tokens, drafted_logprobs = greedy_with_logprobs(runner, prompt_ids, 10, drafts_from=tokens)
     assert drafted_tokens == tokens
