@@ -107,7 +107,23 @@ def usage_of(chunk: dict) -> tuple[int, int, int] | None:
 
 async def send_http(client: httpx.AsyncClient, base_url: str, model: str, request: BenchRequest,
                     t0: float) -> RequestResult:
-    """One streaming ``/v1/completions`` request; SSE chunks with text are output chunks."""
+    """One streaming ``/v1/completions`` request; SSE chunks with text are output chunks. A pooled
+    connection the server closed before answering (llama-server does, now and then) is retried once
+    on a new one, as browsers and urllib3 do: the time lost stays in the request's TTFT."""
+    first = await _send_http_once(client, base_url, model, request, t0)
+    if not (first.error.startswith("RemoteProtocolError") and not first.ttft):
+        return first
+    result = await _send_http_once(client, base_url, model, request, t0)
+    lost = result.sent_at - first.sent_at
+    result.sent_at = first.sent_at
+    if result.ttft:
+        result.ttft += lost
+    result.e2e += lost
+    return result
+
+
+async def _send_http_once(client: httpx.AsyncClient, base_url: str, model: str, request: BenchRequest,
+                          t0: float) -> RequestResult:
     result = RequestResult(request.prompt_len, request.output_len)
     clock = StreamClock(result, t0)
     try:

@@ -150,6 +150,48 @@ def test_table_json_and_plot_are_written(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and_timed_from_the_first_send():
+    """llama-server now and then closes a kept-alive connection as the next request arrives on it:
+    the client retries once on a new connection, and the lost time stays in that request's TTFT."""
+    import httpx
+
+    from bench.client import send_http
+
+    answered = []
+
+    async def handler(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        if not answered:  # the first request: closed without a byte of response
+            answered.append("closed")
+            await asyncio.sleep(0.2)
+            writer.close()
+            return
+        answered.append("answered")
+        events = [{"choices": [{"text": " hi"}]}, {"choices": [{"text": "!"}]},
+                  {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
+        payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+                     + str(len(payload)).encode() + b"\r\n\r\n" + payload.encode())
+        await writer.drain()
+        writer.close()
+
+    async def run():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with httpx.AsyncClient() as client:
+            result = await send_http(client, f"http://127.0.0.1:{port}", "m", BenchRequest("p", 3, 2), 0.0)
+        server.close()
+        return result
+
+    result = asyncio.run(run())
+    assert answered == ["closed", "answered"]
+    assert result.ok and not result.error and result.output_tokens == 2
+    assert result.ttft >= 0.2 and result.e2e >= result.ttft  # timed from the first send
+
+
 def test_hf_peer_padding_and_kv_bookkeeping():
     ids, mask = left_padded([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
