@@ -37,7 +37,8 @@ class SweepConfig:
     """One row of the seed table: how the gateway is told to batch and allocate, and the
     executor's weight quantization. Prompt-lookup drafting (the gateway's default) is off in
     every row, as the peers' speculative modes are: the table compares batching, paging and
-    kernels; ``bench.prompt_lookup_bench`` measures speculation."""
+    kernels (``--gateway-args "--speculative-decoding prompt-lookup"`` turns it on);
+    ``bench.prompt_lookup_bench`` measures speculation."""
 
     name: str
     slug: str
@@ -194,7 +195,8 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
         model_dir=Path(model_dir), kvmanager_port=free_port(), executor_port=free_port(),
         gateway_port=free_port(), http_port=free_port(),
         executor_args=[*budget.executor_args(), *config.executor_args()],
-        gateway_args=[*budget.gateway_args(), *config.gateway_args()], log_dir=log_dir / config.slug,
+        # --gateway-args (the budget's extras) come last: they win over the row's own flags.
+        gateway_args=[*config.gateway_args(), *budget.gateway_args()], log_dir=log_dir / config.slug,
         env=without_flag_env(), timeout=startup_timeout,  # only the sweep's flags apply
     )
     stack_config.log_dir.mkdir(parents=True, exist_ok=True)

@@ -251,7 +251,7 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     args = build_parser().parse_args(["--sweep", "seed-table", "--configs", "paged", "--peers", "none",
                                       "--kvserve-quantization", "none,int8,int4", "--executor-threads", "1",
                                       "--dtype", "bfloat16", "--concurrency", "1", "--no-progress", "--out",
-                                      str(tmp_path)])
+                                      str(tmp_path), "--gateway-args", "--speculative-decoding prompt-lookup"])
     args.model_dir = tmp_path
     rows, _ = run_sweep(args, [BenchRequest("p", 100, 50)], {})
     prefix = SEED_TABLE[3]
@@ -263,7 +263,9 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     budget_args = first[:-2]
     assert [s.executor_args for s in asked[1:]] == [[*budget_args, "--quantization", "int8", "--num-threads", "1"],
                                                     [*budget_args, "--quantization", "int4", "--num-threads", "1"]]
-    assert all(s.gateway_args[-len(prefix.gateway_args()):] == prefix.gateway_args() for s in asked[1:])
+    # the row's flags first, then --gateway-args, which win
+    assert all(s.gateway_args[:len(prefix.gateway_args())] == prefix.gateway_args() for s in asked[1:])
+    assert all(s.gateway_args[-2:] == ["--speculative-decoding", "prompt-lookup"] for s in asked)
     assert [r.weights for r in rows] == ["safetensors loaded in bfloat16",
                                          "safetensors loaded in bfloat16, int8 weights (per channel) x int8 "
                                          "activations (per token, groups of 32); LM head int8",
