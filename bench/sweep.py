@@ -37,8 +37,8 @@ class SweepConfig:
     """One row of the seed table: how the gateway is told to batch and allocate, and the
     executor's weight quantization. Prompt-lookup drafting (the gateway's default) is off in
     every row, as the peers' speculative modes are: the table compares batching, paging and
-    kernels (``--gateway-args "--speculative-decoding prompt-lookup"`` turns it on);
-    ``bench.prompt_lookup_bench`` measures speculation."""
+    kernels; ``bench.prompt_lookup_bench`` measures speculation. (``--gateway-args`` can turn it
+    on, but the workload's fixed lengths ask ``min_tokens``, which keeps requests from drafting.)"""
 
     name: str
     slug: str
