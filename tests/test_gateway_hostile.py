@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 VOCAB = 49152  # tiny_model_dir's vocabulary
 MAX_NUM_SEQS = 16
-# A stream that outlasts what a test does beside it on any CPU (the test hangs up on it after).
+# A stream's length: StreamWatcher starts the next as one ends, until the test hangs up.
 LONG_STREAM_TOKENS = 2000
 
 
@@ -312,15 +312,17 @@ def assert_nothing_left(stack, http) -> None:
 
 
 class StreamWatcher:
-    """A streaming completion read on a thread, noting the longest gap between its chunks.
+    """Streaming completions read on a thread, noting the longest gap between a stream's chunks.
 
-    Its stream is long enough to outlast what a test does beside it on any CPU; the test ends it
-    with ``hang_up`` (the client goes away: the gateway frees what it held)."""
+    One stream is in flight whatever the CPU's speed: each runs to ``max_tokens`` (the tiny model's
+    context bounds it) and the next starts at once, until the test ends the last one with
+    ``hang_up`` (the client goes away: the gateway frees what it held). Each that ends must end by
+    its length, error-free."""
 
     def __init__(self, url: str, body: dict):
         self.url, self.body = url, body
         self.texts: list[str] = []
-        self.finish_reason: str | None = None
+        self.streams_completed = 0
         self.error: BaseException | None = None
         self.max_gap = 0.0
         self.first_chunk = threading.Event()
@@ -330,31 +332,40 @@ class StreamWatcher:
 
     def _run(self) -> None:
         try:
-            with httpx.stream("POST", self.url, json=self.body, timeout=120) as reply:
-                assert reply.status_code == 200, reply.read()
-                last = None
-                for line in reply.iter_lines():
-                    if self._hung_up.is_set():
-                        return
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    now = time.monotonic()
-                    if last is not None:
-                        self.max_gap = max(self.max_gap, now - last)
-                    last = now
-                    chunk = json.loads(line[6:])
-                    assert "error" not in chunk, chunk
-                    for choice in chunk["choices"]:
-                        self.texts.append(choice["text"])
-                        self.finish_reason = choice["finish_reason"] or self.finish_reason
-                    self.first_chunk.set()
+            while not self._hung_up.is_set():
+                if self._stream() is not None:
+                    self.streams_completed += 1
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
             self.first_chunk.set()
 
+    def _stream(self) -> str | None:
+        """One stream to its end (its finish reason) or until the hang-up (None)."""
+        finish_reason = None
+        with httpx.stream("POST", self.url, json=self.body, timeout=120) as reply:
+            assert reply.status_code == 200, reply.read()
+            last = None
+            for line in reply.iter_lines():
+                if self._hung_up.is_set():
+                    return None
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    self.max_gap = max(self.max_gap, now - last)
+                last = now
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    self.texts.append(choice["text"])
+                    finish_reason = choice["finish_reason"] or finish_reason
+                self.first_chunk.set()
+        assert finish_reason == "length", finish_reason
+        return finish_reason
+
     def hang_up(self, timeout: float = 30) -> None:
-        """Ends the stream from the client's side; asserts it ran without an error until then."""
-        assert self.thread.is_alive() and self.finish_reason is None, "the stream ended before the test did"
+        """Ends the stream in flight from the client's side; asserts every stream ran without an error."""
+        assert self.thread.is_alive() and self.error is None, repr(self.error)
         self._hung_up.set()
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the stream did not end"
@@ -385,7 +396,7 @@ def test_hostile_requests_do_not_disturb_a_stream_in_flight(stack, http):
         # first what used to reach the step, all at once, while the stream surely runs
         first = list(pool.map(fire_http, REACHED_THE_STEP))
         assert watcher.error is None, f"the stream was disturbed: {watcher.error!r}"
-        assert watcher.thread.is_alive(), "the stream ended before the hostile requests were answered"
+        assert watcher.thread.is_alive(), "the streams stopped before the hostile requests were answered"
         http_codes = first + list(pool.map(fire_http, HOSTILE[len(REACHED_THE_STEP):]))
         grpc_codes = list(pool.map(fire_grpc, HOSTILE_GRPC))
     assert all(code == 400 for code in http_codes), http_codes
