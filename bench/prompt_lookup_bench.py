@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto",
                         help="the executor's --dtype (auto: bfloat16 where the CPU has it natively, else float32)")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                        help="the executor's --quantization (weights)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)
     parser.add_argument("--copy-prompts", type=int, default=9)
     parser.add_argument("--sharegpt-prompts", type=int, default=8)
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     common = ["--no-enable-prefix-caching", "--max-num-seqs", str(max(64, args.concurrency))]
     stack = start_stack(StackConfig(model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
                                     gateway_port=free_port(), http_port=free_port(), log_dir=args.out / "logs",
-                                    executor_args=["--dtype", args.dtype],
+                                    executor_args=["--dtype", args.dtype, "--quantization", args.quantization],
                                     gateway_args=[*common, "--speculative-decoding", "off"]))
     spec_http = free_port()
     spec = spawn("gateway", ["--kvmanager-address", stack.kvmanager.address, "--executor-address",
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                  "ignore_eos": True} for r in share[args.sharegpt_prompts:]]
         asyncio.run(single_stream(chat, [{**copy_bodies[0], "max_tokens": 8}], tokenizer))  # warm-up
         results = {"lscpu_model": lscpu_summary(cpu).get("Model name", "?"), "dtype": args.dtype,
+                   "quantization": args.quantization,
                    "num_speculative_tokens": args.num_speculative_tokens}
         before = spec_counters(bases["prompt-lookup"])
         results["copy_heavy"] = asyncio.run(single_stream(chat, copy_bodies, tokenizer))
