@@ -432,7 +432,7 @@ class ModelRunner:
         sequences = attention_rows(sequences)
         bs = self.block_size
         query_lens = [len(s.token_ids) for s in sequences]
-        seq_lens = [s.start_position + n for s, n in zip(sequences, query_lens)]
+        seq_lens = [sequence_end(s) for s in sequences]
         max_blocks = -(-max(seq_lens) // bs)
         tables = [s.block_table[: -(-n // bs)] for s, n in zip(sequences, seq_lens)]
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
