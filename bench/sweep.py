@@ -38,7 +38,7 @@ class SweepConfig:
     executor's weight quantization. Prompt-lookup drafting (the gateway's default) is off in
     every row, as the peers' speculative modes are: the table compares batching, paging and
     kernels; ``bench.prompt_lookup_bench`` measures speculation. (``--gateway-args`` can turn it
-    on, but the workload's fixed lengths ask ``min_tokens``, which keeps requests from drafting.)"""
+    on: the workload's fixed-length requests then draft as far as ``min_tokens`` suppresses EOS.)"""
 
     name: str
     slug: str

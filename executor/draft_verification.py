@@ -7,7 +7,10 @@ were right. Draft ``d(i+1)`` is accepted while it equals ``g(i)``; after ``a`` a
 drafts the step emits ``d1..da`` and then ``g(a)``: token for token what ``a + 1``
 plain greedy steps would produce. Only sampling that depends on nothing but the logits
 at that position can be verified this way, so anything else is refused (the field that
-prevents it is named) rather than silently sampled differently.
+prevents it is named) rather than silently sampled differently. ``suppressed_token_ids``
+are applied at every drafted position alike: the client sends them with drafts only when
+each position the step samples lies before ``min_tokens``
+(``DescribeResponse.verifies_drafts_with_suppressed_tokens``).
 """
 from __future__ import annotations
 
@@ -26,12 +29,11 @@ def check_drafts(where: str, num_draft_tokens: int, num_tokens: int, sample: boo
         raise InvalidArgument(f"{where}.num_draft_tokens: {num_draft_tokens} drafts in {num_tokens} token_ids "
                               f"(at most len(token_ids) - 1: a draft follows a token it is verified after)")
     # Each of these makes the pick at a position depend on more than its logits (penalties
-    # count earlier tokens of the same step, suppression ends at min_tokens, a grammar's mask
-    # moves with each token) or asks for what greedy verification does not compute.
+    # count earlier tokens of the same step, a grammar's mask moves with each token) or asks
+    # for what greedy verification does not compute.
     refused = (
         ("temperature", sampling.temperature != 0.0),
         ("top_logprobs", sampling.top_logprobs != 0),
-        ("suppressed_token_ids", bool(sampling.suppressed_token_ids)),
         ("allowed_token_bitmask", bool(sampling.allowed_token_bitmask)),
         ("logit_bias_token_ids", bool(sampling.logit_bias_token_ids)),
         ("presence_penalty", sampling.presence_penalty != 0.0),

@@ -107,6 +107,7 @@ class RunnerDescription:
     kv_store_namespace: str = ""
     kv_store_capacity_blocks: int = 0
     verifies_draft_tokens: bool = True
+    verifies_drafts_with_suppressed_tokens: bool = True
 
 
 class ModelRunner:
@@ -387,7 +388,8 @@ class ModelRunner:
     def _verify_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata, sequences: list[SequenceInput],
                        sample_rows: list[int]) -> tuple[SampleResult, list[int]]:
         """Greedy picks at each drafted sequence's last n + 1 positions (one row per other sampled
-        sequence), then acceptance; validation made every drafted row plain greedy."""
+        sequence), then acceptance; validation made every drafted row greedy, its sequence's
+        suppressed tokens (if any) suppressed at each."""
         ends = list(itertools.accumulate(len(s.token_ids) for s in sequences))
         rows = logit_rows(ends, sample_rows, [s.num_draft_tokens for s in sequences])
         index = torch.tensor(rows.token_rows, device=self.device)

@@ -222,6 +222,7 @@ class Backend:
             # Drafts only to an executor that verifies them: another would sample after the last draft.
             self.scheduler.drafts_enabled = (self.config.scheduler.speculative_decoding != "off"
                                              and info.verifies_draft_tokens)
+            self.scheduler.drafts_before_min_tokens = info.verifies_drafts_with_suppressed_tokens
             self._session_id = session_id
             self._connection_lost = None
             self.last_error = ""

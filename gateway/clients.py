@@ -101,6 +101,7 @@ class ExecutorInfo:
     kv_store_namespace: str = ""
     kv_store_capacity_blocks: int = 0
     verifies_draft_tokens: bool = False
+    verifies_drafts_with_suppressed_tokens: bool = False
 
     @classmethod
     def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:

@@ -137,24 +137,33 @@ class SpeculationState:
     length: DraftLength
 
 
-def plan_drafts(entries, num_speculative_tokens: int, budget: int, cost_ratio: float = 1.0) -> None:
+def plan_drafts(entries, num_speculative_tokens: int, budget: int, cost_ratio: float = 1.0,
+                before_min_tokens: bool = False) -> None:
     """Prompt-lookup drafts for the decode entries (``gateway.scheduler.ScheduledSeq``) of a step,
     at most ``budget`` in all (``SchedulerConfig.speculative_token_budget`` less the step's tokens);
-    each entry asks for lookahead slots to hold its drafts."""
+    each entry asks for lookahead slots to hold its drafts. ``before_min_tokens``: the executor
+    verifies drafts with ``suppressed_token_ids``, so a sequence still short of ``min_tokens``
+    drafts as far as its suppression holds alike at every row."""
     for entry in entries:
         if budget <= 0:
             return
         seq = entry.seq
         options = seq.request.options
-        if (entry.num_new_tokens != 1 or seq.num_to_compute() != 1 or not options.can_draft
-                or seq.num_output_tokens < options.min_tokens):  # EOS suppressed: not plain greedy
+        if entry.num_new_tokens != 1 or seq.num_to_compute() != 1 or not options.can_draft:
             continue
-        if seq.speculation is None:
-            seq.speculation = SpeculationState(NgramIndex(), DraftLength(num_speculative_tokens))
         # Room after this step's token: at least one output token left after the drafts.
         room = seq.request.max_model_len - len(seq.token_ids) - 1
         if options.max_tokens is not None:
             room = min(room, options.max_tokens - seq.num_output_tokens - 1)
+        if seq.num_output_tokens < options.min_tokens:
+            if not before_min_tokens:
+                continue
+            # The step samples output tokens num_output_tokens .. + drafts: each one suppressed.
+            room = min(room, options.min_tokens - seq.num_output_tokens - 1)
+            if room <= 0:
+                continue
+        if seq.speculation is None:
+            seq.speculation = SpeculationState(NgramIndex(), DraftLength(num_speculative_tokens))
         drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(cost_ratio), budget,
                                                                   room))
         if drafts:

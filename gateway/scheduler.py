@@ -177,6 +177,8 @@ class Scheduler:
         self.kv_block_size: int | None = None
         # Speculative drafts are sent: configured, and the executor verifies them (the backend sets it).
         self.drafts_enabled = False
+        # Drafts may be sent while min_tokens suppresses EOS: the executor suppresses at every drafted row.
+        self.drafts_before_min_tokens = False
         self.draft_cost = DraftCost()  # what drafts cost this executor (the backend reports step times)
 
     # --- requests in and out -------------------------------------------------
@@ -322,7 +324,8 @@ class Scheduler:
     def _plan_drafts(self, plan: list[ScheduledSeq]) -> None:
         budget = self.config.speculative_token_budget - sum(e.num_new_tokens for e in plan)
         if budget > 0 and not self.draft_cost.wants_plain_step(len(plan)):
-            plan_drafts(plan, self.config.num_speculative_tokens, budget, self.draft_cost.ratio(len(plan)))
+            plan_drafts(plan, self.config.num_speculative_tokens, budget, self.draft_cost.ratio(len(plan)),
+                        self.drafts_before_min_tokens)
 
     def _cap_drafts(self, entry: ScheduledSeq) -> None:
         cap_drafts(entry, self.kv_block_size or 0)

@@ -96,12 +96,14 @@ def test_drafts_right_wrong_and_partly_right_decode_exactly_as_plain_greedy(runn
         assert accepted == expected, propose.__name__
 
 
-def greedy_with_logprobs(runner: ModelRunner, prompt: list[int], first_block: int, drafts_from=None):
+def greedy_with_logprobs(runner: ModelRunner, prompt: list[int], first_block: int, drafts_from=None,
+                         sampling: SamplingParams = SamplingParams()):
     """NEW greedy tokens and their logprobs: one token a step, or, given ``drafts_from`` (the answer),
-    each step drafting the next 4 of it (every one accepted: the rows of verify steps)."""
+    each step drafting the next 4 of it (every one accepted when it is the answer: the rows of verify
+    steps)."""
     table = table_for(first_block, len(prompt) + NEW + 8)
     tokens, logprobs = list(prompt), []
-    out = runner.execute([SequenceInput(1, tokens, 0, table, sample=True)])
+    out = runner.execute([SequenceInput(1, tokens, 0, table, sample=True, sampling=sampling)])
     while True:
         tokens += out.sampled_token_ids
         logprobs += out.sampled_logprobs
@@ -109,7 +111,7 @@ def greedy_with_logprobs(runner: ModelRunner, prompt: list[int], first_block: in
             return tokens[len(prompt):len(prompt) + NEW], logprobs[:NEW]
         drafts = drafts_from[len(tokens) - len(prompt):][:4] if drafts_from else []
         out = runner.execute([SequenceInput(1, [tokens[-1]] + drafts, len(tokens) - 1, table, sample=True,
-                                            num_draft_tokens=len(drafts))])
+                                            sampling=sampling, num_draft_tokens=len(drafts))])
 
 
 @pytest.mark.parametrize("dtype, quantization, kv_cache_dtype", [
@@ -127,6 +129,21 @@ def test_verify_steps_compute_the_bits_of_plain_decode_steps(default_model_dir, 
     drafted_tokens, drafted_logprobs = greedy_with_logprobs(runner, prompt_ids, 10, drafts_from=tokens)
     assert drafted_tokens == tokens
     assert drafted_logprobs == logprobs
+
+
+def test_suppressed_tokens_are_suppressed_at_every_drafted_row(runner, prompt_ids):
+    """A request short of min_tokens drafts with its EOS suppressed: each drafted row picks what a
+    plain step with the same suppression picks, so a draft of a suppressed token is rejected."""
+    free, _ = greedy_with_logprobs(runner, prompt_ids, 1)
+    assert free[2] not in free[:2]
+    banned = SamplingParams(suppressed_token_ids=(free[2],))
+    suppressed, logprobs = greedy_with_logprobs(runner, prompt_ids, 1, sampling=banned)
+    assert suppressed[:2] == free[:2] and free[2] not in suppressed
+    drafted, drafted_logprobs = greedy_with_logprobs(runner, prompt_ids, 20, drafts_from=suppressed, sampling=banned)
+    assert drafted == suppressed
+    assert drafted_logprobs == pytest.approx(logprobs, abs=1e-4)
+    # Drafts from the unsuppressed answer propose the banned token at output 2: rejected there.
+    assert greedy_with_logprobs(runner, prompt_ids, 20, drafts_from=free, sampling=banned)[0] == suppressed
 
 
 def test_a_batch_mixes_drafted_and_plain_sequences(runner, prompt_ids):
@@ -147,7 +164,6 @@ def test_a_batch_mixes_drafted_and_plain_sequences(runner, prompt_ids):
 @pytest.mark.parametrize("field, sampling", [
     ("temperature", SamplingParams(temperature=0.7)),
     ("top_logprobs", SamplingParams(top_logprobs=2)),
-    ("suppressed_token_ids", SamplingParams(suppressed_token_ids=(2,))),
     ("logit_bias_token_ids", SamplingParams(logit_bias_token_ids=(5,), logit_bias_values=(1.0,))),
     ("repetition_penalty", SamplingParams(repetition_penalty=1.3, penalty_token_ids=(5,),
                                           penalty_output_counts=(0,))),

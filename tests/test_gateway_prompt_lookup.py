@@ -6,9 +6,11 @@ import itertools
 import pytest
 
 from gateway.prompt_lookup import COST_SAMPLES, MISSES_TO_STOP, REPROBE_STEPS, DraftCost, DraftLength, NgramIndex
+from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, SamplingOptions
 from kvserve.errors import InvalidArgument
+from kvserve.v1 import executor_pb2
 
 
 class Decoder:
@@ -156,6 +158,21 @@ def test_drafts_never_pass_max_tokens_and_are_cut_to_the_slots_held():
     entry.start_position, entry.num_tokens, entry.sample = 8, 1, True
     scheduler._cap_drafts(entry)
     assert entry.draft_token_ids == [9, 10, 11]
+
+
+@pytest.mark.parametrize("min_tokens, drafts", [(50, [9, 10, 11, 12, 5]), (4, [9, 10, 11]), (1, [])])
+def test_an_executor_that_verifies_suppressed_drafts_gets_drafts_up_to_min_tokens(min_tokens, drafts):
+    """Until min_tokens exist EOS is suppressed at every position the step samples, so drafts stop
+    where suppression would end inside the step (this step's token is output 0: with min_tokens 4,
+    outputs 0..3 are suppressed, room for 3 drafts)."""
+    scheduler = make_scheduler()
+    scheduler.drafts_before_min_tokens = True
+    running(scheduler, COPYING, min_tokens=min_tokens)
+    (entry,) = scheduler.schedule()
+    assert entry.draft_token_ids == drafts
+    params = executor_pb2.SamplingParams()
+    fill_sampling(params, entry, vocab_size=64)
+    assert list(params.suppressed_token_ids) == [2]  # the same suppression at every drafted row
 
 
 def test_speculation_flags_are_checked():

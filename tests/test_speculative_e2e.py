@@ -84,3 +84,18 @@ def test_prompt_lookup_answers_exactly_the_plain_greedy_text_with_accepted_draft
     assert undrafted["choices"][0]["text"] == text
     assert plain["choices"][0]["text"] == text
     assert counter(httpx.get(plain_url + "/metrics").text, "vllm:spec_decode_num_draft_tokens") == 0
+
+
+def test_a_request_short_of_min_tokens_drafts_and_answers_the_plain_text(stacks):
+    """min_tokens suppresses EOS at every position of such a step: the executor says it verifies
+    drafts with suppressed tokens (Describe), so these requests draft too, as fixed-length ones do."""
+    spec_url, plain_url, _ = stacks
+    model = httpx.get(spec_url + "/v1/models").json()["data"][0]["id"]
+    before = httpx.get(spec_url + "/metrics").text
+    drafted = complete(spec_url, model=model, min_tokens=48)
+    after = httpx.get(spec_url + "/metrics").text
+    accepted = counter(after, "vllm:spec_decode_num_accepted_tokens") - \
+        counter(before, "vllm:spec_decode_num_accepted_tokens")
+    assert accepted > 0
+    assert drafted["usage"]["completion_tokens"] == 48
+    assert complete(plain_url, model=model, min_tokens=48)["choices"][0]["text"] == drafted["choices"][0]["text"]

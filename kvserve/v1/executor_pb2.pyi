@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "model_fingerprint", "architecture", "dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "model_path", "instance_id", "tokenizer_fingerprint", "step_socket", "kv_store", "kv_store_namespace", "kv_store_capacity_blocks", "verifies_draft_tokens")
+    __slots__ = ("model_name", "model_fingerprint", "architecture", "dtype", "device", "attention_backend", "block_size", "num_blocks", "kv_bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "model_path", "instance_id", "tokenizer_fingerprint", "step_socket", "kv_store", "kv_store_namespace", "kv_store_capacity_blocks", "verifies_draft_tokens", "verifies_drafts_with_suppressed_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class DescribeResponse(_message.Message):
     KV_STORE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     VERIFIES_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIES_DRAFTS_WITH_SUPPRESSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_fingerprint: str
     architecture: str
@@ -54,7 +55,8 @@ class DescribeResponse(_message.Message):
     kv_store_namespace: str
     kv_store_capacity_blocks: int
     verifies_draft_tokens: bool
-    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., model_path: _Optional[str] = ..., instance_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., step_socket: _Optional[str] = ..., kv_store: _Optional[str] = ..., kv_store_namespace: _Optional[str] = ..., kv_store_capacity_blocks: _Optional[int] = ..., verifies_draft_tokens: _Optional[bool] = ...) -> None: ...
+    verifies_drafts_with_suppressed_tokens: bool
+    def __init__(self, model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., model_path: _Optional[str] = ..., instance_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., step_socket: _Optional[str] = ..., kv_store: _Optional[str] = ..., kv_store_namespace: _Optional[str] = ..., kv_store_capacity_blocks: _Optional[int] = ..., verifies_draft_tokens: _Optional[bool] = ..., verifies_drafts_with_suppressed_tokens: _Optional[bool] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "top_logprobs", "suppressed_token_ids", "allowed_token_bitmask", "logit_bias_token_ids", "logit_bias_values", "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_token_ids", "penalty_output_counts", "min_p")
