@@ -27,7 +27,10 @@ class Row:
     total_throughput: float = 0.0  # prompt + generated tokens/s
     request_throughput: float = 0.0
     ttft_ms: dict = field(default_factory=dict)  # mean, median, p99
-    itl_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)  # gaps between streamed chunks (a chunk may hold several tokens)
+    # Per request, (E2E - TTFT) / (output tokens - 1): vLLM's TPOT. Equal to the mean ITL where each
+    # chunk is one token; lower where a step streams several (accepted speculative drafts).
+    tpot_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
     # Peak requests streaming tokens at once (first token to last). The gateway's
     # vllm:num_requests_running is kept too, but in static batching it also counts,
@@ -111,6 +114,7 @@ def row_from_results(name: str, results: list[RequestResult], wall_s: float,
         row.request_throughput = len(good) / wall_s
     row.ttft_ms = stats_ms([r.ttft for r in good])
     row.itl_ms = stats_ms([gap for r in good for gap in r.itl])
+    row.tpot_ms = stats_ms([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1])
     row.e2e_ms = stats_ms([r.e2e for r in good])
     row.cached_prompt_tokens = sum(r.cached_tokens for r in good)
     row.errors = sorted({r.error for r in results if r.error})[:5]

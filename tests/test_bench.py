@@ -123,6 +123,9 @@ def test_row_from_results_computes_throughput_percentiles_and_concurrency():
     assert row.output_throughput == 17.5
     assert row.ttft_ms["p99"] == pytest.approx(199, abs=1)
     assert row.max_concurrency == 3 and row.errors == ["HTTP 500: boom"]
+    # TPOT per request: (E2E - TTFT) / (tokens - 1) = 0.9 / 9, 1.8 / 19, 0.4 / 4 s; ITL stays the chunk gaps.
+    assert row.tpot_ms["mean"] == pytest.approx(1000 * (0.1 + 1.8 / 19 + 0.1) / 3)
+    assert row.itl_ms["mean"] == pytest.approx(10.0)
 
 
 def test_internal_fragmentation_counts_last_block_slots():
