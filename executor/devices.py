@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
 
 import torch
 
@@ -97,6 +98,13 @@ def back_large_allocations_with_huge_pages(min_bytes: int = 16 << 20) -> int:
     arenas) are left alone. Returns the bytes collapsed: 0 where the kernel or libc cannot
     (the process runs on as before).
     """
+    return sum(huge_page_collapses(min_bytes))
+
+
+def huge_page_collapses(min_bytes: int = 16 << 20, piece_bytes: int | None = None) -> Iterator[int]:
+    """``back_large_allocations_with_huge_pages`` a piece at a time: each ``next`` collapses up to
+    ``piece_bytes`` (None: a whole mapping) and yields the bytes it collapsed (0 where it could not),
+    so a caller can do other work between pieces."""
     import ctypes
 
     try:
@@ -105,9 +113,8 @@ def back_large_allocations_with_huge_pages(min_bytes: int = 16 << 20) -> int:
         with open("/proc/self/maps") as maps:
             lines = maps.readlines()
     except (OSError, AttributeError):
-        return 0
+        return
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    collapsed = 0
     for line in lines:
         fields = line.split()
         path = fields[5] if len(fields) > 5 else ""
@@ -119,6 +126,7 @@ def back_large_allocations_with_huge_pages(min_bytes: int = 16 << 20) -> int:
         if length < min_bytes:
             continue
         madvise(start, length, _MADV_HUGEPAGE)
-        if madvise(start, length, _MADV_COLLAPSE) == 0:
-            collapsed += length
-    return collapsed
+        step = length if piece_bytes is None else max(_HUGE_PAGE, piece_bytes // _HUGE_PAGE * _HUGE_PAGE)
+        for offset in range(0, length, step):
+            size = min(step, length - offset)
+            yield size if madvise(start + offset, size, _MADV_COLLAPSE) == 0 else 0

@@ -10,6 +10,10 @@ in or out (on a small VM each such wake-up costs ~0.07-0.2 ms, docs/executor.md)
 One thread, not merely one at a time: each thread that runs parallel torch ops gets
 its own OpenMP team, and with two teams on a small machine libgomp stops spinning
 between parallel regions (its "throttled" mode), which slows every step.
+
+Background work that would compete with steps for the cores (``run_when_idle``: the start's
+huge-page collapse) runs here too, a piece at a time, whenever no step has arrived for
+``IDLE_S``: a step waits for at most one piece, never for a thread preempting its OpenMP team.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import collections
 import selectors
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
 import torch
@@ -25,6 +30,8 @@ import torch
 from kvserve.logs import get_logger
 
 log = get_logger("executor.torch_thread")
+
+IDLE_S = 0.001  # nothing to serve for this long: run a piece of the work handed to run_when_idle
 
 
 class Watched(Protocol):
@@ -48,6 +55,7 @@ class TorchThread:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_reader, selectors.EVENT_READ)
         self._closed = False
+        self._idle_work: collections.deque[Iterator] = collections.deque()  # only the thread touches it
         self._thread = threading.Thread(target=self._serve, name="executor-torch", daemon=True)
         self._thread.start()
 
@@ -57,6 +65,11 @@ class TorchThread:
         future = loop.create_future()
         self._submit((fn, args, loop, future))
         return await future
+
+    def run_when_idle(self, pieces: Iterator) -> None:
+        """Runs ``next(pieces)`` in the torch thread, one piece whenever nothing else is to be
+        served, until it is exhausted."""
+        self._submit((self._idle_work.append, (pieces,), None, None))
 
     def watch(self, connection: Watched) -> None:
         """From now on the torch thread serves ``connection`` itself; closes it when finished."""
@@ -82,14 +95,27 @@ class TorchThread:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)
         try:
-            while self._serve_ready(self._selector.select()):
-                pass
+            while True:
+                ready = self._selector.select(IDLE_S if self._idle_work else None)
+                if not ready and self._idle_work:
+                    self._run_idle_piece()
+                elif not self._serve_ready(ready):
+                    break
         finally:
             for key in list(self._selector.get_map().values()):
                 if key.data is not None:
                     key.data.close()
             self._selector.close()
             self._wake_reader.close()
+
+    def _run_idle_piece(self) -> None:
+        try:
+            next(self._idle_work[0])
+        except StopIteration:
+            self._idle_work.popleft()
+        except Exception as exc:  # noqa: BLE001 — background work must not stop the thread
+            log.error("idle_work_failed", error=repr(exc), exc_info=exc)
+            self._idle_work.popleft()
 
     def _serve_ready(self, ready) -> bool:
         for key, _ in ready:
