@@ -117,6 +117,22 @@ def test_bf16_prefill_and_mixed_steps_match_reference(backend_name):
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_prefill_chunks_of_unlike_sizes_attend_in_groups_of_like_size(backend_name):
+    """A 200-token prompt beside 4-token chunks (prompts whose system prompt was cached) is a group of
+    its own, so the short chunks are not padded to 200 query rows; the step still matches the
+    reference, decode tokens included."""
+    from executor.attention.torch_backend import prefill_groups
+
+    torch.manual_seed(4)
+    query_lens, seq_lens = [4, 200, 1, 5, 4, 150], [132, 200, 60, 133, 132, 150]
+    meta = make_meta(query_lens, seq_lens, [[1] * -(-n // 16) for n in seq_lens], 16)
+    assert prefill_groups(meta, [0, 1, 3, 4, 5]) == [[1, 5], [3, 0, 4]]
+    out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), 16, query_lens, seq_lens, num_heads=9,
+                             kv_heads=3, head=64)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_prefill_in_query_chunks_matches_reference():
     """Prefill chunks longer than CAUSAL_QUERY_CHUNK take the GEMMs chunk by chunk, each against the
     keys its last token sees: the same attention, with padded rows, a cached prefix and a decode token

@@ -8,15 +8,18 @@ whose per-(sequence, head) matrices are contiguous, which is what SDPA reads fas
 is one ``index_copy_``.
 
 Attention is batched over sequences, never a loop over them. Once per step (the
-first layer) the metadata is turned into a plan of at most two groups:
+first layer) the metadata is turned into a plan of groups:
 
-- decode group (sequences with one new token): their blocks are gathered into
+- one decode group (sequences with one new token): their blocks are gathered into
   ``[num_seqs, kv_heads, ctx_len, head_size]`` and one masked attention runs with a key
   mask ``j < seq_len``;
-- prefill group (chunks of more than one token, with or without a cached prefix):
-  queries are padded to ``max_query_len`` and the causal mask is offset by each
+- prefill groups (chunks of more than one token, with or without a cached prefix):
+  queries are padded to the group's ``max_query_len`` and the causal mask is offset by each
   sequence's cached prefix: query ``i`` sees key ``j`` iff
-  ``j <= seq_len - query_len + i`` (and ``j < seq_len``).
+  ``j <= seq_len - query_len + i`` (and ``j < seq_len``). Chunks of like size share a group;
+  a group takes another chunk only while its padded work (sequences x longest chunk x
+  longest context) stays within ``PREFILL_PADDING`` times the work its chunks need, so
+  an 800-token prompt beside 20-token ones is not paid for eight times over.
 
 A group's masked attention is SDPA, except in bf16 on the CPU where two oneDNN GEMMs and a
 softmax are faster (``_masked_attention``). GQA without copying K/V: the
@@ -91,6 +94,31 @@ class _Group:
         return self.sdpa_masks[key]
 
 
+# A prefill group's padded attention work may be this many times what its chunks need.
+PREFILL_PADDING = 1.5
+
+
+def prefill_groups(meta: AttentionMetadata, seqs: list[int]) -> list[list[int]]:
+    """The prefill chunks ``seqs`` in groups of like size: longest chunk first, each joining the
+    group before it while that group's padded work stays within ``PREFILL_PADDING`` of its own."""
+    query_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    groups: list[list[int]] = []
+    needed = 0  # the last group's own work: sum of query_len x seq_len
+    for s in sorted(seqs, key=lambda s: (query_lens[s], seq_lens[s]), reverse=True):
+        work = query_lens[s] * seq_lens[s]
+        if groups:
+            group = groups[-1]
+            longest_context = max(seq_lens[s], max(seq_lens[g] for g in group))
+            padded = (len(group) + 1) * query_lens[group[0]] * longest_context
+            if padded <= PREFILL_PADDING * (needed + work):
+                group.append(s)
+                needed += work
+                continue
+        groups.append([s])
+        needed = work
+    return groups
+
+
 def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _Group:
     bs = meta.block_size
     query_lens = [meta.query_lens_cpu[s] for s in seqs]
@@ -162,7 +190,8 @@ class TorchAttentionBackend(AttentionBackend):
             device = meta.block_tables.device
             decode = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
             prefill = [s for s, n in enumerate(meta.query_lens_cpu) if n > 1]
-            self._plan = [_make_group(meta, seqs, device) for seqs in (decode, prefill) if seqs]
+            self._plan = [_make_group(meta, seqs, device)
+                          for seqs in ([decode] if decode else []) + prefill_groups(meta, prefill)]
             self._plan_meta = meta
         return self._plan
 
@@ -172,7 +201,7 @@ class TorchAttentionBackend(AttentionBackend):
         if len(groups) == 1 and groups[0].token_index.numel() == query.shape[0]:
             return self._attend_group(query, kv_cache, groups[0], scale)
         out = torch.empty_like(query)
-        for group in groups:  # at most two: decode tokens, prefill chunks
+        for group in groups:  # the decode tokens, then the prefill chunks by size
             out[group.token_index] = self._attend_group(query[group.token_index], kv_cache, group, scale)
         return out
 
