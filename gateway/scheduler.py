@@ -25,7 +25,7 @@ last token) in sequence 0, then the engine ``Fork``s the other choices from it.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +52,7 @@ def create_sequences(request: GenerationRequest, make_decoder: Callable[[], obje
 
 SPECULATIVE_MODES = ("off", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 64
+COMPUTED_FIRST_BLOCKS = 4096  # first blocks remembered as computed (least recently used forgotten)
 
 
 class RequestTooLarge(ResourceExhausted):
@@ -168,6 +169,9 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._pending_frees: list[int] = []
         self._written: dict[int, int] = {}  # seq_id -> tokens whose KV an Execute that returned wrote
+        # First blocks (``_first_block_key``) of prompts computed whole: kvmanager has them (the next
+        # Allocate reports them written before it allocates), so prompts sharing one need not wait.
+        self._computed_first_blocks: OrderedDict[tuple, None] = OrderedDict()
         self._pending_forks: list[GenerationRequest] = []
         self._outputs: list[RequestOutput] = []
         self._admissions = 0
@@ -308,6 +312,9 @@ class Scheduler:
                 self.config.max_num_seqs:
             seq = self.waiting.popleft()
             first_block = self._first_block(seq)
+            if first_block in self._computed_first_blocks:
+                self._computed_first_blocks.move_to_end(first_block)
+                first_block = None  # every prompt sharing it hits it: none waits
             if first_block is not None and first_block in first_blocks:
                 deferred.append(seq)
                 continue
@@ -335,13 +342,29 @@ class Scheduler:
         prefix caching may reuse it: a second prompt starting with the same block
         waits one step, then hits what the first wrote (no same-step hits), instead
         of computing the same prefix again beside it."""
+        if not self.block_size or seq.known_to_kvmanager or seq.num_sendable() <= self.block_size:
+            return None
+        return self._first_block_key(seq)
+
+    def _first_block_key(self, seq: Sequence) -> tuple | None:
         bs = self.block_size
         options = seq.request.options
-        if not bs or seq.known_to_kvmanager or not options.enable_prefix_caching or seq.num_sendable() <= bs:
+        if not bs or not options.enable_prefix_caching or len(seq.token_ids) < bs:
             return None
         # The first block is the shared namespace's when the shareable range covers it.
         owner = "" if options.num_shared_tokens >= bs else options.tenant
         return (options.cache_salt, owner, options.num_shared_tokens >= bs, tuple(seq.token_ids[:bs]))
+
+    def _prompt_computed(self, seq: Sequence) -> None:
+        """A prompt's last chunk was written: its first block (and any prefix of it that another
+        prompt shares) is kvmanager's once the next Allocate reports it."""
+        key = self._first_block_key(seq)
+        if key is None:
+            return
+        self._computed_first_blocks[key] = None
+        self._computed_first_blocks.move_to_end(key)
+        if len(self._computed_first_blocks) > COMPUTED_FIRST_BLOCKS:
+            self._computed_first_blocks.popitem(last=False)
 
     def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
         """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's
@@ -450,6 +473,8 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.num_computed = entry.start_position + entry.num_tokens
+            if entry.start_position < seq.num_prompt_tokens <= seq.num_computed:
+                self._prompt_computed(seq)
             # What kvmanager knows of: accepted drafts are reported once it counts them (next step).
             self._written[entry.seq_id] = seq.num_computed
             request = seq.request

@@ -350,6 +350,23 @@ def test_prompt_sharing_a_first_block_admitted_this_step_waits_one_step_then_hit
     assert "b" in {entry.seq.request.request_id for entry in scheduler.schedule()}, "b never admitted"
 
 
+def test_once_a_prompt_sharing_the_first_block_is_computed_the_rest_are_admitted_together():
+    """A shared system prompt is every prompt's first block: only until one of them is computed
+    does another wait (one admission a step would make the 32nd of 32 prompts wait 32 steps)."""
+    scheduler = new_scheduler(max_num_seqs=8)
+    scheduler.block_size = 4
+    pool, model = FakePool(64), FakeModel()
+    shared = [7, 7, 7, 7, 8, 8]
+    for rid in "abcd":
+        add(scheduler, make_request(rid, shared + [ord(rid)]))
+    plan = scheduler.schedule()
+    assert [e.seq.request.request_id for e in plan] == ["a"]
+    ready = scheduler.apply_allocation(plan, pool.allocate([], plan)).ready
+    scheduler.apply_samples(ready, model.execute(ready))
+    admitted = [e.seq.request.request_id for e in scheduler.schedule()]
+    assert admitted == ["a", "b", "c", "d"] and not scheduler.waiting
+
+
 def test_without_a_block_size_or_with_prefix_caching_off_nothing_waits():
     scheduler = new_scheduler(max_num_seqs=8)
     add(scheduler, make_request("a", [7] * 8))
