@@ -222,7 +222,7 @@ def run_seed_table(requests: list[BenchRequest], budget: Budget, model_dir: Path
     rows, details = [], []
     for config in configs:
         log(f"== {config.name}: starting kvmanager, executor, gateway "
-            f"({' '.join([*config.executor_args(), *config.gateway_args()])})")
+            f"({' '.join([*config.executor_args(), *config.gateway_args(), *budget.extra_gateway_args])})")
         try:
             row, detail = run_config(config, requests, budget, model_dir, out_dir / "logs",
                                      concurrency=concurrency, request_rate=request_rate, seed=seed,
