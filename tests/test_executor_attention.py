@@ -127,9 +127,22 @@ def test_prefill_chunks_of_unlike_sizes_attend_in_groups_of_like_size(backend_na
     torch.manual_seed(4)
     query_lens, seq_lens = [4, 200, 1, 5, 4, 150], [132, 200, 60, 133, 132, 150]
     meta = make_meta(query_lens, seq_lens, [[1] * -(-n // 16) for n in seq_lens], 16)
-    assert prefill_groups(meta, [0, 1, 3, 4, 5]) == [[1, 5], [3, 0, 4]]
+    assert prefill_groups(meta, [0, 1, 3, 4, 5]) == [[1, 5], [0, 3, 4]]
     out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), 16, query_lens, seq_lens, num_heads=9,
                              kv_heads=3, head=64)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", list(BACKENDS))
+def test_prefill_chunks_of_like_size_in_one_group_keep_the_batch_order(backend_name):
+    """Chunks of like size, the longer one later in the batch: one group, every token of the step,
+    whose output must come back in the batch's order."""
+    torch.manual_seed(5)
+    from executor.attention.torch_backend import prefill_groups
+
+    query_lens = seq_lens = [12, 14, 13]
+    assert prefill_groups(make_meta(query_lens, seq_lens, [[1]] * 3, 16), [0, 1, 2]) == [[0, 1, 2]]
+    out, expected = run_step(BACKENDS[backend_name](torch.device("cpu")), 16, query_lens, seq_lens)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

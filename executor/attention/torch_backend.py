@@ -116,7 +116,8 @@ def prefill_groups(meta: AttentionMetadata, seqs: list[int]) -> list[list[int]]:
                 continue
         groups.append([s])
         needed = work
-    return groups
+    # Each group's sequences in batch order: a group holding every token is the batch's own layout.
+    return [sorted(group) for group in groups]
 
 
 def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> _Group:
