@@ -42,6 +42,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import AllocationResult, RequestTooLarge, SampledToken, SchedulerConfig
 from gateway.sequence import FinishReason, SamplingOptions
+from gateway.stopping import suppressed_token_ids
 from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import AllocationRequest, PoolConfig
 from kvserve.errors import KVServeError, StepRefused, Unavailable
@@ -194,6 +195,8 @@ class ShadowKVExecutor:
         self.fingerprint = fingerprint
         self.refused_requests = refused_requests
         self.num_reads = 0
+        self.drafts_short_of_min_tokens = 0  # drafted steps whose every sampled position had EOS suppressed
+        self.violations: list[str] = []  # the shadow's own checks that failed inside a step
         self.restart()
 
     def restart(self) -> None:
@@ -214,13 +217,21 @@ class ShadowKVExecutor:
             if self.store is not None else {}
         return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
                             self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint, **store,
-                            verifies_draft_tokens=self.verifies_drafts)
+                            verifies_draft_tokens=self.verifies_drafts,
+                            verifies_drafts_with_suppressed_tokens=self.verifies_drafts)
 
     def _refuse(self, status: grpc.StatusCode, message: str) -> DependencyError:
         return DependencyError("executor", "in-process", grpc.aio.AioRpcError(
             status, grpc.aio.Metadata(), grpc.aio.Metadata(), message))
 
     async def execute(self, ready, timeout=None, store_orders=None, instance_id="") -> ExecuteOutput:
+        try:
+            return await self._execute(ready, store_orders, instance_id)
+        except AssertionError as exc:  # the gateway would take it for a failed step and recompute: keep it
+            self.violations.append(str(exc))
+            raise
+
+    async def _execute(self, ready, store_orders, instance_id) -> ExecuteOutput:
         self._check_up()
         if store_orders and instance_id and instance_id != self.instance_id:
             raise self._refuse(grpc.StatusCode.ABORTED, "expected_instance_id: this instance restarted")
@@ -261,6 +272,11 @@ class ShadowKVExecutor:
             computed = entry.compute_token_ids()
             drafts = list(entry.draft_token_ids)
             assert not drafts or (self.verifies_drafts and entry.sample and len(computed) == 1), "unverifiable drafts"
+            if drafts and suppressed_token_ids(entry.seq):
+                # One suppression list holds for every row: each position the step samples is short of min_tokens.
+                assert entry.seq.num_output_tokens + len(drafts) < entry.seq.request.options.min_tokens, \
+                    "drafts reach past min_tokens while EOS is suppressed"
+                self.drafts_short_of_min_tokens += 1
             for i, token in enumerate(computed + drafts):  # a draft's KV is written, right or wrong
                 pos = entry.start_position + i
                 assert pos // bs < len(table), f"seq {entry.seq_id} writes position {pos} past its blocks"
@@ -354,11 +370,12 @@ class GatewayKVMachine(RuleBasedStateMachine):
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 6), n=st.sampled_from([1, 1, 2]),
           salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
-    def submit(self, prompt, max_tokens, n, salt, seed, tenant="", share=False, ttl_ms=0, low_priority=False):
+    def submit(self, prompt, max_tokens, n, salt, seed, tenant="", share=False, ttl_ms=0, low_priority=False,
+               min_tokens=0):
         shared = next((len(p) for p in PREFIXES[1:] if prompt[:len(p)] == p), 0) if share else 0
         options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True,
                                   tenant=tenant, num_shared_tokens=shared, cache_ttl_ms=ttl_ms,
-                                  cache_priority_low=low_priority)
+                                  cache_priority_low=low_priority, min_tokens=min_tokens)
         request_id = f"r{next(self.ids)}"
         try:
             stream = self.run(self.engine.submit(prompt, options, request_id))
@@ -456,6 +473,13 @@ class GatewayKVMachine(RuleBasedStateMachine):
             executor.fail_saves = fail
 
     @invariant()
+    def no_step_broke_the_shadow_executor_s_checks(self):
+        """A step the shadow executor found wrong (unwritten KV read, a write past the blocks,
+        unverifiable drafts) fails in the gateway, which recomputes; the violation must still fail the test."""
+        for executor in getattr(self, "executors", {}).values():
+            assert not executor.violations, executor.violations[0]
+
+    @invariant()
     def findable_store_entries_hold_their_tokens(self):
         """An entry kvmanager's store index finds holds, validly written, the tokens of its key."""
         for index in getattr(self, "manager", SimpleNamespace(stores={})).stores.values():
@@ -487,6 +511,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
                 break
             self.run(self._step())
         assert not self.engine._live, "requests stuck"
+        self.no_step_broke_the_shadow_executor_s_checks()
         for request_id, stream in self.streams.items():
             self.check_outputs(request_id, stream)
         for address, backend in self.engine.backends.items():
@@ -500,6 +525,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
             self.seen.update({"draft tokens accepted": counters.num_accepted_draft_tokens,
                               "draft tokens rejected": counters.num_draft_tokens - counters.num_accepted_draft_tokens})
             assert backend.num_mispredicted_steps == 0, "kvmanager answered a predicted decode step otherwise"
+        self.seen.update({"drafted steps short of min_tokens": sum(e.drafts_short_of_min_tokens
+                                                                   for e in self.executors.values())})
         self.loop.close()
 
     def check_outputs(self, request_id, stream):
@@ -571,10 +598,13 @@ class GatewayKVSpecMachine(GatewayKVMachine):
             speculative_token_budget=budget))
 
     @rule(prompt=prompts, max_tokens=st.integers(4, 14), n=st.sampled_from([1, 1, 1, 2]),
-          salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]))
-    def submit_long(self, prompt, max_tokens, n, salt, seed):
-        """Longer outputs: room for drafts to be accepted several steps in a row."""
-        self.submit(prompt, max_tokens, n, salt, seed)
+          salt=st.sampled_from(["", "", "tenant"]), seed=st.sampled_from([None, 7]),
+          min_tokens=st.sampled_from([0, 0, 3, -1]))
+    def submit_long(self, prompt, max_tokens, n, salt, seed, min_tokens):
+        """Longer outputs: room for drafts to be accepted several steps in a row; some short of
+        ``min_tokens`` for a while (-1: all of them, a fixed-length request), drafting only as far
+        as EOS stays suppressed."""
+        self.submit(prompt, max_tokens, n, salt, seed, min_tokens=max_tokens if min_tokens < 0 else min_tokens)
 
 
 class GatewayKVTenantMachine(PinRules, GatewayKVMachine):
@@ -659,7 +689,7 @@ def test_speculative_drafts_never_make_a_rejected_draft_s_kv_readable_or_findabl
     run_machine(GatewayKVSpecMachine, default_model_dir, {
         "finished with the reference output": 200, "finished after a prefix hit": 10,
         "finished across an executor failure": 10, "draft tokens accepted": 100, "draft tokens rejected": 50,
-        "decode steps overlapped with their Allocate": 20})
+        "decode steps overlapped with their Allocate": 20, "drafted steps short of min_tokens": 20})
 
 
 @pytest.mark.timeout(600)
