@@ -22,7 +22,7 @@ TTFT_PEERS = ("OpenVINO GenAI",)
 TTFT_RATIO = 0.8
 # Single-stream time per output token (TPOT mean; the mean chunk gap for rows measured before TPOT
 # was), of the best peer's of the precision: a chunk of several accepted drafts is one ITL gap.
-ITL_RATIO = 0.8
+TPOT_RATIO = 0.8
 SPLIT_TARGET = 0.05  # scheduler + kvmanager RPC + executor transport, of a step
 UTILIZATION_TARGET = 0.96  # tokens stored / KV slots allocated (paged rows)
 FRAGMENTATION_TARGET = 0.04  # slots left empty in partly filled last blocks (paged rows)
@@ -132,9 +132,9 @@ def peer_checks(rows: list[Row], concurrency: int | None) -> list[Check]:
                 if per_token_ms(ours) is None or not timed:
                     continue
                 best = min(timed, key=per_token_ms)
-                checks.record(f"{bits}-bit: single-stream time per output token (TPOT) <= {ITL_RATIO:g}x the best "
+                checks.record(f"{bits}-bit: single-stream time per output token (TPOT) <= {TPOT_RATIO:g}x the best "
                               f"peer's", f"{_ms(per_token_ms(ours))} vs {_ms(per_token_ms(best))} ({best.name})",
-                              per_token_ms(ours) <= ITL_RATIO * per_token_ms(best))
+                              per_token_ms(ours) <= TPOT_RATIO * per_token_ms(best))
     return list(checks.values())
 
 
