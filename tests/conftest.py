@@ -37,11 +37,12 @@ import httpx
 import pytest
 
 from kvserve.config import without_flag_env
-from kvserve.launcher import ServiceProcess, Stack, StackConfig, spawn, start_healthy
+from kvserve.launcher import ServiceProcess, Stack, StackConfig, StartupFailed, spawn, start_healthy
 from kvserve.launcher import start_stack as launcher_start_stack
 from kvserve.ports import free_port  # the tests import it from here too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PORT_RACE_ATTEMPTS = 3  # start_stack's tries when a port it picked was taken before a service listened
 # The default model's sanity question. Asked plainly ("What is the capital of France?") its first
 # token is a near-tie (fp32 logits 0.1 apart: "The" vs "L'Étoile, …") that bf16 or quantized
 # rounding flips on one CPU and not another; asked for a sentence, the margin is 1.5 nats.
@@ -89,14 +90,26 @@ def start_service(tmp_path):
 def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = (),
                 gateway_args: list[str] = (), kvmanager_args: list[str] = (), **config) -> Stack:
     """kvmanager, executor and gateway as three processes on free loopback ports, all healthy;
-    ``config``: more ``StackConfig`` fields (``api_key``, ``service_token``, ``timeout``)."""
-    config = StackConfig(
-        model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
-        gateway_port=free_port(), http_port=free_port(), kvmanager_args=list(kvmanager_args),
-        executor_args=list(executor_args), gateway_args=list(gateway_args), log_dir=log_dir,
-        env=service_env(), **config,
-    )
-    return launcher_start_stack(config)
+    ``config``: more ``StackConfig`` fields (``api_key``, ``service_token``, ``timeout``).
+
+    A port is free when picked and bound seconds later (the executor listens once its model is
+    loaded), so another test worker may take it meanwhile: a service that cannot listen is
+    started again, on fresh ports, up to ``PORT_RACE_ATTEMPTS`` times."""
+    def on_free_ports() -> StackConfig:
+        return StackConfig(
+            model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),
+            gateway_port=free_port(), http_port=free_port(), kvmanager_args=list(kvmanager_args),
+            executor_args=list(executor_args), gateway_args=list(gateway_args), log_dir=log_dir,
+            env=service_env(), **config,
+        )
+
+    for _ in range(PORT_RACE_ATTEMPTS - 1):
+        try:
+            return launcher_start_stack(on_free_ports())
+        except StartupFailed as exc:
+            if "Address already in use" not in str(exc):
+                raise
+    return launcher_start_stack(on_free_ports())
 
 
 @pytest.fixture(scope="module")
