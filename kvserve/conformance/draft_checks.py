@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from kvserve.conformance import Skip, require
 from kvserve.conformance.comparison import Sampled, sampled_from
-from kvserve.conformance.executor_checks import ExecutorContext, Reference, greedy, rules, sequence
+from kvserve.conformance.executor_checks import TOPK, ExecutorContext, Reference, greedy, rules, sequence
 from kvserve.v1 import executor_pb2 as pb
-
-TOPK_GUARD = 8  # candidates tried for a wrong draft: past every near-top token of the reference's top 5
 
 
 def _clear(ctx: ExecutorContext, step: Sampled) -> bool:
@@ -63,8 +61,8 @@ def drafts_verified(ctx: ExecutorContext) -> str:
         raise Skip("the executor does not verify drafts (Describe.verifies_draft_tokens is false)")
     ref = ctx.reference()
     s = [step.token for step in ref.steps]
-    wrong = next(t for t in range(s[3] + 1, s[3] + 1 + 2 * TOPK_GUARD) if t % ctx.info.vocab_size not in
-                 _near_top(ctx, ref.steps[3])) % ctx.info.vocab_size
+    near = _near_top(ctx, ref.steps[3])  # at most TOPK tokens: one of the next TOPK + 1 ids is not among them
+    wrong = next(t for t in ((s[3] + d) % ctx.info.vocab_size for d in range(1, TOPK + 2)) if t not in near)
     drafts = [s[1], s[2], wrong]
     emitted, accepted = _drafted_step(ctx, ref.prompt, _prefilled(ctx, ref), [s[0], *drafts], 3,
                                       pb.SamplingParams(temperature=0.0))
