@@ -66,19 +66,28 @@ def tune_host_allocator() -> bool:
     them back on free, so every step's large temporaries (gathered K/V, MLP activations)
     page-fault again, a cost paid per step that grows with the batch (docs/executor.md).
     Raising the mmap and trim thresholds (what tcmalloc/jemalloc do by default) stops it.
-    Process-wide, so the entry point calls it; returns False where libc has no mallopt.
+
+    It also keeps every thread's allocations in the main arena. The torch thread loads the
+    weights, and a thread of its own would get an arena of its own, whose heaps glibc's
+    ``hugetlb`` tunable does not madvise (glibc 2.36): bf16 SmolLM2's weights then lie in 4 KiB
+    pages until the collapse after the start moves them (2.5 s of work on two cores, done between
+    steps: under load for the whole of a short benchmark). In the main arena they fault in as huge
+    pages. The torch thread does nearly all of the process's allocating, so one arena's lock is
+    seldom contended.
+    Process-wide, so the entry point calls it before it starts threads; returns False where libc
+    has no mallopt.
     """
     import ctypes
     import ctypes.util
 
-    m_trim_threshold, m_mmap_threshold = -1, -3
+    m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     ok = mallopt(m_mmap_threshold, 32 << 20)  # glibc's maximum on 64-bit
-    return bool(ok and mallopt(m_trim_threshold, 1 << 30))
+    return bool(ok and mallopt(m_trim_threshold, 1 << 30) and mallopt(m_arena_max, 1))
 
 
 # madvise(2) advice values (Linux): back with transparent huge pages; and collapse into them now.

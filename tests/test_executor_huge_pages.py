@@ -83,6 +83,41 @@ print(huge << 10)
     assert huge_bytes(with_huge_page_malloc(plain)) >= 128 << 20
 
 
+@pytest.mark.skipif(not (kernel_collapses() and glibc_supports_hugetlb_tunable()),
+                    reason="needs Linux >= 6.1 with transparent huge pages and glibc >= 2.35")
+def test_weights_made_in_another_thread_fault_in_as_huge_pages_too():
+    """The executor loads its model in the torch thread: its many small weights (SmolLM2's are
+    0.3-2 MiB each, below the mmap threshold) must land where the tunable reaches, not in a
+    thread arena that stays in 4 KiB pages until the collapse after the start."""
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.launcher import with_huge_page_malloc
+
+    script = """
+import threading
+import torch
+from pathlib import Path
+from executor.devices import tune_host_allocator
+tune_host_allocator()
+weights = []
+def load():
+    weights.extend(torch.ones(1 << 18, dtype=torch.float32) for _ in range(160))  # 160 x 1 MiB, written
+loader = threading.Thread(target=load)
+loader.start()
+loader.join()
+huge = next(int(l.split()[1]) for l in Path("/proc/self/smaps_rollup").read_text().splitlines()
+            if l.startswith("AnonHugePages:"))
+print(huge << 10)
+"""
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", script], env=with_huge_page_malloc(plain), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) >= 128 << 20
+
+
 def resident_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
