@@ -3,8 +3,9 @@
 Three modes:
   python -m bench --base-url http://127.0.0.1:8000 ...   measure a running server
   python -m bench --sweep seed-table ...                 start the four seed-table
-      configurations in turn at one KV budget, plus the peers, and print the table
-      (--kvserve-quantization int8,int4: the prefix-caching row again per weight quantization)
+      configurations and kvserve's defaults (prompt lookup on) in turn at one KV budget,
+      plus the peers, and print the tables (--kvserve-quantization int8,int4: the defaults
+      row again per weight quantization)
   python -m bench --executors N --routing kv,round-robin ...   routing across N
       executors on multi-turn conversations (bench/routing_bench.py)
 Both write ``results.json``, ``table.md`` and ``bench.png`` under ``--out``.
@@ -24,7 +25,7 @@ from kvserve.paths import default_model_dir
 from bench import report
 from bench.peers import LLAMA_SERVER_WEIGHTS, OPENVINO_WEIGHTS, parse_list, parse_peers
 from bench.peers.common import write_lscpu
-from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, threads_label
+from bench.sweep import CONFIGS, KV_CACHE_DTYPES, QUANTIZATION_MODES, threads_label
 from bench.targets import best_against_best_lines, representative_rows, round_lines, target_lines
 from bench.workload import describe, load_tokenizer, make_system_prompt, sample_requests
 
@@ -37,6 +38,14 @@ def kvserve_quantizations(text: str) -> list[str]:
     """``--kvserve-quantization``'s modes, for argparse: an unknown one is a usage error naming the known ones."""
     try:
         return parse_list(text, QUANTIZATION_MODES, "kvserve quantization")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def config_slugs(text: str) -> set[str]:
+    """``--configs``' rows, for argparse: an unknown one is a usage error naming the known ones."""
+    try:
+        return set(parse_list(text, tuple(c.slug for c in CONFIGS), "kvserve row"))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -74,12 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--base-url", help="a running gateway's HTTP address, e.g. http://127.0.0.1:8000")
     target.add_argument("--grpc-address", default="", help="send requests over gRPC to this gateway instead")
     target.add_argument("--name", default="kvserve", help="row name when measuring a running server")
-    target.add_argument("--configs", default="baseline,continuous,paged,prefix",
-                        help="seed-table rows to run (comma-separated slugs)")
+    target.add_argument("--configs", type=config_slugs, default="baseline,continuous,paged,prefix,defaults",
+                        help="kvserve rows to run (comma-separated): the seed table's baseline, continuous, "
+                             "paged, prefix (prompt lookup off in each), and defaults (kvserve as `kvserve up` "
+                             "runs it: prefix caching, prompt lookup)")
     target.add_argument("--kvserve-quantization", type=kvserve_quantizations, default="none",
                         help=f"executor weight quantizations ({', '.join(QUANTIZATION_MODES)}; comma-separated): "
-                             "the prefix-caching row runs once more per mode other than none, its executor "
-                             "started with --quantization MODE (docs/quantization.md)")
+                             "the defaults row (the prefix-caching row where --configs leaves defaults out) "
+                             "runs once more per mode other than none, its executor started with "
+                             "--quantization MODE (docs/quantization.md)")
     target.add_argument("--peers", default="transformers",
                         help="peer rows for the sweep (comma-separated): transformers, llama-server "
                              "(llama.cpp, built once), openvino "
@@ -190,8 +202,7 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
 
     # The flag as asked decides the rows' precision class; the resolved name is what runs.
     args.dtype_flag, args.dtype = args.dtype, resolve_auto_dtype(args.dtype, args.model_dir)
-    wanted = {s.strip() for s in args.configs.split(",") if s.strip()}
-    configs = plan_configs(wanted, args.kvserve_quantization, args.executor_threads)
+    configs = plan_configs(args.configs, args.kvserve_quantization, args.executor_threads)
     budget = plan_budget(requests, block_size=args.block_size, baseline_seqs=args.baseline_seqs,
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -34,11 +34,11 @@ KV_CACHE_DTYPES = ("auto", "int8")
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One row of the seed table: how the gateway is told to batch and allocate, and the
-    executor's weight quantization. Prompt-lookup drafting (the gateway's default) is off in
-    every row, as the peers' speculative modes are: the table compares batching, paging and
-    kernels; ``bench.prompt_lookup_bench`` measures speculation. (``--gateway-args`` can turn it
-    on: the workload's fixed-length requests then draft as far as ``min_tokens`` suppresses EOS.)"""
+    """One row: how the gateway is told to batch, allocate and draft, and the executor's weight
+    quantization. The seed table's rows draft nothing (prompt lookup off), as the peers' speculative
+    modes are off: they compare batching, paging and kernels. The ``defaults`` row is kvserve as
+    ``kvserve up`` runs it, prompt lookup on, each system in its own defaults' set-up: the
+    workload's fixed-length requests draft as far as ``min_tokens`` suppresses EOS."""
 
     name: str
     slug: str
@@ -47,11 +47,12 @@ class SweepConfig:
     prefix_caching: bool
     quantization: str = "none"  # the executor's --quantization
     threads: int | None = None  # the executor's --num-threads (None: its own probe, auto)
+    speculative_decoding: str = "off"  # the gateway's --speculative-decoding
 
     def gateway_args(self) -> list[str]:
         return ["--batching", self.batching, "--kv-allocation", self.kv_allocation,
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
-                "--speculative-decoding", "off"]
+                "--speculative-decoding", self.speculative_decoding]
 
     def executor_args(self) -> list[str]:
         quantization = [] if self.quantization == "none" else ["--quantization", self.quantization]
@@ -64,19 +65,23 @@ SEED_TABLE = (
     SweepConfig("+ PagedAttention (block 16)", "paged", "continuous", "paged", False),
     SweepConfig("+ prefix caching (shared system prompt)", "prefix", "continuous", "paged", True),
 )
+# kvserve's own defaults: the prefix-caching row with prompt-lookup drafting, the gateway's default.
+DEFAULTS = SweepConfig("kvserve defaults (prefix caching, prompt lookup)", "defaults", "continuous", "paged", True,
+                       speculative_decoding="prompt-lookup")
+CONFIGS = (*SEED_TABLE, DEFAULTS)
 
 
 def plan_configs(slugs: set[str], quantizations: list[str],
                  thread_counts: list[int | None] = (None,)) -> tuple[SweepConfig, ...]:
-    """The seed-table rows named by ``slugs``, in the table's order, then the prefix-caching row
-    once per quantization mode other than ``none`` (whether or not ``slugs`` names ``prefix``);
-    all of them once per executor thread count (None: ``--num-threads auto``), named after the
-    count when there are several."""
-    prefix = next(c for c in SEED_TABLE if c.slug == "prefix")
-    quantized = [dataclasses.replace(prefix, name=f"{prefix.name}, {mode} weights", slug=f"prefix-{mode}",
+    """The rows named by ``slugs`` (the seed table's, then ``defaults``), in that order, then one row
+    per quantization mode other than ``none``: the defaults row's when ``slugs`` names it, else the
+    prefix-caching row's (whether or not ``slugs`` names ``prefix``); all of them once per executor
+    thread count (None: ``--num-threads auto``), named after the count when there are several."""
+    base = DEFAULTS if DEFAULTS.slug in slugs else next(c for c in SEED_TABLE if c.slug == "prefix")
+    quantized = [dataclasses.replace(base, name=f"{base.name}, {mode} weights", slug=f"{base.slug}-{mode}",
                                      quantization=mode)
                  for mode in quantizations if mode != "none"]
-    planned = (*[c for c in SEED_TABLE if c.slug in slugs], *quantized)
+    planned = (*[c for c in CONFIGS if c.slug in slugs], *quantized)
     if len(thread_counts) == 1:
         return tuple(dataclasses.replace(c, threads=thread_counts[0]) for c in planned)
     return tuple(dataclasses.replace(c, name=f"{c.name} · {threads_label(threads)}",

@@ -243,7 +243,7 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
     from bench import sweep
     from bench.__main__ import build_parser, run_sweep
 
-    assert plan_configs({c.slug for c in SEED_TABLE}, []) == SEED_TABLE  # the default: the seed table as it was
+    assert plan_configs({c.slug for c in SEED_TABLE}, []) == SEED_TABLE  # the seed table as it was
     asked = []
 
     def record_and_refuse(stack_config):
@@ -286,6 +286,40 @@ def test_sweep_plans_the_prefix_caching_row_once_per_quantization(tmp_path, monk
         ["asked kv_cache_dtype='int8', executor reports dtype 'bfloat16'"]
     assert check_applied(prefix, {"dtype": "bfloat16+kv-int8"}) == \
         ["asked kv_cache_dtype='auto', executor reports dtype 'bfloat16+kv-int8'"]
+
+
+def test_the_default_sweep_runs_kvserve_as_it_runs_by_default_for_each_precision(tmp_path, monkeypatch, capsys):
+    """``make bench``'s kvserve rows: the seed table with prompt lookup off, then kvserve's defaults
+    (prompt lookup on, the gateway's default) once per precision: the rows the best-against-best
+    table compares with the peers in their own defaults."""
+    from bench import sweep
+    from bench.__main__ import build_parser, main, run_sweep
+    from gateway.__main__ import build_parser as gateway_parser
+
+    asked = []
+
+    def record_and_refuse(stack_config):
+        asked.append(stack_config)
+        raise RuntimeError("no stack under test")
+
+    monkeypatch.setattr(sweep, "start_stack", record_and_refuse)
+    args = build_parser().parse_args(["--sweep", "seed-table", "--peers", "none", "--kvserve-quantization",
+                                      "none,int8,int4", "--executor-threads", "1", "--dtype", "bfloat16",
+                                      "--concurrency", "1", "--no-progress", "--out", str(tmp_path)])
+    args.model_dir = tmp_path
+    rows, _ = run_sweep(args, [BenchRequest("p", 100, 50)], {})
+    assert [s.log_dir.name for s in asked] == ["baseline", "continuous", "paged", "prefix", "defaults",
+                                               "defaults-int8", "defaults-int4"]
+    drafting = [gateway_parser().parse_args(s.gateway_args).speculative_decoding for s in asked]
+    assert drafting == ["off"] * 4 + ["prompt-lookup"] * 3
+    assert gateway_parser().parse_args([]).speculative_decoding == "prompt-lookup"  # what "defaults" stands for
+    assert [r.weight_bits for r in rows[-3:]] == [16, 8, 4] and all(r.system == "kvserve" for r in rows)
+    # without the defaults row, the quantized rows are the prefix-caching row's, as before
+    assert [c.slug for c in plan_configs({"prefix"}, ["int8"])] == ["prefix", "prefix-int8"]
+    with pytest.raises(SystemExit):
+        main(["--sweep", "seed-table", "--configs", "prefix,fastest"])
+    assert "unknown kvserve row 'fastest' (known: baseline, continuous, paged, prefix, defaults)" in \
+        capsys.readouterr().err
 
 
 def test_sampler_tolerates_an_unreachable_server():
