@@ -39,7 +39,7 @@ import pytest
 from kvserve.config import without_flag_env
 from kvserve.launcher import ServiceProcess, Stack, StackConfig, StartupFailed, spawn, start_healthy
 from kvserve.launcher import start_stack as launcher_start_stack
-from kvserve.ports import free_port  # the tests import it from here too
+from loopback_ports import free_port  # the tests import it from here too
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PORT_RACE_ATTEMPTS = 3  # start_stack's tries when a port it picked was taken before a service listened
@@ -93,8 +93,10 @@ def start_stack(model_dir: Path, log_dir: Path, *, executor_args: list[str] = ()
     ``config``: more ``StackConfig`` fields (``api_key``, ``service_token``, ``timeout``).
 
     A port is free when picked and bound seconds later (the executor listens once its model is
-    loaded), so another test worker may take it meanwhile: a service that cannot listen is
-    started again, on fresh ports, up to ``PORT_RACE_ATTEMPTS`` times."""
+    loaded); the ports come from this worker's window below the ephemeral range
+    (tests/loopback_ports.py), where no other worker or outgoing connection takes them. A service
+    that still cannot listen (something outside the tests bound its port) is started again, on
+    fresh ports, up to ``PORT_RACE_ATTEMPTS`` times."""
     def on_free_ports() -> StackConfig:
         return StackConfig(
             model_dir=model_dir, kvmanager_port=free_port(), executor_port=free_port(),

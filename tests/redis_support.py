@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.ports import free_port
+from loopback_ports import free_port
 
 START_TIMEOUT_S = 10.0
 

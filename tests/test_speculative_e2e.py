@@ -17,7 +17,7 @@ import pytest
 
 from conftest import service_env, start_stack
 from kvserve.launcher import spawn
-from kvserve.ports import free_port
+from loopback_ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
