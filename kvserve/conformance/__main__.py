@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no rule matches {args.only}")
     reporter = Reporter(sys.stdout, verbose=args.verbose)
     if args.service == "executor":
-        context = checks.ExecutorContext(
-            args.address, checks.Tolerance(args.atol, args.rtol), timeout=args.timeout or 120.0, seed=args.seed,
-            connect_timeout=args.connect_timeout)
+        from kvserve.conformance.comparison import Tolerance
+        from kvserve.conformance.executor_context import ExecutorContext
+
+        context = ExecutorContext(args.address, Tolerance(args.atol, args.rtol), timeout=args.timeout or 120.0,
+                                  seed=args.seed, connect_timeout=args.connect_timeout)
         reporter.line(f"checking executor {args.address} (atol {args.atol}, rtol {args.rtol})")
     else:
         context = checks.KVManagerContext(args.address, timeout=args.timeout or 30.0, seed=args.seed,
