@@ -1,6 +1,7 @@
 # make run   — set up (once) and run kvmanager + executor + gateway on the default model
 # make test  — set up (once) and run the whole test suite
-# make bench — reproduce the PagedAttention comparison table (docs/benchmarks.md)
+# make bench — the seed table and the best-against-best table beside llama-server and OpenVINO GenAI, every
+#              system in its own defaults at its fastest thread count (docs/benchmarks.md)
 #
 # Uses the active virtual environment if there is one, else creates .venv (with
 # system site-packages, so a CUDA or MUSA torch already installed is used, never replaced).
