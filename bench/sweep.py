@@ -1,12 +1,14 @@
-"""``--sweep seed-table``: the four configurations of the seed's table, one KV budget, one workload.
+"""``--sweep seed-table``: the four configurations of the seed's table and kvserve's defaults,
+one KV budget, one workload.
 
 Each configuration gets a fresh stack (kvmanager + executor + gateway, started
 with ``kvserve.launcher``) so no cache or allocator state leaks between rows.
-The KV budget is fixed for all four: ``--num-blocks`` such that reserving
+The KV budget is fixed for all of them: ``--num-blocks`` such that reserving
 ``max_model_len`` per request (the baseline) fits ``baseline_seqs`` requests.
-``--kvserve-quantization int8,int4`` adds the prefix-caching row once more per
-mode, its executor started with ``--quantization MODE``. With more than one executor
-thread count (``--executor-threads 1,2``) every row runs once per count, named after it.
+``--kvserve-quantization int8,int4`` adds the defaults row (the prefix-caching row where
+``--configs`` leaves it out) once more per mode, its executor started with
+``--quantization MODE``. With more than one executor thread count
+(``--executor-threads 1,2``) every row runs once per count, named after it.
 """
 from __future__ import annotations
 

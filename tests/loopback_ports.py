@@ -4,7 +4,7 @@ A port the OS hands out for ``bind(("127.0.0.1", 0))`` comes from its ephemeral 
 every outgoing connection's source port comes from too. A test picks a port, closes it, and its
 executor binds it seconds later, after loading its model; meanwhile a client connection of this
 or another xdist worker can take it as its source port, and the executor cannot listen
-("Address already in use": 4 errors in one CI run). These ports lie below the ephemeral range,
+("Address already in use"). These ports lie below the ephemeral range,
 where no outgoing connection's source port falls, each xdist worker in a window of its own, in
 turn: a worker does not pick the same port twice while an earlier pick may still be waiting for
 its service to bind it.
@@ -15,6 +15,8 @@ import itertools
 import os
 import socket
 from pathlib import Path
+
+from kvserve.ports import free_port as kernel_free_port
 
 WINDOW = 1000  # ports per xdist worker
 FIRST_PORT = 10000  # below the ephemeral range (Linux: 32768-60999 by default), above well-known services
@@ -65,12 +67,6 @@ class PortPicker:
         return cls(start, WINDOW) if start + WINDOW <= ephemeral_range()[0] else None
 
 
-def _kernel_pick() -> int:
-    from kvserve.ports import free_port as kernel_free_port
-
-    return kernel_free_port()
-
-
 # One picker a process: import this module as ``loopback_ports`` only (tests/ is on sys.path), never as
 # ``tests.loopback_ports``, which would be a second module with a second picker handing out the same ports.
-free_port = PortPicker.for_this_worker() or _kernel_pick
+free_port = PortPicker.for_this_worker() or kernel_free_port
