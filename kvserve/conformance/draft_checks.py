@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from kvserve.conformance import Skip, require
 from kvserve.conformance.comparison import Sampled, sampled_from
-from kvserve.conformance.executor_checks import TOPK, ExecutorContext, Reference, greedy, rules, sequence
+from kvserve.conformance.executor_checks import rules
+from kvserve.conformance.executor_context import TOPK, ExecutorContext, Reference, greedy, sequence
 from kvserve.v1 import executor_pb2 as pb
 
 

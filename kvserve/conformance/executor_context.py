@@ -21,6 +21,7 @@ TOPK = 5
 DECODE_STEPS = 4
 DESCRIBE_DEADLINE_S = 3.0
 
+
 def greedy(top_logprobs: int = TOPK, **extra) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0.0, top_logprobs=top_logprobs, **extra)
 

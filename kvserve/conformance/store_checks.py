@@ -16,7 +16,8 @@ import xxhash
 
 from kvserve.conformance import Fail, Skip, expect_status, require
 from kvserve.conformance.comparison import Comparison, sampled_from
-from kvserve.conformance.executor_checks import ExecutorContext, greedy, rules, sequence
+from kvserve.conformance.executor_checks import rules
+from kvserve.conformance.executor_context import ExecutorContext, greedy, sequence
 from kvserve.v1 import executor_pb2 as pb
 
 
