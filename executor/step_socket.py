@@ -15,11 +15,7 @@ the next ``auto`` start in the same parent.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import socket
-import stat
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -31,21 +27,17 @@ from executor.runner import ModelRunner
 from executor.service import run_step
 from executor.torch_thread import TorchThread
 from kvserve.auth import BearerToken
-from kvserve.errors import KVServeError, StartupError
+from kvserve.errors import KVServeError
 from kvserve.logs import get_logger
 from kvserve.server import status_for
 from kvserve.step_frames import HEADER, FrameTooLarge, error_frame, frame_length, reply_frame
+from kvserve.unix_sockets import SocketPlace, remove_socket
 from kvserve.v1 import executor_pb2
 
 log = get_logger("executor.step_socket")
 
 GREETING_TIMEOUT_S = 5.0
-# ``auto``: <parent>/kvserve-executor-XXXXXXXX/steps.sock
-OWNED_DIR_PREFIX = "kvserve-executor-"
-SOCKET_NAME = "steps.sock"
-# A directory of ``auto``'s this old with no listener is a dead executor's: a live one binds its
-# socket right after making the directory.
-DEAD_DIR_AGE_S = 60.0
+STEP_SOCKET = SocketPlace("the step socket", "kvserve-executor-", "steps.sock")
 SEND_TIMEOUT_S = 10.0  # a client that reads no reply for this long is dropped
 RECV_BYTES = 64 * 1024
 
@@ -134,33 +126,14 @@ class StepSocketListener:
                parent: Path | None = None) -> StepSocketListener | None:
         """``where``: ``off`` (None), ``auto`` (a private directory under ``parent``, by default the
         temp directory) or a path."""
-        if where == "off":
+        place = STEP_SOCKET.resolve(where, parent)
+        if place is None:
             return None
-        if where == "auto":
-            parent = Path(parent or tempfile.gettempdir())
-            removed = remove_dead_socket_dirs(parent)
-            if removed:
-                log.info("step_socket_dirs_removed", parent=str(parent), count=removed)
-            try:
-                owned = Path(tempfile.mkdtemp(prefix=OWNED_DIR_PREFIX, dir=parent))  # mode 0700
-            except OSError as exc:
-                raise StartupError(f"cannot make the step socket's directory under {parent}: "
-                                   f"{exc.strerror or exc}") from exc
-            return cls(owned / SOCKET_NAME, owned, runner.info.instance_id, runner, torch_thread, token)
-        return cls(Path(where), None, runner.info.instance_id, runner, torch_thread, token)
+        path, owned_dir = place
+        return cls(path, owned_dir, runner.info.instance_id, runner, torch_thread, token)
 
     async def start(self) -> None:
-        _clear_stale_socket(self.path)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(str(self.path))
-            os.chmod(self.path, 0o600)
-            listener.listen(16)
-        except OSError as exc:
-            listener.close()
-            raise StartupError(f"cannot listen on the step socket {self.path}: {exc.strerror or exc}") from exc
-        listener.setblocking(False)
-        self._listener = listener
+        self._listener = STEP_SOCKET.listen(self.path)
         self._spawn(self._accept())
         log.info("step_socket_ready", path=str(self.path))
 
@@ -171,9 +144,7 @@ class StepSocketListener:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        self.path.unlink(missing_ok=True)
-        if self._owned_dir is not None:
-            shutil.rmtree(self._owned_dir, ignore_errors=True)
+        remove_socket(self.path, self._owned_dir)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -225,52 +196,3 @@ async def _read_exactly(loop: asyncio.AbstractEventLoop, conn: socket.socket, si
             raise EOFError("the client closed the step socket")
         data += chunk
     return bytes(data)
-
-
-def _clear_stale_socket(path: Path) -> None:
-    """A socket file nobody listens on (an executor that died) is removed; anything else stops the start."""
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise StartupError(f"cannot listen on the step socket {path}: a file that is not a socket is there")
-    if someone_listens(path):
-        raise StartupError(f"cannot listen on the step socket {path}: another process listens there")
-    path.unlink(missing_ok=True)
-
-
-def someone_listens(path: Path) -> bool:
-    """Whether a process accepts connections on the socket at ``path``. Only "no such socket" and
-    "refused" say no: a listener too busy to answer within a second still counts as there."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
-    finally:
-        probe.close()
-    return True
-
-
-def remove_dead_socket_dirs(parent: Path) -> int:
-    """Removes the directories ``auto`` made under ``parent`` for executors that are gone without
-    removing theirs (SIGKILL, OOM; in a volume shared by several executors they would pile up):
-    this user's, older than DEAD_DIR_AGE_S (never one an executor is starting in), whose socket
-    is missing or refused. Another executor's live directory stays. Returns how many went."""
-    now = time.time()
-    removed = 0
-    for entry in parent.glob(OWNED_DIR_PREFIX + "*"):
-        try:
-            info = entry.lstat()
-        except OSError:
-            continue
-        if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
-                or now - info.st_mtime < DEAD_DIR_AGE_S or someone_listens(entry / SOCKET_NAME)):
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
-        removed += not entry.exists()
-    return removed

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from gateway.allocate_socket import ALLOCATE, FREE, AllocateSocket, AllocateSocketBroken, AllocateSocketRefused
 from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import AllocationResult, SampledToken, ScheduledSeq
 from gateway.step_socket import StepSocket, StepSocketRefused
@@ -154,6 +155,11 @@ class _Client:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise DependencyError(self.service, self.address, exc) from exc
+
+    def _error(self, status: grpc.StatusCode, details: str) -> DependencyError:
+        """A failure outside gRPC (a fast-path socket's) as the same error a gRPC call raises."""
+        return DependencyError(self.service, self.address, grpc.aio.AioRpcError(
+            status, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
 
 
 async def _answered_unimplemented(call: grpc.aio.StreamStreamCall, exc: grpc.aio.AioRpcError) -> bool:
@@ -341,10 +347,6 @@ class ExecutorClient(_Client):
             self._step_socket.close()
             self._step_socket = None
 
-    def _error(self, status: grpc.StatusCode, details: str) -> DependencyError:
-        return DependencyError(self.service, self.address, grpc.aio.AioRpcError(
-            status, grpc.aio.Metadata(), grpc.aio.Metadata(), details))
-
     def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
         """A step that did not complete may still be answered, and its reply would be read as the
         next step's: the stream is never used again."""
@@ -388,10 +390,21 @@ def _cancelling(task: asyncio.Task | None) -> int:
 class KVManagerClient(_Client):
     service = "kvmanager"
 
-    def __init__(self, address: str, timeout: float = 10.0, security: ChannelSecurity | None = None):
+    def __init__(self, address: str, timeout: float = 10.0, security: ChannelSecurity | None = None,
+                 use_allocate_socket: bool = True):
         super().__init__(address, security)
         self._stub = kvmanager_pb2_grpc.KVManagerStub(self.channel)
         self._timeout = timeout
+        self._service_token = (security or ChannelSecurity()).service_token
+        self._use_allocate_socket = use_allocate_socket
+        self._allocate_socket_offer: tuple[str, str] | None = None  # (path, instance id) from the last OpenSession
+        self._allocate_socket: AllocateSocket | None = None
+        self._allocate_socket_opening = asyncio.Lock()
+        self.calls_over_allocate_socket = 0
+
+    async def close(self) -> None:
+        self._drop_allocate_socket()
+        await super().close()
 
     async def register_pool(self, pool_id: str, info: ExecutorInfo, enable_prefix_caching: bool,
                             kv_allocation: str) -> bool:
@@ -408,6 +421,11 @@ class KVManagerClient(_Client):
     async def open_session(self, pool_id: str, ttl_ms: int, client_name: str) -> tuple[str, int]:
         request = kvmanager_pb2.OpenSessionRequest(pool_id=pool_id, ttl_ms=ttl_ms, client_name=client_name)
         reply = await self._call(self._stub.OpenSession, request, self._timeout)
+        offer = (reply.allocate_socket, reply.instance_id) if reply.allocate_socket and self._use_allocate_socket \
+            else None
+        if offer != self._allocate_socket_offer:
+            self._drop_allocate_socket()
+            self._allocate_socket_offer = offer
         return reply.session_id, reply.ttl_ms
 
     async def renew_session(self, session_id: str) -> int:
@@ -441,7 +459,7 @@ class KVManagerClient(_Client):
         request = kvmanager_pb2.AllocateRequest(
             pool_id=pool_id, session_id=session_id, free_seq_ids=free_seq_ids, sequences=sequences,
             written_seq_ids=written[0], written_num_tokens=written[1])
-        reply = await self._call_with_store(self._stub.Allocate, request, store)
+        reply = await self._call_with_store(ALLOCATE, request, store)
         results = [
             AllocationResult(
                 ok=r.status == OK, num_cached_tokens=r.num_cached_tokens, start_position=r.start_position,
@@ -454,7 +472,7 @@ class KVManagerClient(_Client):
         ]
         return results, reply.kv_cache_usage
 
-    async def _call_with_store(self, method, request, store: StoreExchange | None):
+    async def _call_with_store(self, method: int, request, store: StoreExchange | None):
         """An Allocate or Free carrying the store report (kept for the next call if this one
         fails); the store orders of its answer are kept for the next Execute."""
         report = store.take_report() if store is not None else None
@@ -463,7 +481,7 @@ class KVManagerClient(_Client):
             request.store_report.failed_hashes.extend(report.failed_hashes)
             request.store_report.missing_hashes.extend(report.missing_hashes)
         try:
-            reply = await self._call(method, request, self._timeout)
+            reply = await self._per_step_call(method, request)
         except DependencyError:
             if report:
                 store.give_back_report(report)
@@ -471,6 +489,59 @@ class KVManagerClient(_Client):
         if store is not None and reply.HasField("store_orders"):
             store.orders.extend(reply.store_orders)
         return reply
+
+    async def _per_step_call(self, method: int, request):
+        """Allocate or Free: on the allocate socket where this kvmanager offers one this gateway
+        can open, else over gRPC."""
+        allocate_socket = await self._open_allocate_socket()
+        if allocate_socket is None:
+            grpc_method = self._stub.Allocate if method == ALLOCATE else self._stub.Free
+            return await self._call(grpc_method, request, self._timeout)
+        try:
+            status, payload = await allocate_socket.call(method, request.SerializeToString(), self._timeout)
+        except AllocateSocketBroken as exc:
+            self._drop_allocate_socket()
+            raise self._error(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        except asyncio.TimeoutError as exc:
+            self._drop_allocate_socket()
+            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"no reply on the allocate socket within {self._timeout:.1f} s") from exc
+        if status is not grpc.StatusCode.OK:
+            raise self._error(status, payload.decode(errors="replace"))
+        response_type = kvmanager_pb2.AllocateResponse if method == ALLOCATE else kvmanager_pb2.FreeResponse
+        try:
+            reply = response_type.FromString(payload)
+        except DecodeError as exc:
+            self._drop_allocate_socket()
+            raise self._error(grpc.StatusCode.UNAVAILABLE, f"an unreadable reply on the allocate socket: {exc}") from exc
+        self.calls_over_allocate_socket += 1
+        return reply
+
+    async def _open_allocate_socket(self) -> AllocateSocket | None:
+        """The open allocate socket, opening it if need be; None (and gRPC until the next OpenSession)
+        when the offered one cannot be opened here: another host's path, another kvmanager, no token."""
+        if self._allocate_socket is not None or self._allocate_socket_offer is None:
+            return self._allocate_socket
+        async with self._allocate_socket_opening:
+            if self._allocate_socket is not None or self._allocate_socket_offer is None:
+                return self._allocate_socket
+            path, instance_id = self._allocate_socket_offer
+            try:
+                self._allocate_socket = await AllocateSocket.open(path, self._service_token, instance_id,
+                                                                  STEP_SOCKET_OPEN_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, FrameTooLarge,
+                    AllocateSocketRefused) as exc:
+                self._allocate_socket_offer = None
+                log.info("allocate_socket_not_used", kvmanager=self.address, path=path,
+                         reason=str(exc) or type(exc).__name__)
+                return None
+            log.info("allocate_socket_open", kvmanager=self.address, path=path)
+            return self._allocate_socket
+
+    def _drop_allocate_socket(self) -> None:
+        if self._allocate_socket is not None:
+            self._allocate_socket.close()
+            self._allocate_socket = None
 
     async def fork(self, pool_id: str, session_id: str, parent: int, children: list[int]) -> list[int]:
         request = kvmanager_pb2.ForkRequest(
@@ -481,7 +552,7 @@ class KVManagerClient(_Client):
                    written: tuple[list[int], list[int]] = ((), ()), store: StoreExchange | None = None) -> int:
         request = kvmanager_pb2.FreeRequest(pool_id=pool_id, session_id=session_id, seq_ids=seq_ids,
                                             written_seq_ids=written[0], written_num_tokens=written[1])
-        return (await self._call_with_store(self._stub.Free, request, store)).num_blocks_freed
+        return (await self._call_with_store(FREE, request, store)).num_blocks_freed
 
     async def get_stats(self, pool_id: str, timeout: float = 1.0) -> kvmanager_pb2.PoolStats:
         return await self._call(self._stub.GetStats, kvmanager_pb2.GetStatsRequest(pool_id=pool_id), timeout)

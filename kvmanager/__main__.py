@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvmanager.allocate_socket import AllocateSocketListener
 from kvmanager.events import DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM
 from kvmanager.pool import SAVE_POLICIES
 from kvmanager.manager import KVManager
@@ -14,6 +15,7 @@ from kvmanager.service import SERVICE_NAME, KVManagerService
 from kvserve.auth import token_or_none
 from kvserve.config import EnvArgumentParser, add_server_flags, add_service_token_flag, check_server_flags
 from kvserve.errors import InvalidArgument
+from kvserve.identity import new_instance_id
 from kvserve.logs import configure_logging, get_logger
 from kvserve.ports import DEFAULT_KVMANAGER_PORT
 from kvserve.server import GrpcServer, Service, TlsFiles, run_service, wait_for_shutdown_signal
@@ -46,6 +48,14 @@ def build_parser() -> EnvArgumentParser:
                         help="when published blocks are saved to a pool's KV store (the executor's --kv-store): "
                              "all: as soon as their KV is written (a restart, an eviction or a migration then "
                              "loads them); free: when their sequence ends or is preempted; off: never (loads only)")
+    parser.add_argument("--allocate-socket", default="auto", metavar="auto|off|PATH",
+                        help="a Unix socket that takes Allocate and Free without gRPC's cost per call, for a "
+                             "gateway on this host (OpenSession names it; docs/kvmanager.md, 'The allocate "
+                             "socket'): auto: in a fresh private directory under --allocate-socket-dir; off: none")
+    parser.add_argument("--allocate-socket-dir", type=Path, default=None, metavar="DIR",
+                        help="where --allocate-socket auto makes its directory (default: the temp directory); "
+                             "a directory the gateway's host or container sees at the same path, such as a "
+                             "volume both containers mount")
     parser.add_argument("--kv-events-buffer", type=int, default=DEFAULT_EVENT_BUFFER,
                         help="events each pool keeps so that a WatchEvents watcher can resume from an event id "
                         "(at least this many, whole batches; 0: no replay, only snapshots)")
@@ -107,18 +117,27 @@ async def reap_expired_sessions(manager: KVManager, interval_s: float) -> None:
 
 
 async def serve(args, manager: KVManager) -> None:
+    servicer = KVManagerService(manager, token_or_none(args.admin_key))
+    allocate_socket = AllocateSocketListener.create(args.allocate_socket, new_instance_id(), servicer,
+                                                    token_or_none(args.service_token), args.allocate_socket_dir)
+    if allocate_socket is not None:
+        await allocate_socket.start()
+        servicer.offer_allocate_socket(str(allocate_socket.path), allocate_socket.instance_id)
     server = GrpcServer(PROG, args.host, args.port, [
-        Service(SERVICE_NAME, KVManagerService(manager, token_or_none(args.admin_key)),
-                kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
+        Service(SERVICE_NAME, servicer, kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
     ], auth=token_or_none(args.service_token), auth_what="service token", tls=TlsFiles.from_args(args))
-    await server.start()
-    reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
-    signum = await wait_for_shutdown_signal()
-    log.info("shutdown_requested", signal=signum.name)
-    reaper.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await reaper
-    await server.stop(args.shutdown_grace)
+    try:
+        await server.start()
+        reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
+        signum = await wait_for_shutdown_signal()
+        log.info("shutdown_requested", signal=signum.name)
+        reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reaper
+        await server.stop(args.shutdown_grace)
+    finally:
+        if allocate_socket is not None:
+            await allocate_socket.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,6 +100,12 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
         self.manager = manager
         self.admin_key = admin_key
         self._rebuilds: set[asyncio.Task] = set()
+        self._allocate_socket = ""
+        self._instance_id = ""
+
+    def offer_allocate_socket(self, path: str, instance_id: str) -> None:
+        """OpenSession names this socket (kvmanager/allocate_socket.py) and its greeting's instance id."""
+        self._allocate_socket, self._instance_id = path, instance_id
 
     async def RegisterPool(self, request, context):
         created = self.manager.register_pool(PoolConfig(
@@ -128,7 +134,8 @@ class KVManagerService(kvmanager_pb2_grpc.KVManagerServicer):
 
     async def OpenSession(self, request, context):
         session = self.manager.open_session(request.pool_id, request.ttl_ms, request.client_name)
-        return pb.OpenSessionResponse(session_id=session.session_id, ttl_ms=session.ttl_ms)
+        return pb.OpenSessionResponse(session_id=session.session_id, ttl_ms=session.ttl_ms,
+                                      allocate_socket=self._allocate_socket, instance_id=self._instance_id)
 
     async def RenewSession(self, request, context):
         return pb.RenewSessionResponse(expires_in_ms=self.manager.renew_session(request.session_id))

@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ def launch(module: str, args: list[str], log_dir: Path, *, port: int | None = No
     if wait:
         return start_healthy(module, args, timeout=timeout, **kwargs)
     return spawn(module, args, **kwargs)
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A Unix socket's path must fit in 108 bytes; tmp_path under a parallel worker's base
+    directory plus two more levels may not."""
+    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as path:
+        yield Path(path)
 
 
 @pytest.fixture

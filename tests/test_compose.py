@@ -175,7 +175,7 @@ def test_kernel_cache_outlives_the_container():
     assert f"KVSERVE_EXTENSIONS_DIR={cache_dir}" in re.sub(r"\s+", " ", DOCKERFILE.read_text())
 
 
-def test_the_gateway_sees_the_executors_step_sockets():
+def test_the_gateway_sees_the_executors_step_sockets_and_kvmanagers_allocate_socket():
     """Each executor replica's step socket is made in a volume the gateway mounts at the same path,
     so the gateway's steps skip gRPC (Describe names the path; Unix sockets work across containers
     of one host)."""
@@ -188,6 +188,11 @@ def test_the_gateway_sees_the_executors_step_sockets():
     gateway_mounts = {v.split(":")[1]: v.split(":")[0] for v in gateway["volumes"]}
     assert executor_mounts[steps_dir] == gateway_mounts[steps_dir] and executor_mounts[steps_dir] in spec["volumes"]
     assert steps_dir not in executor.get("command", [])  # `auto` (the default) makes each replica's own directory
+    # kvmanager's allocate socket too, in its own directory of the same volume.
+    kvmanager = spec["services"]["kvmanager"]
+    assert kvmanager["environment"][env_name("--allocate-socket-dir")] == steps_dir
+    assert {v.split(":")[1]: v.split(":")[0] for v in kvmanager["volumes"]}[steps_dir] == gateway_mounts[steps_dir]
+    assert spec["services"]["kvmanager"]["environment"]["KVSERVE_LOG_LEVEL"]  # the shared environment is kept
     # The image owns the directory, so Docker seeds the volume writable by the kvserve user.
     dockerfile = re.sub(r"\s+", " ", DOCKERFILE.read_text())
     assert re.search(rf"mkdir -p [^&]*{re.escape(steps_dir)}", dockerfile)
@@ -527,6 +532,9 @@ def test_compose_up_answers_a_question(tmp_path):
         gateway_logs = run("logs", "--no-color", "gateway").stdout
         opened = [line for line in gateway_logs.splitlines() if "step_socket_open" in line]
         assert opened and "step_socket_not_used" not in gateway_logs, gateway_logs[-3000:]
+        # ... and called kvmanager's Allocate over its allocate socket in the same volume.
+        assert "allocate_socket_open" in gateway_logs and "allocate_socket_not_used" not in gateway_logs, \
+            gateway_logs[-3000:]
 
         executor_logs = run("logs", "--no-color", "executor").stdout
         assert "kernel_ready" in executor_logs or "kernel_compile_finished" in executor_logs, executor_logs[-3000:]

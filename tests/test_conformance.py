@@ -88,7 +88,11 @@ def test_real_kvmanager_conforms(start_service):
     proc = run_kit("kvmanager", service.address)
     assert_all_pass(proc)
     assert {"publish.not_in_handing_allocate", "publish.after_written", "publish.freed_unreported", "reset.in_use",
-            "register.new_instance_invalidates", "invalid.atomic_batch", "stats.invariants"} <= set(verdicts(proc))
+            "register.new_instance_invalidates", "invalid.atomic_batch", "stats.invariants",
+            "allocate.socket"} <= set(verdicts(proc))
+    without_socket = run_kit("kvmanager", start_service("kvmanager", "--allocate-socket", "off").address)
+    assert_all_pass(without_socket, may_skip=("allocate.socket",))
+    assert verdicts(without_socket)["allocate.socket"][0] == "SKIP"
 
 
 def test_help_list_and_bad_arguments():

@@ -167,6 +167,9 @@ def test_kvmanager_killed_under_load_and_restarted_costs_the_streams_nothing(clu
     for executor in stack["executors"]:
         pool = f"executor@{executor.address}"
         assert wait_for(lambda: used_blocks(kvmanager.address, pool) == 0, 15), f"blocks held in {pool}"
+    # Both backends' Allocates shared one allocate socket before the kill, and the new kvmanager's after it.
+    opened = [line for line in stack["gateway"].log_path.read_text().splitlines() if "allocate_socket_open" in line]
+    assert len({line.split("path")[1] for line in opened}) == 2, opened
 
 
 def routed_hit_rate(url: str, system_prompts: list[list[int]], order: list[int], concurrency: int) -> float:

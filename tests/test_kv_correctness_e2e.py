@@ -216,6 +216,8 @@ def test_sequence_preempted_in_the_step_that_allocated_it_reads_only_its_own_kv(
         assert cached_tokens(salted) == 0
         assert_same_output(in_batch, output(salted["choices"][0]), "X preempted in the batch")
         assert_same_output(output(alone["choices"][0]), output(salted["choices"][0]), "X alone")
+        # Those Allocates and Frees went over kvmanager's allocate socket, not gRPC.
+        assert "allocate_socket_open" in services.gateway.log_path.read_text()
     finally:
         services.stop()
 

@@ -15,7 +15,6 @@ import stat
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -115,14 +114,6 @@ def _socket_dir(parent: Path, name: str, *, listening: bool | None, age_s: float
     old = os.stat(directory).st_mtime - age_s
     os.utime(directory, (old, old))
     return directory, sock
-
-
-@pytest.fixture
-def short_tmp_path():
-    """A Unix socket's path must fit in 108 bytes; tmp_path under a parallel worker's base
-    directory plus two more levels may not."""
-    with tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp") as path:
-        yield Path(path)
 
 
 def test_auto_makes_its_directory_under_step_socket_dir_and_clears_dead_executors_ones(

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.conformance import Fail, RuleSet, expect_status, require, rpc_error_text
+from kvserve.conformance import Fail, RuleSet, Skip, expect_status, require, rpc_error_text
+from kvserve.conformance.step_socket_client import StepSocketClient
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -57,6 +58,7 @@ class Pool:
         self.max_model_len = max_model_len
         self.instance = instance
         self.session = ""
+        self.opened = pb.OpenSessionResponse()
         self.seqs: dict[int, Seq] = {}
 
     # -- pool and session --
@@ -80,6 +82,7 @@ class Pool:
                                           timeout=self.ctx.timeout)
         require(bool(reply.session_id), "OpenSession returned an empty session_id")
         self.session = reply.session_id
+        self.opened = reply
         return self
 
     def __exit__(self, *exc) -> None:
@@ -613,6 +616,51 @@ def invalid_free_unknown(ctx: KVManagerContext) -> str:
         free = pb.FreeRequest(pool_id=pool.pool_id, session_id=pool.session, seq_ids=[seq.seq_id, ctx.seq_id()])
         rejected(pool, free, "Free of a known and an unknown sequence", code=NOT_FOUND, rpc="Free")
     return "NOT_FOUND, stats unchanged"
+
+
+# ---- the allocate socket ------------------------------------------------------------------
+
+SOCKET_ALLOCATE, SOCKET_FREE = 1, 2  # method numbers (docs/kvmanager.md, "The allocate socket")
+
+
+@rules.rule("allocate.socket",
+            "the allocate socket (optional; SKIP where OpenSession names none, it is on another host or wants a "
+            "token): the greeting names OpenSession's instance_id; an Allocate on it is answered as over gRPC on a "
+            "twin pool; an unknown method number is UNIMPLEMENTED and the connection serves the next call (a Free)")
+def allocate_socket(ctx: KVManagerContext) -> str:
+    with ctx.pool() as over_socket, ctx.pool() as over_grpc:
+        offer = over_socket.opened
+        if not offer.allocate_socket:
+            raise Skip("OpenSession names no allocate socket")
+        try:
+            client = StepSocketClient(offer.allocate_socket, timeout=ctx.timeout)
+        except OSError as error:
+            raise Skip(f"the allocate socket {offer.allocate_socket} cannot be opened from here: {error}") from error
+        try:
+            status, body = client.greeting
+            if status == grpc.StatusCode.UNAUTHENTICATED.value[0]:
+                raise Skip("the allocate socket wants a service token")
+            require(status == 0 and body.decode(errors="replace") == offer.instance_id,
+                    f"the greeting answered status {status} {body[:80]!r}, not OK and OpenSession's instance_id")
+            seq_id, tokens = ctx.seq_id(), ctx.tokens(PROMPT)
+            status, body = client.exchange(bytes((SOCKET_ALLOCATE,)) + over_socket.allocate_request(
+                [(seq_id, tokens, PROMPT)]).SerializeToString())
+            require(status == 0, f"an Allocate on the socket answered status {status}: {body[:200]!r}")
+            got = pb.AllocateResponse.FromString(body).results
+            expected = over_grpc.allocate([(ctx.seq_id(), tokens, PROMPT)]).results
+            require(len(got) == 1 and (got[0].status, got[0].start_position, got[0].num_tokens, len(got[0].block_table))
+                    == (expected[0].status, expected[0].start_position, expected[0].num_tokens,
+                        len(expected[0].block_table)),
+                    f"the socket's answer {got} differs from gRPC's {expected} on a twin pool")
+            status, _ = client.exchange(bytes((9,)) + b"")
+            require(status == grpc.StatusCode.UNIMPLEMENTED.value[0], f"method number 9 answered status {status}")
+            free = pb.FreeRequest(pool_id=over_socket.pool_id, session_id=over_socket.session, seq_ids=[seq_id])
+            status, body = client.exchange(bytes((SOCKET_FREE,)) + free.SerializeToString())
+            require(status == 0, f"a Free on the socket answered status {status}: {body[:200]!r}")
+            require(over_socket.stats().num_used_blocks == 0, "blocks still used after the Free on the socket")
+        finally:
+            client.close()
+    return f"{len(got[0].block_table)} blocks as over gRPC, UNIMPLEMENTED for method 9, then a Free"
 
 
 # ---- sessions and invariants -------------------------------------------------------------

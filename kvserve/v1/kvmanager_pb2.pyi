@@ -77,12 +77,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "ttl_ms")
+    __slots__ = ("session_id", "ttl_ms", "allocate_socket", "instance_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ttl_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+    allocate_socket: str
+    instance_id: str
+    def __init__(self, session_id: _Optional[str] = ..., ttl_ms: _Optional[int] = ..., allocate_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RenewSessionRequest(_message.Message):
     __slots__ = ("session_id",)

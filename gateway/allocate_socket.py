@@ -1,0 +1,99 @@
+"""The gateway's end of kvmanager's allocate socket (docs/kvmanager.md, "The allocate socket").
+
+OpenSession may name a Unix socket on kvmanager's host that takes Allocate and Free framed
+(kvmanager/allocate_socket.py). ``AllocateSocket.open`` connects, sends the service token and
+checks that the kvmanager answering is the one whose OpenSession named it (its instance id).
+Calls are pipelined: each is written at once and its reply is the next unanswered one in
+order, so several backends (one per executor) share one connection, and a caller that gives up
+leaves the order intact.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import grpc
+
+from kvserve.step_frames import FrameTooLarge, frame, split_reply
+from kvserve.unix_sockets import read_frame
+
+ALLOCATE, FREE = 1, 2  # method numbers (kvmanager/allocate_socket.py, METHODS)
+
+
+class AllocateSocketRefused(Exception):
+    """The socket answered, but not as the kvmanager that named it (or without the token)."""
+
+
+class AllocateSocketBroken(Exception):
+    """The connection ended or was closed; calls not yet answered may or may not have been applied."""
+
+
+class AllocateSocket:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader = reader
+        self._writer = writer
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._broken: str | None = None
+        self._reads: asyncio.Task | None = None
+
+    @classmethod
+    async def open(cls, path: str, service_token: str | None, instance_id: str, timeout: float) -> AllocateSocket:
+        """Raises ``OSError``, ``asyncio.TimeoutError``, ``asyncio.IncompleteReadError``,
+        ``FrameTooLarge`` or ``AllocateSocketRefused``."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+        try:
+            writer.write(frame((service_token or "").encode()))
+            status, payload = split_reply(await asyncio.wait_for(read_frame(reader), timeout))
+            if status is not grpc.StatusCode.OK:
+                raise AllocateSocketRefused(f"{status.name}: {payload.decode(errors='replace')}")
+            if payload.decode(errors="replace") != instance_id:
+                raise AllocateSocketRefused(f"it belongs to kvmanager instance {payload.decode(errors='replace')!r}, "
+                                            f"not {instance_id!r}")
+        except BaseException:
+            writer.close()
+            raise
+        allocate_socket = cls(reader, writer)
+        allocate_socket._reads = asyncio.get_running_loop().create_task(allocate_socket._read_replies())
+        return allocate_socket
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    async def call(self, method: int, request_bytes: bytes, timeout: float) -> tuple[grpc.StatusCode, bytes]:
+        """One call's status and payload. ``AllocateSocketBroken`` when the connection ends first;
+        ``asyncio.TimeoutError`` after ``timeout`` (the connection is then closed: a kvmanager
+        that does not answer in time is not waited for again)."""
+        if self._broken is not None:
+            raise AllocateSocketBroken(self._broken)
+        reply = asyncio.get_running_loop().create_future()
+        self._waiting.append(reply)
+        self._writer.write(frame(bytes((method,)) + request_bytes))  # on its way before the caller waits
+        try:
+            return await asyncio.wait_for(reply, timeout)  # a caller that goes away cancels its reply: skipped
+        except asyncio.TimeoutError:
+            self.close(f"no reply within {timeout:.1f} s")
+            raise
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                payload = await read_frame(self._reader)
+                if not self._waiting:
+                    raise AllocateSocketBroken("a reply to no call")
+                reply = self._waiting.popleft()
+                if not reply.done():
+                    reply.set_result(split_reply(payload))
+        except (OSError, asyncio.IncompleteReadError, FrameTooLarge, AllocateSocketBroken) as exc:
+            self.close(f"the allocate socket failed: {exc!r}")
+
+    def close(self, reason: str = "closed") -> None:
+        if self._broken is None:
+            self._broken = reason
+        self._writer.close()
+        if self._reads is not None and self._reads is not asyncio.current_task():
+            self._reads.cancel()
+        while self._waiting:
+            reply = self._waiting.popleft()
+            if not reply.done():
+                reply.set_exception(AllocateSocketBroken(self._broken))
