@@ -35,9 +35,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gateway.clients import (
-    DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, KVManagerClient, watch_for_breaks,
-)
+from gateway.clients import DependencyError, ExecuteOutput, ExecutorClient, ExecutorInfo, watch_for_breaks
+from gateway.kvmanager_client import KVManagerClient
 from gateway.scheduler import AllocationResult, ScheduledSeq, Scheduler
 from gateway.sequence import GenerationRequest, RequestOutput
 from gateway.store_exchange import StoreExchange

@@ -37,7 +37,8 @@ from types import SimpleNamespace
 
 from gateway.aio import wait_within
 from gateway.backend import UNAVAILABLE_RETRY_S, Backend, BackendHooks
-from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, KVManagerClient, watch_for_breaks
+from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, watch_for_breaks
+from gateway.kvmanager_client import KVManagerClient
 from gateway.detokenizer import ModelTokenizer
 from gateway.discovery import ExecutorTarget, parse_targets, resolve_targets
 from gateway.metrics import GatewayMetrics

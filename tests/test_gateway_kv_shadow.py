@@ -90,7 +90,7 @@ def rpc_error(exc: KVServeError) -> DependencyError:
 
 
 class InProcessKVManager:
-    """``gateway.clients.KVManagerClient``'s interface over the real ``KVManager`` domain."""
+    """``gateway.kvmanager_client.KVManagerClient``'s interface over the real ``KVManager`` domain."""
 
     def __init__(self, manager: KVManager, seen: Counter):
         self.seen = seen

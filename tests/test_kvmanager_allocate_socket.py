@@ -18,7 +18,8 @@ import grpc
 import pytest
 from google.protobuf.json_format import MessageToDict
 
-from gateway.clients import DependencyError, KVManagerClient
+from gateway.clients import DependencyError
+from gateway.kvmanager_client import KVManagerClient
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
