@@ -15,7 +15,7 @@ import collections
 import grpc
 
 from kvserve.step_frames import FrameTooLarge, frame, split_reply
-from kvserve.unix_sockets import read_frame
+from kvserve.unix_sockets import greet, read_frame
 
 ALLOCATE, FREE = 1, 2  # method numbers (kvmanager/allocate_socket.py, METHODS)
 
@@ -42,13 +42,7 @@ class AllocateSocket:
         ``FrameTooLarge`` or ``AllocateSocketRefused``."""
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
         try:
-            writer.write(frame((service_token or "").encode()))
-            status, payload = split_reply(await asyncio.wait_for(read_frame(reader), timeout))
-            if status is not grpc.StatusCode.OK:
-                raise AllocateSocketRefused(f"{status.name}: {payload.decode(errors='replace')}")
-            if payload.decode(errors="replace") != instance_id:
-                raise AllocateSocketRefused(f"it belongs to kvmanager instance {payload.decode(errors='replace')!r}, "
-                                            f"not {instance_id!r}")
+            await greet(reader, writer, service_token, instance_id, "kvmanager", timeout, AllocateSocketRefused)
         except BaseException:
             writer.close()
             raise

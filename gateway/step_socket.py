@@ -13,6 +13,7 @@ import asyncio
 import grpc
 
 from kvserve.step_frames import HEADER, frame, frame_length, split_reply
+from kvserve.unix_sockets import greet
 
 
 class StepSocketRefused(Exception):
@@ -33,13 +34,7 @@ class StepSocket:
         reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
         step_socket = cls(reader, writer)
         try:
-            step_socket.send((service_token or "").encode())
-            status, payload = await asyncio.wait_for(step_socket.read_reply(), timeout)
-            if status is not grpc.StatusCode.OK:
-                raise StepSocketRefused(f"{status.name}: {payload.decode(errors='replace')}")
-            if payload.decode(errors="replace") != instance_id:
-                raise StepSocketRefused(f"it belongs to executor instance {payload.decode(errors='replace')!r}, "
-                                        f"not {instance_id!r}")
+            await greet(reader, writer, service_token, instance_id, "executor", timeout, StepSocketRefused)
         except BaseException:
             step_socket.close()
             raise

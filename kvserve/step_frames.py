@@ -1,11 +1,13 @@
-"""Frames of the executor's step socket (docs/executor-contract.md, "The step socket").
+"""Frames of the executor's step socket (docs/executor-contract.md, "The step socket") and of
+kvmanager's allocate socket (docs/kvmanager.md, "The allocate socket").
 
 Every frame is a 4-byte big-endian length, then that many bytes. The client's
 frames carry a greeting (its service token, UTF-8, empty without one) and then
-one ``ExecuteRequest`` each. The executor's frames start with a status byte (a
-gRPC status code number, 0 for OK) followed by the greeting's answer (its
-``instance_id``) or an ``ExecuteResponse`` when OK, else a UTF-8 error message.
-Replies come in request order, one per frame; a refused step leaves the
+one request each (the step socket: an ``ExecuteRequest``; the allocate socket: a
+method number byte and its request). The server's frames start with a status byte
+(a gRPC status code number, 0 for OK) followed by the greeting's answer (its
+``instance_id``) or the response message when OK, else a UTF-8 error message.
+Replies come in request order, one per frame; a refused call leaves the
 connection open.
 """
 from __future__ import annotations

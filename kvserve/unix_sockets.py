@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from kvserve.errors import StartupError
-from kvserve.step_frames import HEADER, frame_length
+from kvserve.step_frames import HEADER, frame, frame_length, split_reply
 
 # A directory of ``auto``'s this old with no listener is a dead process's: a live one binds its
 # socket right after making the directory.
@@ -122,3 +124,16 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     """One frame's payload; ``asyncio.IncompleteReadError`` at EOF, ``FrameTooLarge`` past the limit."""
     length = frame_length(await reader.readexactly(HEADER.size))
     return await reader.readexactly(length)
+
+
+async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service_token: str | None,
+                instance_id: str, owner: str, timeout: float, refused: type[Exception]) -> None:
+    """A client's greeting: its token out, the answering process's instance id back. Raises
+    ``refused`` when the socket refuses the token or is not ``owner`` instance ``instance_id``'s."""
+    writer.write(frame((service_token or "").encode()))
+    status, payload = split_reply(await asyncio.wait_for(read_frame(reader), timeout))
+    answer = payload.decode(errors="replace")
+    if status is not grpc.StatusCode.OK:
+        raise refused(f"{status.name}: {answer}")
+    if answer != instance_id:
+        raise refused(f"it belongs to {owner} instance {answer!r}, not {instance_id!r}")
