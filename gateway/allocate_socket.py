@@ -50,10 +50,6 @@ class AllocateSocket:
         allocate_socket._reads = asyncio.get_running_loop().create_task(allocate_socket._read_replies())
         return allocate_socket
 
-    @property
-    def broken(self) -> bool:
-        return self._broken is not None
-
     async def call(self, method: int, request_bytes: bytes, timeout: float) -> tuple[grpc.StatusCode, bytes]:
         """One call's status and payload. ``AllocateSocketBroken`` when the connection ends first;
         ``asyncio.TimeoutError`` after ``timeout`` (the connection is then closed: a kvmanager

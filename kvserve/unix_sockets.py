@@ -20,7 +20,10 @@ from pathlib import Path
 import grpc
 
 from kvserve.errors import StartupError
+from kvserve.logs import get_logger
 from kvserve.step_frames import HEADER, frame, frame_length, split_reply
+
+log = get_logger("kvserve.unix_sockets")
 
 # A directory of ``auto``'s this old with no listener is a dead process's: a live one binds its
 # socket right after making the directory.
@@ -43,7 +46,9 @@ class SocketPlace:
         if where != "auto":
             return Path(where), None
         parent = Path(parent or tempfile.gettempdir())
-        remove_dead_socket_dirs(parent, self.dir_prefix, self.name)
+        removed = remove_dead_socket_dirs(parent, self.dir_prefix, self.name)
+        if removed:
+            log.info("socket_dirs_removed", socket=self.name, parent=str(parent), count=removed)
         try:
             owned = Path(tempfile.mkdtemp(prefix=self.dir_prefix, dir=parent))  # mode 0700
         except OSError as exc:
