@@ -120,13 +120,13 @@ async def serve(args, manager: KVManager) -> None:
     servicer = KVManagerService(manager, token_or_none(args.admin_key))
     allocate_socket = AllocateSocketListener.create(args.allocate_socket, new_instance_id(), servicer,
                                                     token_or_none(args.service_token), args.allocate_socket_dir)
-    if allocate_socket is not None:
-        await allocate_socket.start()
-        servicer.offer_allocate_socket(str(allocate_socket.path), allocate_socket.instance_id)
     server = GrpcServer(PROG, args.host, args.port, [
         Service(SERVICE_NAME, servicer, kvmanager_pb2_grpc.add_KVManagerServicer_to_server),
     ], auth=token_or_none(args.service_token), auth_what="service token", tls=TlsFiles.from_args(args))
     try:
+        if allocate_socket is not None:
+            await allocate_socket.start()
+            servicer.offer_allocate_socket(str(allocate_socket.path), allocate_socket.instance_id)
         await server.start()
         reaper = asyncio.create_task(reap_expired_sessions(manager, args.reap_interval_ms / 1000))
         signum = await wait_for_shutdown_signal()

@@ -91,13 +91,17 @@ class AllocateSocketListener:
         log.info("allocate_socket_ready", path=str(self.path))
 
     async def stop(self) -> None:
+        """Stops serving and removes the socket (and the directory ``auto`` made); after a start that
+        failed, whatever was at the path stays."""
         if self._server is not None:
             self._server.close()
             for writer in list(self._connections):
                 writer.close()
             await self._server.wait_closed()
             self._server = None
-        remove_socket(self.path, self._owned_dir)
+            remove_socket(self.path, self._owned_dir)
+        else:
+            remove_socket(None, self._owned_dir)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)

@@ -83,8 +83,9 @@ class SocketPlace:
         path.unlink(missing_ok=True)
 
 
-def remove_socket(path: Path, owned_dir: Path | None) -> None:
-    path.unlink(missing_ok=True)
+def remove_socket(path: Path | None, owned_dir: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
     if owned_dir is not None:
         shutil.rmtree(owned_dir, ignore_errors=True)
 

@@ -12,6 +12,8 @@ import asyncio
 import socket
 import stat
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -233,3 +235,30 @@ def test_kvmanager_gone_mid_session_is_unavailable_not_a_refusal(kvmanager):
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_path_taken_or_unusable_is_a_one_line_error_and_a_stale_socket_is_replaced(start_service, short_tmp_path):
+    def start_failing(path: Path) -> str:
+        done = subprocess.run([sys.executable, "-m", "kvmanager", "--port", "0", "--allocate-socket", str(path)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stderr
+        return done.stderr.strip().splitlines()[-1]
+
+    not_a_socket = short_tmp_path / "data.txt"
+    not_a_socket.write_text("keep me")
+    assert "a file that is not a socket is there" in start_failing(not_a_socket)
+    assert not_a_socket.read_text() == "keep me"
+    taken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    taken.bind(str(short_tmp_path / "taken.sock"))
+    taken.listen(1)
+    assert "another process listens there" in start_failing(short_tmp_path / "taken.sock")
+    assert (short_tmp_path / "taken.sock").exists()
+    taken.close()
+
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a dead kvmanager's socket: nobody listens
+    stale.bind(str(short_tmp_path / "stale.sock"))
+    stale.close()
+    service = start_service("kvmanager", "--allocate-socket", str(short_tmp_path / "stale.sock"))
+    session = open_pool(grpc_stub(service), "p")
+    assert session.allocate_socket == str(short_tmp_path / "stale.sock")
+    assert RawClient(session.allocate_socket).greeting == (OK, session.instance_id.encode())
