@@ -43,7 +43,7 @@ from kvserve.conformance import Fail, RuleSet, Skip, expect_status, require, rpc
 from kvserve.conformance.comparison import Comparison, Sampled, sampled_from
 from kvserve.conformance.executor_context import (DECODE_STEPS, DESCRIBE_DEADLINE_S, TOPK, ExecutorContext,
                                                   Reference, blocks_for, greedy, sequence)
-from kvserve.conformance.step_socket_client import StepSocketClient
+from kvserve.conformance.step_socket_client import open_greeted
 from kvserve.v1 import executor_pb2 as pb
 from kvserve.v1 import executor_pb2_grpc
 
@@ -323,16 +323,8 @@ def out_of_vocabulary_step(ctx: ExecutorContext) -> pb.ExecuteRequest:
 def execute_step_socket(ctx: ExecutorContext) -> str:
     if not ctx.info.step_socket:
         raise Skip("Describe offers no step socket")
+    client = open_greeted(ctx.info.step_socket, ctx.info.instance_id, "the step socket", "Describe's", ctx.timeout)
     try:
-        client = StepSocketClient(ctx.info.step_socket, timeout=ctx.timeout)
-    except OSError as error:
-        raise Skip(f"the step socket {ctx.info.step_socket} cannot be opened from here: {error}") from error
-    try:
-        status, body = client.greeting
-        if status == grpc.StatusCode.UNAUTHENTICATED.value[0]:
-            raise Skip("the step socket wants a service token")
-        require(status == 0 and body.decode(errors="replace") == ctx.info.instance_id,
-                f"the greeting answered status {status} {body[:80]!r}, not OK and Describe's instance_id")
         ref = ctx.reference()
         steps, refused = reference_steps(ctx, ref), out_of_vocabulary_step(ctx)
         replies = []

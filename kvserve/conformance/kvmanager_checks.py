@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.conformance import Fail, RuleSet, Skip, expect_status, require, rpc_error_text
-from kvserve.conformance.step_socket_client import StepSocketClient
+from kvserve.conformance.step_socket_client import open_greeted
 from kvserve.v1 import kvmanager_pb2 as pb
 from kvserve.v1 import kvmanager_pb2_grpc
 
@@ -632,16 +632,9 @@ def allocate_socket(ctx: KVManagerContext) -> str:
         offer = over_socket.opened
         if not offer.allocate_socket:
             raise Skip("OpenSession names no allocate socket")
+        client = open_greeted(offer.allocate_socket, offer.instance_id, "the allocate socket", "OpenSession's",
+                              ctx.timeout)
         try:
-            client = StepSocketClient(offer.allocate_socket, timeout=ctx.timeout)
-        except OSError as error:
-            raise Skip(f"the allocate socket {offer.allocate_socket} cannot be opened from here: {error}") from error
-        try:
-            status, body = client.greeting
-            if status == grpc.StatusCode.UNAUTHENTICATED.value[0]:
-                raise Skip("the allocate socket wants a service token")
-            require(status == 0 and body.decode(errors="replace") == offer.instance_id,
-                    f"the greeting answered status {status} {body[:80]!r}, not OK and OpenSession's instance_id")
             seq_id, tokens = ctx.seq_id(), ctx.tokens(PROMPT)
             status, body = client.exchange(bytes((SOCKET_ALLOCATE,)) + over_socket.allocate_request(
                 [(seq_id, tokens, PROMPT)]).SerializeToString())

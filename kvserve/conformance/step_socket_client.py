@@ -1,13 +1,16 @@
-"""A step-socket client for the conformance kit, written from the frame layout in
-docs/executor-contract.md ("The step socket") with the standard library only."""
+"""A client of the executor's step socket and kvmanager's allocate socket for the conformance kit,
+written from the frame layout in docs/executor-contract.md ("The step socket") with the standard
+library only."""
 from __future__ import annotations
 
 import socket
 import struct
 
+from kvserve.conformance import Skip, require
 from kvserve.v1 import executor_pb2 as pb
 
 HEADER = struct.Struct(">I")
+UNAUTHENTICATED = 16  # gRPC's status code number
 
 
 class StepSocketClient:
@@ -50,3 +53,22 @@ class StepSocketClient:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def open_greeted(path: str, instance_id: str, what: str, whose: str, timeout: float) -> StepSocketClient:
+    """A client whose greeting answered OK and ``instance_id`` (``whose``: where that id came from).
+    SKIP where ``what`` cannot be opened from here or wants a service token."""
+    try:
+        client = StepSocketClient(path, timeout=timeout)
+    except OSError as error:
+        raise Skip(f"{what} {path} cannot be opened from here: {error}") from error
+    try:
+        status, body = client.greeting
+        if status == UNAUTHENTICATED:
+            raise Skip(f"{what} wants a service token")
+        require(status == 0 and body.decode(errors="replace") == instance_id,
+                f"the greeting answered status {status} {body[:80]!r}, not OK and {whose} instance_id")
+    except BaseException:
+        client.close()
+        raise
+    return client
