@@ -12,8 +12,8 @@ import asyncio
 
 import grpc
 
-from kvserve.step_frames import HEADER, frame, frame_length, split_reply
-from kvserve.unix_sockets import greet
+from kvserve.step_frames import frame, split_reply
+from kvserve.unix_sockets import greet, read_frame
 
 
 class StepSocketRefused(Exception):
@@ -47,8 +47,7 @@ class StepSocket:
     async def read_reply(self) -> tuple[grpc.StatusCode, bytes]:
         """The next reply frame's status and payload; ``asyncio.IncompleteReadError`` at EOF,
         ``FrameTooLarge`` for a length past the limit."""
-        length = frame_length(await self._reader.readexactly(HEADER.size))
-        return split_reply(await self._reader.readexactly(length))
+        return split_reply(await read_frame(self._reader))
 
     def close(self) -> None:
         self._writer.close()

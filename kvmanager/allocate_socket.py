@@ -93,15 +93,14 @@ class AllocateSocketListener:
     async def stop(self) -> None:
         """Stops serving and removes the socket (and the directory ``auto`` made); after a start that
         failed, whatever was at the path stays."""
-        if self._server is not None:
+        started = self._server is not None
+        if started:
             self._server.close()
             for writer in list(self._connections):
                 writer.close()
             await self._server.wait_closed()
             self._server = None
-            remove_socket(self.path, self._owned_dir)
-        else:
-            remove_socket(None, self._owned_dir)
+        remove_socket(self.path if started else None, self._owned_dir)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._connections.add(writer)
