@@ -28,6 +28,10 @@ class AllocateSocketBroken(Exception):
     """The connection ended or was closed; calls not yet answered may or may not have been applied."""
 
 
+class AllocateSocketTimeout(AllocateSocketBroken):
+    """A call had no reply in time: the connection is closed, and every call waiting on it fails."""
+
+
 class AllocateSocket:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         self._reader = reader
@@ -52,18 +56,21 @@ class AllocateSocket:
 
     async def call(self, method: int, request_bytes: bytes, timeout: float) -> tuple[grpc.StatusCode, bytes]:
         """One call's status and payload. ``AllocateSocketBroken`` when the connection ends first;
-        ``asyncio.TimeoutError`` after ``timeout`` (the connection is then closed: a kvmanager
-        that does not answer in time is not waited for again)."""
+        ``AllocateSocketTimeout`` after ``timeout`` (the connection is then closed: a kvmanager
+        that does not answer in time is not waited for again). A caller cancelled while it waits
+        cancels its reply, which is then skipped; it is never asyncio.wait_for, which on Python 3.11
+        returns a result that came with the cancellation and so loses the cancellation."""
         if self._broken is not None:
             raise AllocateSocketBroken(self._broken)
-        reply = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
         self._waiting.append(reply)
         self._writer.write(frame(bytes((method,)) + request_bytes))  # on its way before the caller waits
+        timer = loop.call_later(timeout, self.close, f"no reply within {timeout:.1f} s", AllocateSocketTimeout)
         try:
-            return await asyncio.wait_for(reply, timeout)  # a caller that goes away cancels its reply: skipped
-        except asyncio.TimeoutError:
-            self.close(f"no reply within {timeout:.1f} s")
-            raise
+            return await reply
+        finally:
+            timer.cancel()
 
     async def _read_replies(self) -> None:
         try:
@@ -77,7 +84,7 @@ class AllocateSocket:
         except (OSError, asyncio.IncompleteReadError, FrameTooLarge, AllocateSocketBroken) as exc:
             self.close(f"the allocate socket failed: {exc!r}")
 
-    def close(self, reason: str = "closed") -> None:
+    def close(self, reason: str = "closed", error: type[AllocateSocketBroken] = AllocateSocketBroken) -> None:
         if self._broken is None:
             self._broken = reason
         self._writer.close()
@@ -86,4 +93,4 @@ class AllocateSocket:
         while self._waiting:
             reply = self._waiting.popleft()
             if not reply.done():
-                reply.set_exception(AllocateSocketBroken(self._broken))
+                reply.set_exception(error(self._broken))

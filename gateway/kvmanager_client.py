@@ -9,7 +9,8 @@ import asyncio
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway.allocate_socket import ALLOCATE, FREE, AllocateSocket, AllocateSocketBroken, AllocateSocketRefused
+from gateway.allocate_socket import (ALLOCATE, FREE, AllocateSocket, AllocateSocketBroken, AllocateSocketRefused,
+                                     AllocateSocketTimeout)
 from gateway.clients import SOCKET_OPEN_TIMEOUT_S, ChannelSecurity, DependencyError, ExecutorInfo, _Client
 from gateway.scheduler import AllocationResult, ScheduledSeq
 from gateway.store_exchange import StoreExchange
@@ -140,13 +141,12 @@ class KVManagerClient(_Client):
             return await self._call(grpc_method, request, self._timeout)
         try:
             status, payload = await allocate_socket.call(method, request.SerializeToString(), self._timeout)
+        except AllocateSocketTimeout as exc:
+            self._drop_allocate_socket()
+            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED, f"the allocate socket: {exc}") from exc
         except AllocateSocketBroken as exc:
             self._drop_allocate_socket()
             raise self._error(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-        except asyncio.TimeoutError as exc:
-            self._drop_allocate_socket()
-            raise self._error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"no reply on the allocate socket within {self._timeout:.1f} s") from exc
         if status is not grpc.StatusCode.OK:
             raise self._error(status, payload.decode(errors="replace"))
         response_type = kvmanager_pb2.AllocateResponse if method == ALLOCATE else kvmanager_pb2.FreeResponse

@@ -262,3 +262,51 @@ def test_a_path_taken_or_unusable_is_a_one_line_error_and_a_stale_socket_is_repl
     session = open_pool(grpc_stub(service), "p")
     assert session.allocate_socket == str(short_tmp_path / "stale.sock")
     assert RawClient(session.allocate_socket).greeting == (OK, session.instance_id.encode())
+
+
+class _Writes:
+    """A transport stand-in: keeps what is written."""
+
+    def __init__(self):
+        self.frames: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.frames.append(data)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_caller_cancelled_as_its_reply_arrives_stays_cancelled():
+    """A backend that stops cancels its step loop while an Allocate waits; the reply may arrive in
+    the same turn of the event loop. The call must still end cancelled (Python 3.11's wait_for
+    returned the reply instead, and the loop it ran in went on, never stopping)."""
+    from gateway.allocate_socket import AllocateSocket
+
+    async def scenario():
+        allocate_socket = AllocateSocket(asyncio.StreamReader(), _Writes())
+        call = asyncio.ensure_future(allocate_socket.call(ALLOCATE, b"", 5.0))
+        await asyncio.sleep(0)  # written, waiting for its reply
+        allocate_socket._waiting[0].set_result((grpc.StatusCode.OK, b""))  # the reply comes ...
+        call.cancel()  # ... as the caller is cancelled, before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+    asyncio.run(scenario())
+
+
+def test_a_call_without_a_reply_in_time_is_deadline_exceeded_and_fails_the_others_waiting():
+    from gateway.allocate_socket import AllocateSocket, AllocateSocketBroken, AllocateSocketTimeout
+
+    async def scenario():
+        allocate_socket = AllocateSocket(asyncio.StreamReader(), _Writes())
+        slow = asyncio.ensure_future(allocate_socket.call(ALLOCATE, b"", 0.05))
+        other = asyncio.ensure_future(allocate_socket.call(FREE, b"", 5.0))
+        with pytest.raises(AllocateSocketTimeout):
+            await slow
+        with pytest.raises(AllocateSocketBroken):
+            await other
+        with pytest.raises(AllocateSocketBroken):  # closed: no call is written on it again
+            await allocate_socket.call(ALLOCATE, b"", 5.0)
+
+    asyncio.run(scenario())
