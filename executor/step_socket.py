@@ -26,6 +26,7 @@ from google.protobuf.message import DecodeError
 from executor.runner import ModelRunner
 from executor.service import run_step
 from executor.torch_thread import TorchThread
+from kvserve.aio import wait_within
 from kvserve.auth import BearerToken
 from kvserve.errors import KVServeError
 from kvserve.logs import get_logger
@@ -167,7 +168,7 @@ class StepSocketListener:
         """The client's first frame is its token; the answer, this executor's instance id."""
         loop = asyncio.get_running_loop()
         try:
-            token = await asyncio.wait_for(_read_frame(loop, conn), GREETING_TIMEOUT_S)
+            token = await wait_within(_read_frame(loop, conn), GREETING_TIMEOUT_S)
             if self._token is not None and not self._token.matches_secret(token):
                 await loop.sock_sendall(conn, error_frame(grpc.StatusCode.UNAUTHENTICATED,
                                                           "the step socket needs the executor's service token"))

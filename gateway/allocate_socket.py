@@ -15,7 +15,7 @@ import collections
 import grpc
 
 from kvserve.step_frames import FrameTooLarge, frame, split_reply
-from kvserve.unix_sockets import greet, read_frame
+from kvserve.unix_sockets import open_greeted, read_frame
 
 ALLOCATE, FREE = 1, 2  # method numbers (kvmanager/allocate_socket.py, METHODS)
 
@@ -44,13 +44,8 @@ class AllocateSocket:
     async def open(cls, path: str, service_token: str | None, instance_id: str, timeout: float) -> AllocateSocket:
         """Raises ``OSError``, ``asyncio.TimeoutError``, ``asyncio.IncompleteReadError``,
         ``FrameTooLarge`` or ``AllocateSocketRefused``."""
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-        try:
-            await greet(reader, writer, service_token, instance_id, "kvmanager", timeout, AllocateSocketRefused)
-        except BaseException:
-            writer.close()
-            raise
-        allocate_socket = cls(reader, writer)
+        allocate_socket = cls(*await open_greeted(path, service_token, instance_id, "kvmanager", timeout,
+                                                  AllocateSocketRefused))
         allocate_socket._reads = asyncio.get_running_loop().create_task(allocate_socket._read_replies())
         return allocate_socket
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 
-from gateway.aio import wait_within
+from kvserve.aio import wait_within
 from gateway.backend import UNAVAILABLE_RETRY_S, Backend, BackendHooks
 from gateway.clients import ChannelSecurity, DependencyError, ExecutorInfo, watch_for_breaks
 from gateway.kvmanager_client import KVManagerClient

@@ -13,7 +13,7 @@ import asyncio
 import grpc
 
 from kvserve.step_frames import frame, split_reply
-from kvserve.unix_sockets import greet, read_frame
+from kvserve.unix_sockets import open_greeted, read_frame
 
 
 class StepSocketRefused(Exception):
@@ -31,14 +31,7 @@ class StepSocket:
     async def open(cls, path: str, service_token: str | None, instance_id: str, timeout: float) -> StepSocket:
         """Raises ``OSError``, ``asyncio.TimeoutError``, ``asyncio.IncompleteReadError`` or
         ``StepSocketRefused`` when the socket is not this executor's or refuses the token."""
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-        step_socket = cls(reader, writer)
-        try:
-            await greet(reader, writer, service_token, instance_id, "executor", timeout, StepSocketRefused)
-        except BaseException:
-            step_socket.close()
-            raise
-        return step_socket
+        return cls(*await open_greeted(path, service_token, instance_id, "executor", timeout, StepSocketRefused))
 
     def send(self, payload: bytes) -> None:
         """Queues one frame; the transport writes it before returning when the socket takes it."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.message import DecodeError
 
+from kvserve.aio import wait_within
 from kvserve.auth import BearerToken
 from kvserve.errors import KVServeError
 from kvserve.logs import get_logger
@@ -116,7 +117,7 @@ class AllocateSocketListener:
             writer.close()
 
     async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        token = await asyncio.wait_for(read_frame(reader), GREETING_TIMEOUT_S)
+        token = await wait_within(read_frame(reader), GREETING_TIMEOUT_S)
         if self._token is not None and not self._token.matches_secret(token):
             writer.write(error_frame(grpc.StatusCode.UNAUTHENTICATED,
                                      "the allocate socket needs kvmanager's service token"))
@@ -129,4 +130,4 @@ class AllocateSocketListener:
             payload = await read_frame(reader)
             writer.write(await answer_call(self._servicer, payload))
             if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH_BYTES:
-                await asyncio.wait_for(writer.drain(), SEND_TIMEOUT_S)
+                await wait_within(writer.drain(), SEND_TIMEOUT_S)

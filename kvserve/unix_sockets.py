@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from kvserve.aio import wait_within
 from kvserve.errors import StartupError
 from kvserve.logs import get_logger
 from kvserve.step_frames import HEADER, frame, frame_length, split_reply
@@ -132,14 +133,39 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes:
     return await reader.readexactly(length)
 
 
-async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, service_token: str | None,
-                instance_id: str, owner: str, timeout: float, refused: type[Exception]) -> None:
-    """A client's greeting: its token out, the answering process's instance id back. Raises
-    ``refused`` when the socket refuses the token or is not ``owner`` instance ``instance_id``'s."""
-    writer.write(frame((service_token or "").encode()))
-    status, payload = split_reply(await asyncio.wait_for(read_frame(reader), timeout))
-    answer = payload.decode(errors="replace")
-    if status is not grpc.StatusCode.OK:
-        raise refused(f"{status.name}: {answer}")
-    if answer != instance_id:
-        raise refused(f"it belongs to {owner} instance {answer!r}, not {instance_id!r}")
+async def open_greeted(path: str, service_token: str | None, instance_id: str, owner: str, timeout: float,
+                       refused: type[Exception]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client's connection whose greeting passed: its token out, the answering process's instance
+    id back, all within ``timeout``. Raises ``refused`` when the socket refuses the token or is not
+    ``owner`` instance ``instance_id``'s; ``OSError``, ``asyncio.TimeoutError``,
+    ``asyncio.IncompleteReadError`` or ``FrameTooLarge`` otherwise. A caller cancelled meanwhile is
+    cancelled (never handed a connection as ``asyncio.wait_for`` would on Python 3.11), and the
+    connection is closed whenever it is not returned."""
+    opening = asyncio.ensure_future(_connect_and_greet(path, service_token, instance_id, owner, refused))
+    try:
+        return await wait_within(opening, timeout)
+    except BaseException:
+        opening.add_done_callback(_close_unreturned)
+        raise
+
+
+async def _connect_and_greet(path: str, service_token: str | None, instance_id: str, owner: str,
+                             refused: type[Exception]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        writer.write(frame((service_token or "").encode()))
+        status, payload = split_reply(await read_frame(reader))
+        answer = payload.decode(errors="replace")
+        if status is not grpc.StatusCode.OK:
+            raise refused(f"{status.name}: {answer}")
+        if answer != instance_id:
+            raise refused(f"it belongs to {owner} instance {answer!r}, not {instance_id!r}")
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer
+
+
+def _close_unreturned(opening: asyncio.Future) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()[1].close()

@@ -1,9 +1,9 @@
-"""The gateway's step and dispatch loops wait with a deadline; stopping them must always stop them."""
+"""Loops and connections wait with a deadline; stopping them must always stop them."""
 import asyncio
 
 import pytest
 
-from gateway.aio import wait_within
+from kvserve.aio import wait_within
 
 
 def test_a_cancel_arriving_as_the_wait_ends_is_not_lost():

@@ -1,4 +1,4 @@
-"""asyncio helpers the long-lived gateway tasks need."""
+"""asyncio helpers for the long-lived tasks of every service: a deadline that never loses a cancellation."""
 from __future__ import annotations
 
 import asyncio
