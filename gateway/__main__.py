@@ -19,6 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.routing import ROUTING_POLICIES
 from gateway.scheduler import SchedulerConfig
 from gateway.tenants import TenantResolver, load_api_keys, parse_tenant_list
+from kvserve.aio import wait_within
 from kvserve.auth import token_or_none
 from kvserve.config import EnvArgumentParser, add_server_flags, check_server_flags, config_from_args
 from kvserve.errors import StartupError
@@ -182,7 +183,7 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     http.should_exit = True
     await grpc_server.stop(args.shutdown_grace)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(http_task, args.shutdown_grace + 1)
+        await wait_within(http_task, args.shutdown_grace + 1)
     signal_task.cancel()
     log.info("gateway_stopped")
 

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import SampledToken, ScheduledSeq
 from gateway.step_socket import StepSocket, StepSocketRefused
+from kvserve.aio import wait_within
 from kvserve.store_orders import StoreOrders
 from kvserve.auth import bearer_call_interceptors, channel_credentials
 from kvserve.errors import Unavailable
@@ -162,7 +163,7 @@ async def _answered_unimplemented(call: grpc.aio.StreamStreamCall, exc: grpc.aio
     if exc.code() != grpc.StatusCode.INTERNAL:
         return False
     try:
-        return await asyncio.wait_for(call.code(), 1.0) == grpc.StatusCode.UNIMPLEMENTED
+        return await wait_within(call.code(), 1.0) == grpc.StatusCode.UNIMPLEMENTED
     except (asyncio.TimeoutError, grpc.aio.AioRpcError):
         return False
 

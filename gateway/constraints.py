@@ -24,6 +24,7 @@ import llguidance
 import numpy as np
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
+from kvserve.aio import wait_within
 from kvserve.errors import InvalidArgument
 
 # The longest schema, regex or grammar text accepted.
@@ -175,8 +176,8 @@ class GrammarCompiler:
             raise InvalidArgument(f"{spec.where}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(spec.value)}")
         loop = asyncio.get_running_loop()
         try:
-            compiled = await asyncio.wait_for(loop.run_in_executor(self._pool, self.compile_now, spec),
-                                              COMPILE_TIMEOUT_S)
+            compiled = await wait_within(loop.run_in_executor(self._pool, self.compile_now, spec),
+                                          COMPILE_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise InvalidArgument(f"{spec.where}: did not compile within {COMPILE_TIMEOUT_S:g} s; "
                                   f"simplify it") from None

@@ -37,6 +37,7 @@ from gateway.scheduler import RequestTooLarge
 from gateway.streams import MergedStream, RequestStream
 from gateway.tenants import TENANT_HEADER, TenantResolver
 from gateway.tool_calls import ToolCalling, render_tool_messages
+from kvserve.aio import wait_within
 from kvserve.auth import BearerToken
 from kvserve.errors import InvalidArgument, KVServeError
 from kvserve.logs import get_logger
@@ -266,7 +267,7 @@ async def health(request: Request):
 async def metrics(request: Request):
     engine = _engine(request)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(engine.refresh_pool_stats(), 1.0)
+        await wait_within(engine.refresh_pool_stats(), 1.0)
     return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,5 +1,6 @@
 """Loops and connections wait with a deadline; stopping them must always stop them."""
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +43,16 @@ def test_the_result_or_error_comes_back():
             await wait_within(failing(), 1.0)
 
     asyncio.run(scenario())
+
+
+def test_no_service_waits_with_asyncio_wait_for():
+    """Each service's waits go through wait_within: asyncio.wait_for's lost cancellation hung a
+    backend's stop in CI (the allocate socket's call) and could hand a connection to a caller
+    already gone (the sockets' greetings)."""
+    root = Path(__file__).resolve().parents[1]
+    offenders = [f"{path.relative_to(root)}:{n}"
+                 for package in ("gateway", "executor", "kvmanager", "kvserve")
+                 for path in sorted((root / package).rglob("*.py"))
+                 for n, line in enumerate(path.read_text().splitlines(), 1)
+                 if "asyncio.wait_for(" in line and not line.lstrip().startswith(("#", '"', "``"))]
+    assert offenders == []
