@@ -745,14 +745,18 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group_w = w + g * (kGroup / 4) * kQuadBytes;
+    const int8_t* group_a = a + g * kGroup;
+    for (int64_t quad = 0; quad < kGroup / 4; ++quad) prefetch_ahead(group_w + quad * kQuadBytes);
     __m512i dots[ROWS];
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
+    // Unrolled: GCC 12 leaves this loop rolled for 5-8 rows and copies each
+    // accumulator twice per multiply-add (the kernel 15 % slower at 8 rows on a Zen 4).
+#pragma GCC unroll 8
     for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
-      const int64_t k0 = g * kGroup + 4 * quad;
-      prefetch_ahead(w + (k0 / 4) * kQuadBytes);
-      const __m512i wv = _mm512_loadu_si512(w + (k0 / 4) * kQuadBytes);
+      const __m512i wv = _mm512_loadu_si512(group_w + quad * kQuadBytes);
       for (int m = 0; m < ROWS; ++m) {
-        dots[m] = _mm512_dpbusd_epi32(dots[m], wv, _mm512_set1_epi32(load_32_bits(a + m * k + k0)));
+        dots[m] = _mm512_dpbusd_epi32(dots[m], wv, _mm512_set1_epi32(load_32_bits(group_a + m * k + 4 * quad)));
       }
     }
     for (int m = 0; m < ROWS; ++m) {
