@@ -267,7 +267,7 @@ def test_causal_softmax_refuses_positions_outside_the_scores(cpu_ops):
 @pytest.fixture
 def prefill_ops(cpu_ops):
     if not cpu_ops.has_prefill_attention():
-        pytest.skip("this CPU has no AMX bf16 tiles: prefill attention keeps the two GEMMs and causal_softmax_")
+        pytest.skip("this CPU has no AVX-512 BF16: prefill attention keeps the two GEMMs and causal_softmax_")
     return cpu_ops
 
 
@@ -277,8 +277,9 @@ FUSED_BACKENDS = {"bf16 cache": CpuAttentionBackend, "int8 cache": CpuInt8KVAtte
 @pytest.mark.parametrize("cache", list(FUSED_BACKENDS))
 @pytest.mark.parametrize("head_size", [32, 64, 128])
 def test_fused_prefill_matches_float64_under_the_causal_mask(prefill_ops, cache, head_size):
-    """Prefill chunks in paged_prefill_attention (scores, online softmax and values on AMX tiles, K/V
-    read from the blocks where they lie) against float64: a chunk after a cached prefix longer than
+    """Prefill chunks in paged_prefill_attention (scores, online softmax and values, the products on
+    AMX tiles where the CPU has them, else VDPBF16PS; K/V read from the blocks where they lie)
+    against float64: a chunk after a cached prefix longer than
     one 64-key chunk, a shorter chunk padded to the group's query length, a decode token beside
     them, rows that are not whole tiles of 16, contexts that are not whole chunks; every unused slot
     of the cache holds a stale value (inf; in the int8 cache ~1.7e24), which must reach no output."""
@@ -294,7 +295,7 @@ def test_fused_prefill_matches_float64_under_the_causal_mask(prefill_ops, cache,
 
 @pytest.mark.parametrize("cache", list(FUSED_BACKENDS))
 def test_fused_prefill_agrees_with_the_gemm_path(prefill_ops, cache):
-    """Where there is no AMX the backend gathers the blocks and computes prefill as two GEMMs around
+    """Without AVX-512 BF16 the backend gathers the blocks and computes prefill as two GEMMs around
     causal_softmax_: both paths give the same outputs within bf16 rounding (and the int8 cache's
     keys and values are widened to the same bf16 on both), so a model's prefill does not depend on
     the CPU."""

@@ -1,13 +1,15 @@
-// Causal attention of a prefill chunk on AMX bf16 tiles, fused: scores, softmax and values in one
-// pass per block of 16 query rows, reading K and V from the paged cache where they lie; nothing of
-// size [rows, ctx_len] and no gathered copy of the context goes through memory.
+// Causal attention of a prefill chunk, fused: scores, softmax and values in one pass per block of
+// 16 query rows, reading K and V from the paged cache where they lie; nothing of size [rows, ctx_len]
+// and no gathered copy of the context goes through memory. The two products run on AMX bf16 tiles
+// where the CPU has them, else as AVX-512 VDPBF16PS over the same layouts (a Zen 4).
 //
-// The cpu backend's prefill path before this kernel (and still where there is no AMX) gathers the
+// The cpu backend's prefill path without this kernel (a CPU without AVX-512 BF16) gathers the
 // blocks into contiguous K/V (the int8 cache widened to bf16 on the way, several passes in torch)
 // and runs two oneDNN GEMMs around causal_softmax_: the [rows, ctx_len] scores go through memory
 // three times (written, softmaxed in place, read), 16 MiB a layer for an 896-token chunk after 128
-// cached tokens, and that traffic, not the arithmetic, was 40% of the whole prefill (bmm 19%,
-// softmax 23%). Here, for 16 query rows at a time (one A tile), the keys go by in chunks of 64:
+// cached tokens, and that traffic, not the arithmetic, was 40% of the whole prefill on the AMX Xeon
+// (bmm 19%, softmax 23%), ~24% on the Zen 4. Here, for 16 query rows at a time (one A tile), the
+// keys go by in chunks of 64:
 //
 //   scores  S [16, 64] = Q [16, D] . K^T      TDPBF16PS, 4 C tiles, D / 32 steps each
 //   online softmax per row (float32): running max m and sum l, P = exp(S - m) rounded to bf16,
@@ -21,8 +23,9 @@
 //   K: [key blocks of 16][D / 32][16 pairs of dims][16 keys][2]
 //   V: [key blocks of 32][D / 16][16 pairs of keys][16 dims][2]
 //
-// Scores and sums are float32, probabilities bf16 (as the GEMM path stores them), the output is
-// normalized once at the end.
+// a row of a B tile being one 512-bit vector of 16 pairs, as VDPBF16PS takes it too. Scores and
+// sums are float32, probabilities bf16 (as the GEMM path stores them), the output is normalized
+// once at the end.
 //
 // Registered as torch.ops.kvserve_cpu.{has_prefill_attention, paged_prefill_attention}.
 
@@ -46,12 +49,26 @@ using namespace kvserve_cpu;
 constexpr int64_t kMaxHeadSize = 256;
 constexpr int64_t kBlock = 16;  // tokens per cache block
 
-#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+// The packing, the softmax and the accumulation are AVX-512 (with BF16's conversions); the two
+// products of each chunk run on AMX tiles where the process may use them, else as VDPBF16PS.
+#if defined(__AVX512BF16__)
 #define KVSERVE_PREFILL_ATTENTION 1
+#endif
+#if defined(KVSERVE_PREFILL_ATTENTION) && defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+#define KVSERVE_PREFILL_ATTENTION_AMX 1
+#endif
 
+#if defined(KVSERVE_PREFILL_ATTENTION)
 constexpr int64_t kRows = 16;       // query rows per block: one A tile
 constexpr int64_t kChunk = 64;      // keys per chunk: four C tiles of scores
 constexpr int64_t kPairTile = 512;  // bf16 values of one B tile: 16 rows of 16 pairs
+
+// GCC's tile intrinsics are asm without a memory clobber: compiler barriers where vector code
+// reads a tile's store or writes what a tile load reads.
+inline void barrier() { asm volatile("" ::: "memory"); }
+#endif
+
+#if defined(KVSERVE_PREFILL_ATTENTION_AMX)
 
 // Every tile 16 rows of 64 bytes. Tiles 0-3: C (scores, then output columns); 4: A (Q, then P);
 // 5-7: B (K, then V). Loaded per thread and call: other AMX kernels share the threads.
@@ -61,11 +78,7 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// GCC's tile intrinsics take the tile's number as a literal and are asm without a memory clobber:
-// hence the switches, and the compiler barriers where vector code reads a tile's store or writes
-// what a tile load reads.
-inline void barrier() { asm volatile("" ::: "memory"); }
-
+// GCC's tile intrinsics take the tile's number as a literal: hence the switches.
 inline void zero_tile(int c) {
   switch (c) {
     case 0: _tile_zero(0); break;
@@ -94,6 +107,9 @@ inline void store_tile(int c, float* dst, int64_t stride_bytes) {
     default: _tile_stored(3, dst, stride_bytes); break;
   }
 }
+#endif
+
+#if defined(KVSERVE_PREFILL_ATTENTION)
 
 // ---- K and V from the paged cache, as B tiles ---------------------------------------------------
 //
@@ -272,9 +288,141 @@ struct BlockShape {
   float scale;
 };
 
+#if defined(KVSERVE_PREFILL_ATTENTION_AMX)
+// A chunk's two products on tiles (the C tiles stored to the vector code's arrays).
+struct AmxProducts {
+  static void prepare_thread() { load_tile_config(); }
+
+  // scores [16, 16 blocks] = the block's Q . the chunk's first `blocks` key blocks (packed_k there).
+  static void scores(const uint16_t* q, int64_t q_stride, int64_t, const uint32_t* packed_k, int blocks,
+                     int64_t slices, float* out) {
+    barrier();
+    for (int c = 0; c < blocks; ++c) zero_tile(c);
+    for (int64_t ds = 0; ds < slices; ++ds) {
+      _tile_loadd(4, q + ds * 32, q_stride * 2);
+      for (int c = 0; c < blocks; ++c) {
+        multiply_into(c, reinterpret_cast<const uint16_t*>(packed_k + (c * slices + ds) * (kPairTile / 2)));
+      }
+    }
+    for (int c = 0; c < blocks; ++c) store_tile(c, out + 16 * c, kChunk * 4);
+    barrier();
+  }
+
+  // partial [16, d] = the chunk's probabilities [16, 32 halves] . its values (packed_v there).
+  static void values(const c10::BFloat16* probs, int64_t, const uint16_t* packed_v, int halves, int64_t dblocks,
+                     float* partial) {
+    barrier();
+    for (int64_t db0 = 0; db0 < dblocks; db0 += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, dblocks - db0));
+      for (int c = 0; c < n; ++c) zero_tile(c);
+      for (int h = 0; h < halves; ++h) {
+        _tile_loadd(4, probs + 32 * h, kChunk * 2);
+        for (int c = 0; c < n; ++c) multiply_into(c, packed_v + (h * dblocks + db0 + c) * kPairTile);
+      }
+      for (int c = 0; c < n; ++c) store_tile(c, partial + (db0 + c) * 16, dblocks * 16 * 4);
+    }
+    barrier();
+  }
+};
+#endif
+
+// The same products as VDPBF16PS over the same packed layouts (a CPU with AVX-512 BF16 but no AMX):
+// four query rows at a time against up to four vectors of 16 keys (scores) or of 16 dimensions
+// (values), one broadcast pair of bf16 per row and step. Rows from `rows` on are zeros.
+struct VectorProducts {
+  static void prepare_thread() {}
+
+  static void scores(const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* packed_k, int blocks,
+                     int64_t slices, float* out) {
+    switch (blocks) {
+      case 1: score_rows<1>(q, q_stride, rows, packed_k, slices * 16, out); break;
+      case 2: score_rows<2>(q, q_stride, rows, packed_k, slices * 16, out); break;
+      case 3: score_rows<3>(q, q_stride, rows, packed_k, slices * 16, out); break;
+      default: score_rows<4>(q, q_stride, rows, packed_k, slices * 16, out); break;
+    }
+  }
+
+  static void values(const c10::BFloat16* probs, int64_t rows, const uint16_t* packed_v, int halves, int64_t dblocks,
+                     float* partial) {
+    const int64_t d = dblocks * 16;
+    for (int64_t r0 = 0; r0 < kRows; r0 += 4) {
+      if (r0 >= rows) {
+        std::fill(partial + r0 * d, partial + (r0 + 4) * d, 0.f);
+        continue;
+      }
+      for (int64_t db0 = 0; db0 < dblocks; db0 += 4) {
+        const auto* row_probs = reinterpret_cast<const uint16_t*>(probs) + r0 * kChunk;
+        switch (std::min<int64_t>(4, dblocks - db0)) {
+          case 1: value_rows<1>(row_probs, packed_v, halves, dblocks, db0, partial + r0 * d); break;
+          case 2: value_rows<2>(row_probs, packed_v, halves, dblocks, db0, partial + r0 * d); break;
+          case 3: value_rows<3>(row_probs, packed_v, halves, dblocks, db0, partial + r0 * d); break;
+          default: value_rows<4>(row_probs, packed_v, halves, dblocks, db0, partial + r0 * d); break;
+        }
+      }
+    }
+  }
+
+ private:
+  static __m512bh broadcast_pair(const uint16_t* p) {
+    int32_t pair;
+    std::memcpy(&pair, p, sizeof(pair));
+    return (__m512bh)_mm512_set1_epi32(pair);
+  }
+
+  // Key block c's dims (2p, 2p + 1) of its 16 keys: the 16 pairs at packed_k + (c * pairs + p) * 16.
+  template <int BLOCKS>
+  static void score_rows(const uint16_t* q, int64_t q_stride, int64_t rows, const uint32_t* packed_k, int64_t pairs,
+                         float* out) {
+    for (int64_t r0 = 0; r0 < kRows; r0 += 4) {
+      float* dst = out + r0 * kChunk;
+      if (r0 >= rows) {
+        std::fill(dst, dst + 4 * kChunk, 0.f);
+        continue;
+      }
+      __m512 acc[4][BLOCKS];
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < BLOCKS; ++c) acc[r][c] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh keys[BLOCKS];
+        for (int c = 0; c < BLOCKS; ++c) keys[c] = (__m512bh)_mm512_loadu_si512(packed_k + (c * pairs + p) * 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512bh pair = broadcast_pair(q + (r0 + r) * q_stride + 2 * p);
+          for (int c = 0; c < BLOCKS; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, keys[c]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < BLOCKS; ++c) _mm512_storeu_ps(dst + r * kChunk + 16 * c, acc[r][c]);
+    }
+  }
+
+  // Dims [16 (db0 + c), + 16) of keys (2j, 2j + 1) of the chunk (half j / 16, pair j % 16 in it):
+  // the 16 pairs at packed_v + ((j / 16 * dblocks + db0 + c) * 16 + j % 16) * 32.
+  template <int N>
+  static void value_rows(const uint16_t* probs, const uint16_t* packed_v, int halves, int64_t dblocks, int64_t db0,
+                         float* out) {
+    __m512 acc[4][N];
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < N; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < 16 * halves; ++j) {
+      __m512bh values[N];
+      for (int c = 0; c < N; ++c) {
+        values[c] = (__m512bh)_mm512_loadu_si512(packed_v + ((j / 16 * dblocks + db0 + c) * 16 + j % 16) * 32);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m512bh pair = broadcast_pair(probs + r * kChunk + 2 * j);
+        for (int c = 0; c < N; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pair, values[c]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(out + r * dblocks * 16 + (db0 + c) * 16, acc[r][c]);
+  }
+};
+
 // One block of up to 16 query rows of one (sequence, KV head): q rows q_stride apart (16 readable;
 // rows past `rows` see key 0 only and are not written), first_row its first row's index among the
-// rows, out its `rows` rows (d apart); scratch holds 2 * 16 * d floats.
+// rows, out its `rows` rows (d apart); scratch holds 2 * 16 * d floats. Products: AmxProducts or
+// VectorProducts, the chunk's two matrix products.
+template <typename Products>
 void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_t rows, const uint32_t* packed_k,
                   const uint16_t* packed_v, const BlockShape& shape, float* scratch, c10::BFloat16* out) {
   const int64_t d = shape.d, slices = d / 32, dblocks = d / 16;
@@ -294,30 +442,10 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_
 
   for (int64_t c0 = 0; c0 < block_limit; c0 += kChunk) {
     const int blocks = static_cast<int>(std::min<int64_t>(4, (block_limit - c0 + 15) / 16));
-    barrier();
-    for (int c = 0; c < blocks; ++c) zero_tile(c);
-    for (int64_t ds = 0; ds < slices; ++ds) {
-      _tile_loadd(4, q + ds * 32, q_stride * 2);
-      for (int c = 0; c < blocks; ++c) {
-        multiply_into(c, reinterpret_cast<const uint16_t*>(packed_k + ((c0 / 16 + c) * slices + ds) * (kPairTile / 2)));
-      }
-    }
-    for (int c = 0; c < blocks; ++c) store_tile(c, scores + 16 * c, kChunk * 4);
-    barrier();
+    Products::scores(q, q_stride, rows, packed_k + c0 / 16 * slices * (kPairTile / 2), blocks, slices, scores);
     for (int64_t r = 0; r < kRows; ++r) chunk_limit[r] = std::min<int64_t>(limit[r] - c0, 16 * blocks);
     softmax_chunk(scores, chunk_limit, shape.scale, state, probs);
-    barrier();
-    const int halves = blocks > 2 ? 2 : 1;
-    for (int64_t db0 = 0; db0 < dblocks; db0 += 4) {
-      const int n = static_cast<int>(std::min<int64_t>(4, dblocks - db0));
-      for (int c = 0; c < n; ++c) zero_tile(c);
-      for (int h = 0; h < halves; ++h) {
-        _tile_loadd(4, probs + 32 * h, kChunk * 2);
-        for (int c = 0; c < n; ++c) multiply_into(c, packed_v + ((c0 / 32 + h) * dblocks + db0 + c) * kPairTile);
-      }
-      for (int c = 0; c < n; ++c) store_tile(c, partial + (db0 + c) * 16, d * 4);
-    }
-    barrier();
+    Products::values(probs, rows, packed_v + c0 / 32 * dblocks * kPairTile, blocks > 2 ? 2 : 1, dblocks, partial);
     for (int64_t r = 0; r < kRows; ++r) {
       const Vec16 rescale = splat(state.rescale[r]);
       for (int64_t i = 0; i < d; i += kLanes) {
@@ -332,12 +460,19 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_
 }
 #endif
 
-bool has_prefill_attention() { return amx_bf16_usable(); }
+// Built where the compiler targets AVX-512 BF16 (every CPU with AMX bf16 has it too).
+bool has_prefill_attention() {
+#if defined(KVSERVE_PREFILL_ATTENTION)
+  return true;
+#else
+  return false;
+#endif
+}
 
 #if defined(KVSERVE_PREFILL_ATTENTION)
 // Packs every (sequence, KV head), then attends every block of 16 query rows; both spread over
 // the threads.
-template <typename Cache>
+template <typename Products, typename Cache>
 void attend_all(const Cache& cache, const at::Tensor& q, const int32_t* tables, int64_t max_blocks,
                 const int32_t* first_ptr, const int32_t* lens_ptr, int64_t query_len, float scale, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
@@ -357,7 +492,7 @@ void attend_all(const Cache& cache, const at::Tensor& q, const int32_t* tables, 
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t blocks_per_pair = (rows + kRows - 1) / kRows;
   at::parallel_for(0, pairs * blocks_per_pair, 1, [&](int64_t begin, int64_t end) {
-    load_tile_config();
+    Products::prepare_thread();
     alignas(64) uint16_t padded_q[kRows * kMaxHeadSize];
     std::vector<float> scratch(static_cast<size_t>(2 * kRows * d));
     for (int64_t item = begin; item < end; ++item) {
@@ -370,10 +505,24 @@ void attend_all(const Cache& cache, const at::Tensor& q, const int32_t* tables, 
         block_q = padded_q;
       }
       const BlockShape shape{d, query_len, first_ptr[s], lens_ptr[s], scale};
-      attend_block(block_q, d, r0, block_rows, reinterpret_cast<const uint32_t*>(packed_k(pair)), packed_v(pair),
+      attend_block<Products>(block_q, d, r0, block_rows, reinterpret_cast<const uint32_t*>(packed_k(pair)), packed_v(pair),
                    shape, scratch.data(), op + (pair * rows + r0) * d);
     }
   });
+}
+
+// On AMX tiles where this process may use them, else as VDPBF16PS.
+template <typename Cache>
+void attend_all_fastest(const Cache& cache, const at::Tensor& q, const int32_t* tables, int64_t max_blocks,
+                        const int32_t* first_ptr, const int32_t* lens_ptr, int64_t query_len, float scale,
+                        at::Tensor& out) {
+#if defined(KVSERVE_PREFILL_ATTENTION_AMX)
+  if (amx_bf16_usable()) {
+    attend_all<AmxProducts>(cache, q, tables, max_blocks, first_ptr, lens_ptr, query_len, scale, out);
+    return;
+  }
+#endif
+  attend_all<VectorProducts>(cache, q, tables, max_blocks, first_ptr, lens_ptr, query_len, scale, out);
 }
 #endif
 
@@ -388,7 +537,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
                                    const at::Tensor& block_tables, const at::Tensor& first_query_pos,
                                    const at::Tensor& seq_lens, int64_t query_len, double scale) {
   const char* op = "paged_prefill_attention";
-  TORCH_CHECK(has_prefill_attention(), op, ": needs AMX bf16 tiles, which this CPU or build lacks");
+  TORCH_CHECK(has_prefill_attention(), op, ": needs AVX-512 BF16, which this CPU or build lacks");
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
               ": CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, op, ": q must be bfloat16 [seqs, kv_heads, rows, d]");
@@ -438,9 +587,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
   const TileCache k{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1)};
   const TileCache v{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1)};
   if (int8) {
-    attend_all(Int8Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+    attend_all_fastest(Int8Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len,
+                       static_cast<float>(scale), out);
   } else {
-    attend_all(Bf16Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+    attend_all_fastest(Bf16Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len,
+                       static_cast<float>(scale), out);
   }
 #endif
   return out;

@@ -14,8 +14,8 @@ every head (SmolLM2: 3 x 2 KiB) are one stretch of memory, read at ~1.5x the spe
 tiles each in a page of its own, while consecutive blocks still make one sequential stream
 (``python -m bench.attention_bench`` measures both layouts).
 
-Prefill chunks (more than one new token per sequence), where the CPU has AMX bf16 tiles and the
-model computes in bf16, go to ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``):
+Prefill chunks (more than one new token per sequence), where the CPU has AVX-512 BF16 (its products
+on AMX bf16 tiles where there are some) and the model computes in bf16, go to ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``):
 per 16 query rows, scores, an online softmax and the values in one pass over 64-key chunks read
 from the blocks where they lie, so neither the gathered K/V nor the [rows, ctx_len] scores go
 through memory. Elsewhere they gather their blocks as the torch backend does and attend with two
@@ -61,7 +61,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(self._ops)
         self.skinny_matmul_ops = self._ops
         self._kernel_fits = True
-        # Prefill chunks on AMX tiles, for bf16 models whose head size the kernel takes (set once
+        # Prefill chunks fused (AVX-512 BF16 or AMX), for bf16 models whose head size the kernel takes (set once
         # the cache is allocated); elsewhere the two GEMMs around causal_softmax_.
         self._fused_prefill = False
 
@@ -119,7 +119,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _fused_prefill_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         """A prefill group's attention in paged_prefill_attention (csrc/cpu/prefill_attention.cpp):
-        scores, softmax and values on AMX tiles, K and V read from the blocks where they lie."""
+        scores, softmax and values (the products on AMX tiles or as VDPBF16PS), K and V read from the
+        blocks where they lie."""
         key_cache, value_cache = kv_cache
         q = rows_per_kv_head(query.to(torch.bfloat16), g, key_cache.shape[1])
         out = self._ops.paged_prefill_attention(q, key_cache, value_cache, g.block_tables, g.first_query_pos,
@@ -160,7 +161,7 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
     record]`` int8, a record being the tile above (K ``[head_size, 16]``, V ``[16, head_size]``) of
     codes and then 16 float32 scales, one per token: x ~ code * scale, scale = max|x| / 127 over the
     token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks in
-    ``paged_prefill_attention`` where the CPU has AMX (it widens the codes as it packs them, to the
+    ``paged_prefill_attention`` where the CPU has AVX-512 BF16 (it widens the codes as it packs them, to the
     same bf16), else they gather their blocks dequantized to the model's dtype and take the torch
     path."""
 
