@@ -59,6 +59,29 @@ def test_bias_strided_rows_and_threads_give_the_same_result(cpu_ops):
     torch.testing.assert_close(one, reference(x.contiguous(), weight, bias), **BF16_STEP)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_kernels_give_the_same_bits_on_one_thread_and_two(cpu_ops, kind):
+    """64 rows of 1536 inputs: enough for the activations' quantization to be split between two
+    threads by rows, as the output tiles are; neither split changes a bit."""
+    weight = randn(48, 1536, scale=0.05)
+    if kind == "int8":
+        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
+    else:
+        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    x = randn(64, 1536)
+    x[37, 700] = float("nan")  # a group with NaN in the second thread's rows: its row only
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, packed, None, 48)
+        torch.set_num_threads(2)
+        two = op(x, packed, None, 48)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one.nan_to_num(), two.nan_to_num())
+    assert two[37].isnan().all() and not two[[*range(37), *range(38, 64)]].isnan().any()
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
     """A token's projection does not depend on what else is in its step: each row is summed in
