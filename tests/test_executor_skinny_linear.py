@@ -33,8 +33,8 @@ def reference(x, weight, bias=None):
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
-@pytest.mark.parametrize("out_features,in_features", [(16, 2), (40, 64), (832, 576), (7, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 48])
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (40, 64), (40, 66), (832, 576), (7, 1536)])
 def test_matches_float32_arithmetic_for_any_rows_and_ragged_outputs(cpu_ops, rows, out_features, in_features):
     weight, x = randn(out_features, in_features, scale=0.05), randn(rows, in_features)
     packed = cpu_ops.pack_skinny_weight(weight)
@@ -280,7 +280,7 @@ def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(r
         assert usual.model.quantized_lm_head is None and usual.model.packed_lm_head is not None
 
 
-# The exactness test's prompts less its second (a near-copy of the first): one batch of SKINNY_MAX_ROWS.
+# The exactness test's prompts less its second (a near-copy of the first): 8, one decode batch.
 PROMPTS = EXACTNESS_PROMPTS[:1] + EXACTNESS_PROMPTS[2:]
 
 
@@ -311,7 +311,7 @@ def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_op
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    assert len(prompts) == SKINNY_MAX_ROWS and len(prompts[3]) > SKINNY_MAX_ROWS
+    assert len(prompts) <= SKINNY_MAX_ROWS  # the batch's decode steps take the skinny kernel
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
     worst, agree, total = 0.0, 0, 0
     for batch in (list(range(len(prompts))), [3]):
