@@ -70,7 +70,7 @@ inline int32_t load_32_bits(const void* p) {
 
 // acc[j][m][0..16) = sum over k of x[m, k] * W[row of tile j, k], for TILES consecutive tiles
 // (tile_stride elements apart) and ROWS rows of x. Two tiles a call load two weight registers for
-// each broadcast input pair: on the Zen 4 box a decode step's bf16 matmuls at 16-48 rows run 7-12 %
+// each broadcast input pair: on the Zen 4 box a decode step's bf16 matmuls at 16-48 rows run 8-15 %
 // faster than one tile a call, and than oneDNN's (the rows' sums are the same either way).
 #if defined(__AVX512BF16__)
 template <int TILES, int ROWS>
@@ -232,12 +232,18 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t x_stride = xc.stride(0);
   const int64_t tile_stride = pairs * 2 * kTile;
-  return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
-                                     [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc) {
-                                       const auto& dots = count == 2 ? kTilePairDots : kTileDots;
-                                       dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride,
-                                                       x_stride, pairs, acc);
-                                     });
+  const auto tile_chunk = [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc) {
+    const auto& dots = count == 2 ? kTilePairDots : kTileDots;
+    dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride, x_stride, pairs, acc);
+  };
+  // Two tiles a call pay where the rows take several chunks; up to one chunk, where the weight
+  // stream bounds the step, one tile a call is faster (one stream in bf16: 4 % a token).
+  if (xc.size(0) > kMaxChunkRows) {
+    return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
+                                       tile_chunk);
+  }
+  return run_tiles<kMaxChunkRows, 1>("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
+                                     tile_chunk);
 }
 
 // ---- int8 activations (both quantized formats) ------------------------------------------------
