@@ -311,7 +311,7 @@ def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_op
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    assert len(prompts) <= SKINNY_MAX_ROWS  # the batch's decode steps take the skinny kernel
+    assert len(prompts) <= SKINNY_MAX_ROWS  # without AMX the batch's decode steps take the skinny kernel
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
     worst, agree, total = 0.0, 0, 0
     for batch in (list(range(len(prompts))), [3]):
