@@ -15,8 +15,8 @@ tiles each in a page of its own, while consecutive blocks still make one sequent
 (``python -m bench.attention_bench`` measures both layouts).
 
 Prefill chunks (more than one new token per sequence), where the CPU has AVX-512 BF16 (its products
-on AMX bf16 tiles where there are some) and the model computes in bf16, go to ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``):
-per 16 query rows, scores, an online softmax and the values in one pass over 64-key chunks read
+on AMX bf16 tiles where there are some) and the model computes in bf16, go to
+``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``): per 16 query rows, scores, an online softmax and the values in one pass over 64-key chunks read
 from the blocks where they lie, so neither the gathered K/V nor the [rows, ctx_len] scores go
 through memory. Elsewhere they gather their blocks as the torch backend does and attend with two
 oneDNN GEMMs around ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``), which masks and
@@ -61,8 +61,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.layer_ops = CpuLayerOps(self._ops)
         self.skinny_matmul_ops = self._ops
         self._kernel_fits = True
-        # Prefill chunks fused (AVX-512 BF16 or AMX), for bf16 models whose head size the kernel takes (set once
-        # the cache is allocated); elsewhere the two GEMMs around causal_softmax_.
+        # Prefill chunks fused (AVX-512 BF16 or AMX), for bf16 models whose head size the kernel takes
+        # (set once the cache is allocated); elsewhere the two GEMMs around causal_softmax_.
         self._fused_prefill = False
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
