@@ -4,6 +4,7 @@ stand in for, at the model's shapes, on this machine.
     python -m bench.matmul_bench [--model DIR] [--rows 1,2,4,8,16,32] [--threads 1]
     python -m bench.matmul_bench --prompt [--rows 40,200,551]
     python -m bench.matmul_bench --float32 [--rows 1,4,32,64]
+    python -m bench.matmul_bench --layer-ops [--rows 1,8,32,560]
 
 For each number of rows (tokens of a step), every projection of every layer and the LM head
 once, with random weights of the model's shapes: bf16 through oneDNN's packed matmul and through
@@ -15,6 +16,10 @@ kernels and through the skinny ones. The kernels run in turn, round after round,
 projections and the MLP's activation (``silu_and_mul``), no LM head: bf16 through oneDNN, and
 int8 / int4 through the prompt kernels with the activation as a separate op and taken from the
 gate_up projection's sums (``prompt_silu_and_mul_*``). G multiply-adds/s of the projections.
+
+``--layer-ops``: a step's elementwise ops between the matmuls — per layer two ``add_rms_norm``,
+``rotary_embedding_`` on q and k, ``silu_and_mul`` — compiled (csrc/cpu/layer_ops.cpp) and in
+torch (``TorchLayerOps``, the reference), each op's own time summed over the layers.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from bench.timing import timed_interleaved
 from executor.attention.csrc_loader import csrc_build_script
+from executor.layer_ops import CpuLayerOps, TorchLayerOps
 from executor.model import ModelConfig, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
 from executor.skinny import SkinnyF32Matmul, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
@@ -142,6 +148,39 @@ def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> N
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
+def run_layer_ops(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> None:
+    implementations = {"compiled": CpuLayerOps(ops), "torch": TorchLayerOps()}
+    c, layers = config, config.num_layers
+    print(f"a step's elementwise ops, {layers} layers, best of {rounds}: ms a step (ns an element)")
+    names = ["add_rms_norm x2", "rotary q+k", "silu_and_mul"]
+    print("| rows | " + " | ".join(f"{name} {impl}" for name in names for impl in implementations) + " |")
+    print("|---:|" + "---:|" * (len(names) * len(implementations)))
+    weight = torch.randn(c.hidden_size).to(torch.bfloat16)
+    for rows in rows_list:
+        x, residual = (torch.randn(rows, c.hidden_size).to(torch.bfloat16) for _ in range(2))
+        qk = torch.randn(rows, c.num_heads + c.num_kv_heads, c.head_dim).to(torch.bfloat16)
+        cos_sin = torch.randn(rows, 2, c.head_dim).to(torch.bfloat16)
+        gate_up = torch.randn(rows, 2 * c.intermediate_size).to(torch.bfloat16)
+        elements = {"add_rms_norm x2": 2 * x.numel(), "rotary q+k": qk.numel(), "silu_and_mul": gate_up.numel() // 2}
+
+        def repeat(fn, *args):
+            def run():
+                for _ in range(layers):
+                    fn(*args)
+            return run
+
+        fns = {}
+        for impl_name, impl in implementations.items():
+            fns[f"add_rms_norm x2 {impl_name}"] = repeat(lambda i=impl: (i.add_rms_norm(x, residual, weight, 1e-5),
+                                                                         i.add_rms_norm(x, residual, weight, 1e-5)))
+            fns[f"rotary q+k {impl_name}"] = repeat(impl.rotary_embedding_, qk, cos_sin)
+            fns[f"silu_and_mul {impl_name}"] = repeat(impl.silu_and_mul, gate_up)
+        best = timed_interleaved(fns, rounds, warmup=1)
+        cells = [f"{best[f'{n} {i}']:.2f} ({best[f'{n} {i}'] * 1e6 / (elements[n] * layers):.2f})"
+                 for n in names for i in implementations]
+        print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
 # Bytes read per weight by each column's kernels: (the projections, the LM head). The quantized
 # columns' head is as build_kernels has it; int4 adds a bf16 scale and zero per group of 32.
 WEIGHT_BYTES = {"oneDNN bf16": (2, 2), "skinny bf16": (2, 2), "torch int8": (1, 2), "skinny int8": (1, 1),
@@ -163,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         "AMX prompt kernels instead of a decode step's")
     parser.add_argument("--float32", action="store_true", help="a float32 model's decode step: torch's float32 "
                         "matmul against skinny_linear_f32 and the int8 / int4 kernels on float32 activations")
+    parser.add_argument("--layer-ops", action="store_true", help="a step's elementwise ops (norms, RoPE, SiLU), "
+                        "compiled and in torch")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -172,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt:
         with torch.inference_mode():
             run_prompt(config, ops, [int(r) for r in (args.rows or "40,200,551").split(",")], args.rounds)
+        return 0
+    if args.layer_ops:
+        with torch.inference_mode():
+            run_layer_ops(config, ops, [int(r) for r in (args.rows or "1,8,32,560").split(",")], args.rounds)
         return 0
     shapes = model_shapes(config)
     kernels = build_float32_kernels(shapes, ops) if args.float32 else build_kernels(shapes, ops)

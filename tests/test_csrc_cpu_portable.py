@@ -67,6 +67,10 @@ def make_inputs() -> dict:
         "values": randn(blocks, kv_heads, 16, head),
         "tables": torch.randperm(blocks - 1, generator=g)[:4 * 19].add(1).view(4, 19).to(torch.int32),
         "lens": torch.tensor([300, 1, 17, 129], dtype=torch.int32),
+        # gate and up halves from ±0.1 to beyond exp's clamp at -87
+        "gate_up": torch.cat([randn(4, 3072, scale=0.1), randn(4, 3072, scale=4.0), randn(3, 3072, scale=60.0)]),
+        "residual": randn(11, 576, scale=3.0),
+        "norm_weight": randn(576),
     }
 
 
@@ -78,6 +82,9 @@ def run_all(ops, inputs: dict) -> dict:
         "int4": ops.skinny_linear_int4(x, ops.pack_skinny_int4(*inputs["int4"]), bias, 96),
         "attention": ops.paged_decode_attention(inputs["query"], inputs["keys"], inputs["values"], inputs["tables"],
                                                 inputs["lens"], 0.125),
+        "silu_and_mul": ops.silu_and_mul(inputs["gate_up"]),
+        "silu_and_mul_f32": ops.silu_and_mul(inputs["gate_up"].float()),  # every bit of exp's result shows
+        "add_rms_norm": ops.add_rms_norm(x, inputs["residual"], inputs["norm_weight"], 1e-5),
     }
 
 
@@ -112,3 +119,8 @@ def test_a_build_without_avx512_gives_the_same_results(native_ops, tmp_path):
     torch.testing.assert_close(portable["int8"], native["int8"], atol=2e-3, rtol=2 ** -7)
     for kind in ("bf16", "int4"):
         torch.testing.assert_close(portable[kind], native[kind], atol=2e-3, rtol=2 ** -7)
+    # The elementwise ops are the same operations on every path (AVX-512 intrinsics, AVX2 halves,
+    # vector extensions): the same bits.
+    assert torch.equal(portable["silu_and_mul"], native["silu_and_mul"])
+    assert torch.equal(portable["silu_and_mul_f32"], native["silu_and_mul_f32"])
+    assert all(torch.equal(a, b) for a, b in zip(portable["add_rms_norm"], native["add_rms_norm"]))

@@ -107,7 +107,11 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at
       for (int64_t i = 0; i < width; i += kLanes) {
         const int64_t n = std::min(kLanes, width - i);
         const Vec16 sum = round16(load_n(xr + i, n) + load_n(rr + i, n), sr);
-        store_n(sr + i, sum, n);
+        if (n == kLanes) {
+          store_rounded16(sr + i, sum);
+        } else {
+          store_n(sr + i, sum, n);
+        }
         store_n(row.data() + i, sum, n);
       }
       normalize_row<T>(row.data(), w_ptr, eps, width, n_ptr + r * width);
