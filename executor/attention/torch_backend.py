@@ -46,6 +46,8 @@ class _Group:
     seq_lens: torch.Tensor  # [num_seqs] int32
     token_index: torch.Tensor  # [n_tokens] positions in the flat token dim
     padded_index: torch.Tensor | None  # [n_tokens] rows in [num_seqs * query_len]; None: no padding needed
+    # [num_seqs * query_len]: each padded row's token in the group, n_tokens (a zero row) for padding
+    padded_source: torch.Tensor | None
     block_ids: torch.Tensor  # [num_seqs * blocks_per_seq] blocks to gather, sequence-major
     mask: torch.Tensor  # [num_seqs, 1, query_len, ctx_len] bool, True = attend
     first_query_pos: torch.Tensor  # [num_seqs] int32: the position of each sequence's first query token
@@ -134,18 +136,21 @@ def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
     token_index = torch.tensor(
         [starts[s] + i for s, n in zip(seqs, query_lens) for i in range(n)], dtype=torch.long, device=device
     )
-    padded_index = None  # equal query lengths: the group's tokens already form [num_seqs, query_len]
+    padded_index = padded_source = None  # equal query lengths: the tokens already form [num_seqs, query_len]
     if any(n != query_len for n in query_lens):
-        padded_index = torch.tensor(
-            [row * query_len + i for row, n in enumerate(query_lens) for i in range(n)], dtype=torch.long, device=device
-        )
+        rows = [row * query_len + i for row, n in enumerate(query_lens) for i in range(n)]
+        padded_index = torch.tensor(rows, dtype=torch.long, device=device)
+        source = [len(rows)] * (len(seqs) * query_len)
+        for token, row in enumerate(rows):
+            source[row] = token
+        padded_source = torch.tensor(source, dtype=torch.long, device=device)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     seq_len_t = seq_lens_t.long().view(-1, 1, 1)
     first_query_pos = seq_len_t - torch.tensor(query_lens, dtype=torch.long, device=device).view(-1, 1, 1)
     key_pos = torch.arange(ctx_len, device=device).view(1, 1, -1)
     query_pos = first_query_pos + torch.arange(query_len, device=device).view(1, -1, 1)
     mask = (key_pos <= query_pos) & (key_pos < seq_len_t)  # [num_seqs, query_len, ctx_len]
-    return _Group(block_tables, seq_lens_t, token_index, padded_index, block_ids, mask.unsqueeze(1),
+    return _Group(block_tables, seq_lens_t, token_index, padded_index, padded_source, block_ids, mask.unsqueeze(1),
                   first_query_pos.view(-1).to(torch.int32), len(seqs), query_len, ctx_len)
 
 
@@ -157,6 +162,7 @@ class TorchAttentionBackend(AttentionBackend):
         # The plan is derived from the step's metadata on the first layer and reused by the rest.
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[_Group] = []
+        self._plan_order: torch.Tensor | None = None  # each token's row in the groups' outputs, concatenated
         self._checked_slots: torch.Tensor | None = None
         self._slots_all_valid = True
 
@@ -193,6 +199,9 @@ class TorchAttentionBackend(AttentionBackend):
             prefill = [s for s, n in enumerate(meta.query_lens_cpu) if n > 1]
             self._plan = [_make_group(meta, seqs, device)
                           for seqs in ([decode] if decode else []) + prefill_groups(meta, prefill)]
+            grouped = torch.cat([g.token_index for g in self._plan])
+            self._plan_order = torch.empty_like(grouped)
+            self._plan_order[grouped] = torch.arange(grouped.numel(), device=device)
             self._plan_meta = meta
         return self._plan
 
@@ -201,10 +210,10 @@ class TorchAttentionBackend(AttentionBackend):
         groups = self._groups(meta)
         if len(groups) == 1 and groups[0].token_index.numel() == query.shape[0]:
             return self._attend_group(query, kv_cache, groups[0], scale)
-        out = torch.empty_like(query)
-        for group in groups:  # the decode tokens, then the prefill chunks by size
-            out[group.token_index] = self._attend_group(query[group.token_index], kv_cache, group, scale)
-        return out
+        # The decode tokens, then the prefill chunks by size; gathers (index_select), which run several
+        # times faster than indexing with a tensor and than scattering into the output.
+        outs = [self._attend_group(query.index_select(0, g.token_index), kv_cache, g, scale) for g in groups]
+        return torch.cat(outs).index_select(0, self._plan_order)
 
     def _gather_keys(self, key_cache: torch.Tensor, g: _Group) -> torch.Tensor:
         """The group's keys, [num_seqs, kv_heads, ctx_len, head_size]."""
@@ -235,10 +244,8 @@ def rows_per_kv_head(query: torch.Tensor, g: _Group, kv_heads: int) -> torch.Ten
     group * query_len, d], the query heads sharing a KV head one after another (GQA without copying
     K/V), shorter chunks padded with zero rows to the group's query length."""
     num_heads, head_size = query.shape[1], query.shape[2]
-    if g.padded_index is not None:
-        padded = query.new_zeros(g.num_seqs * g.query_len, num_heads, head_size)
-        padded[g.padded_index] = query
-        query = padded
+    if g.padded_source is not None:  # a gather from the tokens and a zero row, not a scatter into zeros
+        query = torch.cat([query, query.new_zeros(1, num_heads, head_size)]).index_select(0, g.padded_source)
     q = query.view(g.num_seqs, g.query_len, kv_heads, num_heads // kv_heads, head_size).permute(0, 2, 3, 1, 4)
     return q.reshape(g.num_seqs, kv_heads, num_heads // kv_heads * g.query_len, head_size)
 
@@ -248,7 +255,7 @@ def tokens_from_rows(out: torch.Tensor, g: _Group, num_heads: int) -> torch.Tens
     kv_heads, head_size = out.shape[1], out.shape[3]
     out = out.view(g.num_seqs, kv_heads, num_heads // kv_heads, g.query_len, head_size).permute(0, 3, 1, 2, 4)
     out = out.reshape(g.num_seqs * g.query_len, num_heads, head_size)
-    return out if g.padded_index is None else out[g.padded_index]
+    return out if g.padded_index is None else out.index_select(0, g.padded_index)
 
 
 # Above this many scores per step the [rows, ctx_len] matrix is not materialized (bf16: 64 MiB).
