@@ -116,13 +116,15 @@ inline Vec16 round_bf16(Vec16 v) {
   return v;
 }
 
-inline void store16(c10::BFloat16* p, Vec16 v) {
+// v's lanes already bf16 values (round_bf16's result): their top halves, with no second rounding.
+inline void store_rounded16(c10::BFloat16* p, Vec16 v) {
   UInt16 bits;
-  v = round_bf16(v);
   std::memcpy(&bits, &v, sizeof(bits));
   const Half16Bits raw = __builtin_convertvector(bits >> 16, Half16Bits);
   std::memcpy(p, &raw, sizeof(raw));
 }
+
+inline void store16(c10::BFloat16* p, Vec16 v) { store_rounded16(p, round_bf16(v)); }
 
 inline void store16(c10::Half* p, Vec16 v) {
   for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
@@ -130,12 +132,6 @@ inline void store16(c10::Half* p, Vec16 v) {
 
 // v's lanes already values of T (round16's result): stored as they are, not rounded a second time.
 inline void store_rounded16(float* p, Vec16 v) { store16(p, v); }
-inline void store_rounded16(c10::BFloat16* p, Vec16 v) {
-  UInt16 bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const Half16Bits raw = __builtin_convertvector(bits >> 16, Half16Bits);
-  std::memcpy(p, &raw, sizeof(raw));
-}
 inline void store_rounded16(c10::Half* p, Vec16 v) { store16(p, v); }
 
 // v as it reads after a store to T and a load back: what an op computing in float and
@@ -259,8 +255,8 @@ inline Vec16 exp_nonpositive(Vec16 x) {
 // with every lane set: GCC 12 warns that the unmasked ones read an uninitialized register.)
 inline Vec16 exp_nonpositive(Vec16 v) {
   const __m512 x = _mm512_maskz_max_ps(0xFFFF, _mm512_set1_ps(-87.f), v);
-  const __m512 nf = _mm512_maskz_roundscale_ps(0xFFFF, _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 y = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  const __m512 nf = _mm512_maskz_roundscale_ps(0xFFFF, y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fmadd_ps(nf, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x));
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
