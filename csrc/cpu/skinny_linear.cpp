@@ -231,7 +231,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
   const int64_t x_stride = xc.stride(0);
-  const int64_t tile_stride = pairs * 2 * kTile;
+  const int64_t tile_stride = pairs * 2 * kTile;  // bf16 elements of a tile
+  const int64_t tile_bytes = tile_stride * static_cast<int64_t>(sizeof(uint16_t));
   const auto tile_chunk = [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc) {
     const auto& dots = count == 2 ? kTilePairDots : kTileDots;
     dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride, x_stride, pairs, acc);
@@ -239,11 +240,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   // Two tiles a call pay where the rows take several chunks; up to one chunk, where the weight
   // stream bounds the step, one tile a call is faster (one stream in bf16: 4 % a token).
   if (xc.size(0) > kMaxChunkRows) {
-    return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
-                                       tile_chunk);
+    return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
   }
-  return run_tiles<kMaxChunkRows, 1>("skinny_linear", xc, packed.size(0), k * 2 * kTile, bias, out_features,
-                                     tile_chunk);
+  return run_tiles<kMaxChunkRows, 1>("skinny_linear", xc, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
 }
 
 // ---- int8 activations (both quantized formats) ------------------------------------------------
