@@ -47,14 +47,46 @@ namespace {
 using namespace kvserve_cpu;
 
 constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
+// Where a kernel's software prefetches go: the kernel calls it with each weight line it reads, and it
+// asks for a line to come.
+//
 // The weights are one sequential stream, but the hardware prefetcher stops at every 4 KiB page and
-// ramps up again: the kernels ask for the line this many 64-byte lines ahead as they go (one core
-// streamed a decode step's bf16 weights at ~10 GB/s without, ~14 with; docs/executor.md).
+// ramps up again. With the rows in one chunk, each line read asks for the line kPrefetchLines
+// further on (one core streamed a decode step's bf16 weights at ~10 GB/s without, ~14 with;
+// docs/executor.md). With more rows, the chunks take turns over a block of tiles: the first would
+// read it from memory, bound by it, and the others from cache, compute-bound while memory idles.
+// There each chunk asks instead for its share of the next block's lines (its rows' share), spread
+// evenly over its reads, so that the stream runs through every chunk: on the Zen 4 box a decode
+// step's bf16 matmuls at 12-40 rows take 11-19 % less time, the int8 ones at 16-40 rows 7-14 %
+// (docs/executor.md).
 constexpr int64_t kPrefetchLines = 64;
 
-inline void prefetch_ahead(const void* line) {
-  __builtin_prefetch(static_cast<const char*>(line) + kPrefetchLines * 64, 0, 3);
-}
+class Prefetcher {
+ public:
+  // Rows in one chunk: kPrefetchLines ahead of each line read.
+  static Prefetcher ahead(const void* block) {
+    const char* start = static_cast<const char*>(block);
+    return Prefetcher(start, start + kPrefetchLines * 64, 1 << 16);
+  }
+  // Rows [m0, m0 + chunk) of `rows` over the block of `bytes` at `block`: the same share of the
+  // next block's lines, in step with the chunk's reads.
+  static Prefetcher next_block_share(const void* block, int64_t bytes, int64_t m0, int64_t chunk, int64_t rows) {
+    const char* start = static_cast<const char*>(block);
+    return Prefetcher(start, start + bytes + bytes / 64 * m0 / rows * 64, (chunk << 16) / rows);
+  }
+
+  void operator()(const void* read) const {
+    const int64_t line = (static_cast<const char*>(read) - block_) >> 6;
+    __builtin_prefetch(target_ + (((line * scale_) >> 16) << 6), 0, 3);
+  }
+
+ private:
+  Prefetcher(const char* block, const char* target, int64_t scale) : block_(block), target_(target), scale_(scale) {}
+
+  const char* block_;   // the block the kernel reads
+  const char* target_;  // what line 0 of the block asks for
+  int64_t scale_;       // line i asks for target line i * scale / 65536
+};
 
 // Independent accumulator chains per row of x, so that one row alone is not bound by the latency
 // of its multiply-adds. The same for any number of rows: a row's sums, and so its rounding, do
@@ -75,7 +107,7 @@ inline int32_t load_32_bits(const void* p) {
 #if defined(__AVX512BF16__)
 template <int TILES, int ROWS>
 void tiles_dot(const uint16_t* w, int64_t tile_stride, const uint16_t* x, int64_t x_stride, int64_t pairs,
-               float* acc) {
+               float* acc, Prefetcher prefetch) {
   __m512 sums[TILES][ROWS][kChains];
   for (int j = 0; j < TILES; ++j)
     for (int m = 0; m < ROWS; ++m)
@@ -85,7 +117,7 @@ void tiles_dot(const uint16_t* w, int64_t tile_stride, const uint16_t* x, int64_
     for (int c = 0; c < kChains; ++c) {
       __m512bh wv[TILES];
       for (int j = 0; j < TILES; ++j) {
-        prefetch_ahead(w + j * tile_stride + (kp + c) * 2 * kTile);
+        prefetch(w + j * tile_stride + (kp + c) * 2 * kTile);
         wv[j] = (__m512bh)_mm512_loadu_si512(w + j * tile_stride + (kp + c) * 2 * kTile);
       }
       for (int m = 0; m < ROWS; ++m) {
@@ -114,7 +146,7 @@ void tiles_dot(const uint16_t* w, int64_t tile_stride, const uint16_t* x, int64_
 #else
 template <int TILES, int ROWS>
 void tiles_dot(const uint16_t* w, int64_t tile_stride, const uint16_t* x, int64_t x_stride, int64_t pairs,
-               float* acc) {
+               float* acc, Prefetcher prefetch) {
   for (int j = 0; j < TILES; ++j) {
     portable_pair_tile_dot<ROWS>(w + j * tile_stride, x, x_stride, pairs, acc + j * ROWS * kTile);
   }
@@ -152,14 +184,20 @@ struct NoThreadSetup {
   void operator()() const {}
 };
 
-// Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc)` — acc[j][m][16] = the dot
-// products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
-// j < count (BlockTiles, fewer in the last block) — over every block of tiles and chunk of rows,
-// then adds the bias and stores in x's dtype (bfloat16, or float32 for the quantized kernels on a
-// CPU without native bf16). `tile_bytes`: a tile's weight bytes, to size a thread's share;
-// `thread_setup` runs on each thread before its first chunk.
-template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, typename TileChunk, typename ThreadSetup = NoThreadSetup>
-at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t tile_bytes,
+// How the chunks of rows after the first prefetch: Prefetcher's next-block shares, or each as the
+// first (kAhead: the int4 kernels, 1-5 % slower at 16-48 rows with the shares on the Zen 4 box, and
+// the AMX ones, not measured with them).
+enum class PrefetchPolicy { kNextBlockShare, kAhead };
+
+// Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
+// dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
+// j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
+// every block of tiles and chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or
+// float32 for the quantized kernels on a CPU without native bf16). `weights`: the packed tiles,
+// `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before its first chunk.
+template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
+          typename TileChunk, typename ThreadSetup = NoThreadSetup>
+at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, int64_t tiles, int64_t tile_bytes,
                      const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
                      const ThreadSetup& thread_setup = {}) {
   const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
@@ -177,9 +215,13 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, int64_t tiles, int64_t
       alignas(64) float acc[BlockTiles * ChunkRows * kTile];
       for (int64_t block = begin; block < end; ++block) {
         const int64_t t0 = block * BlockTiles, count = std::min<int64_t>(BlockTiles, tiles - t0);
+        const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
         for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
           const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
-          tile_chunk(t0, count, m0, chunk, acc);
+          const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
+          const Prefetcher prefetch = share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m0, chunk, rows)
+                                            : Prefetcher::ahead(block_weights);
+          tile_chunk(t0, count, m0, chunk, acc, prefetch);
           for (int64_t j = 0; j < count; ++j) {
             const int64_t col0 = (t0 + j) * kTile, cols = std::min(kTile, out_features - col0);
             const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
@@ -233,16 +275,17 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   const int64_t x_stride = xc.stride(0);
   const int64_t tile_stride = pairs * 2 * kTile;  // bf16 elements of a tile
   const int64_t tile_bytes = tile_stride * static_cast<int64_t>(sizeof(uint16_t));
-  const auto tile_chunk = [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc) {
+  const auto tile_chunk = [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc,
+                              Prefetcher prefetch) {
     const auto& dots = count == 2 ? kTilePairDots : kTileDots;
-    dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride, x_stride, pairs, acc);
+    dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride, x_stride, pairs, acc, prefetch);
   };
   // Two tiles a call pay where the rows take several chunks; up to one chunk, where the weight
   // stream bounds the step, one tile a call is faster (one stream in bf16: 4 % a token).
   if (xc.size(0) > kMaxChunkRows) {
-    return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
+    return run_tiles<kMaxChunkRows, 2>("skinny_linear", xc, w, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
   }
-  return run_tiles<kMaxChunkRows, 1>("skinny_linear", xc, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
+  return run_tiles<kMaxChunkRows, 1>("skinny_linear", xc, w, packed.size(0), tile_bytes, bias, out_features, tile_chunk);
 }
 
 // ---- int8 activations (both quantized formats) ------------------------------------------------
@@ -452,13 +495,14 @@ inline __m512 dot_as_float(const int32_t* dots, int m) {
 // out of them, because that epilogue, not the multiply, bounds the kernel (20 rows of x are a tile
 // of 16 and one of 4: 32 rows' epilogue for 20 rows' work otherwise).
 template <int ROWS>
-void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
+                    Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
-    for (int64_t line = 0; line < 16; ++line) prefetch_ahead(w + g * 8 * kQuadBytes + line * 64);
+    for (int64_t line = 0; line < 16; ++line) prefetch(w + g * 8 * kQuadBytes + line * 64);
     amx_group_dots(buffer, a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots[buffer]);
   }, [&](int64_t g, bool two, int buffer) {
     for (int i = 0; i < 1 + two; ++i) {
@@ -531,7 +575,8 @@ inline Int4GroupCoefficients int4_group_coefficients(const uint8_t* record) {
 // acc[m][0..16) = the tile's 16 weight rows . row m of x, for ROWS rows of quantized x.
 #if defined(__AVX512VNNI__)
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 totals[ROWS];
@@ -540,9 +585,9 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
     const uint8_t* record = w + g * kInt4RecordBytes;
     __m512i dots[ROWS];
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
-    prefetch_ahead(record + 4 * kQuadBytes);  // the record's scales and zeros
+    prefetch(record + 4 * kQuadBytes);  // the record's scales and zeros
     for (int block = 0; block < 4; ++block) {
-      prefetch_ahead(record + block * kQuadBytes);
+      prefetch(record + block * kQuadBytes);
       const __m512i both = _mm512_loadu_si512(record + block * kQuadBytes);
       const __m512i low = _mm512_and_si512(both, nibble), high = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
       const int64_t k0 = g * kGroup + 4 * block;
@@ -568,14 +613,15 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // builds give the same bits. The 16 weight rows are two 8-lane halves, one after the other (each
 // row's accumulators then fit the 16 registers).
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 totals[ROWS][2];
   for (int m = 0; m < ROWS; ++m) totals[m][0] = totals[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* record = w + g * kInt4RecordBytes;
-    prefetch_ahead(record + 4 * kQuadBytes);  // the record's scales and zeros
+    prefetch(record + 4 * kQuadBytes);  // the record's scales and zeros
     const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
     const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
     __m256 scale_halves[2], a_coef_halves[2];
@@ -585,7 +631,7 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
       __m256i pair_sums[ROWS];
       for (int m = 0; m < ROWS; ++m) pair_sums[m] = _mm256_setzero_si256();
       for (int block = 0; block < 4; ++block) {
-        prefetch_ahead(record + block * kQuadBytes);
+        prefetch(record + block * kQuadBytes);
         const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + block * kQuadBytes + 32 * half));
         const __m256i low = _mm256_and_si256(both, nibble), high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
         const int64_t k0 = g * kGroup + 4 * block;
@@ -610,7 +656,8 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 }
 #else
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   Vec16 totals[ROWS] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -653,14 +700,15 @@ inline void unpack_int4_group(const uint8_t* record, uint8_t* b) {
 
 // acc[m][0..16) for the first ROWS of 16 rows of quantized x: int4_tile_dot's sums (as int8_amx_chunk).
 template <int ROWS>
-void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc) {
+void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+                    Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   alignas(64) uint8_t b[2][kGroup * kTile];
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
-    for (int64_t line = 0; line < 10; ++line) prefetch_ahead(w + g * kInt4RecordBytes + line * 64);
+    for (int64_t line = 0; line < 10; ++line) prefetch(w + g * kInt4RecordBytes + line * 64);
     unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
     if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
     amx_group_dots(buffer, a + g * kGroup, k, b[0], b[1], two, dots[buffer]);
@@ -748,18 +796,18 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   const float* sxa = q.scaled_sums;
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
-    return run_tiles<kAmxRows>("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
-                               [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc) {
+    return run_tiles<kAmxRows, 1, PrefetchPolicy::kAhead>("skinny_linear_int4", xc, w, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
+                               [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
                                  kInt4AmxChunks[chunk - 1](w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
-                                                sxa + m0 * groups, acc);
+                                                sxa + m0 * groups, acc, prefetch);
                                },
                                LoadAmxConfig{});
   }
 #endif
-  return run_tiles("skinny_linear_int4", xc, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
-                   [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc) {
+  return run_tiles<kMaxChunkRows, 1, PrefetchPolicy::kAhead>("skinny_linear_int4", xc, w, packed.size(0), groups * kInt4RecordBytes, bias, out_features,
+                   [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
                      kInt4TileDots[chunk - 1](w + t * groups * kInt4RecordBytes, a + m0 * k, k, sx + m0 * groups,
-                                              sxa + m0 * groups, acc);
+                                              sxa + m0 * groups, acc, prefetch);
                    });
 }
 
@@ -783,14 +831,15 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 // next group's chain and the other rows' are independent of it.
 #if defined(__AVX512VNNI__)
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* group_w = w + g * (kGroup / 4) * kQuadBytes;
     const int8_t* group_a = a + g * kGroup;
-    for (int64_t quad = 0; quad < kGroup / 4; ++quad) prefetch_ahead(group_w + quad * kQuadBytes);
+    for (int64_t quad = 0; quad < kGroup / 4; ++quad) prefetch(group_w + quad * kQuadBytes);
     __m512i dots[ROWS];
     for (int m = 0; m < ROWS; ++m) dots[m] = _mm512_setzero_si512();
     // Unrolled: GCC 12 leaves this loop rolled for 5-8 rows and copies each
@@ -828,7 +877,8 @@ inline int32_t code_sum_times_128(const int8_t* group) {
 }
 
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 totals[ROWS][2];
@@ -842,7 +892,7 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
       for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
         const int64_t k0 = g * kGroup + 4 * quad;
         const uint8_t* codes = w + (k0 / 4) * kQuadBytes;
-        prefetch_ahead(codes);
+        prefetch(codes);
         const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * half)), sign_bit);
         const __m256i magnitude = _mm256_abs_epi8(q);
         for (int m = 0; m < ROWS; ++m) {
@@ -865,7 +915,8 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 }
 #else
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc) {
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
+                   Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   Vec16 totals[ROWS] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -933,16 +984,18 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   const int64_t tile_bytes = packed.size(1);
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
-    return run_tiles<kAmxRows>("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
-                               [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc) {
-                                 kInt8AmxChunks[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
+    return run_tiles<kAmxRows, 1, PrefetchPolicy::kAhead>("skinny_linear_int8", xc, w, packed.size(0), tile_bytes, bias, out_features,
+                               [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
+                                 kInt8AmxChunks[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0,
+                                                           acc, prefetch);
                                },
                                LoadAmxConfig{});
   }
 #endif
-  return run_tiles("skinny_linear_int8", xc, packed.size(0), tile_bytes, bias, out_features,
-                   [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc) {
-                     kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc);
+  return run_tiles("skinny_linear_int8", xc, w, packed.size(0), tile_bytes, bias, out_features,
+                   [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
+                     kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc,
+                                              prefetch);
                    });
 }
 
