@@ -55,7 +55,8 @@ TORCH_CUDA_DEFINES = [
 MUSA_FLAGS = ["-O3", "-mtgpu", "-DKVSERVE_USE_MUSA"]
 
 CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "write_kv.cpp", "greedy_sample.cpp",
-                                                         "layer_ops.cpp", "skinny_linear.cpp", "skinny_linear_f32.cpp",
+                                                         "layer_ops.cpp", "skinny_linear.cpp", "skinny_quantized.cpp",
+                                                         "skinny_linear_f32.cpp",
                                                          "causal_softmax.cpp", "prompt_linear.cpp", "prefill_attention.cpp",
                                                          "decode_layer.cpp")]
 # OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the

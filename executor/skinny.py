@@ -1,4 +1,4 @@
-"""Few-row matmuls for decode steps on the CPU (``csrc/cpu/skinny_linear.cpp``).
+"""Few-row matmuls for decode steps on the CPU (``csrc/cpu/skinny_linear.cpp``, ``skinny_quantized.cpp``).
 
 With up to a handful of tokens a step, a projection is bound by reading its weights, not by
 arithmetic. oneDNN's packed bf16 matmul and torch's int4 kernel read them well below the rate one

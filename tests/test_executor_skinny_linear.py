@@ -1,4 +1,4 @@
-"""The CPU's few-row matmuls (csrc/cpu/skinny_linear.cpp, executor/skinny.py), bf16 and int4, against
+"""The CPU's few-row matmuls (csrc/cpu/skinny_linear.cpp and skinny_quantized.cpp, executor/skinny.py), bf16 and int4, against
 float32 arithmetic, and the model using them for decode steps: the same logits as oneDNN's packed
 matmul (bf16) and torch's int4 kernel, within bf16 rounding."""
 from __future__ import annotations

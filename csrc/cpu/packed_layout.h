@@ -1,5 +1,6 @@
-// The packed weight layouts of skinny_linear.cpp (pack_skinny_weight / _int8 / _int4), which
-// prompt_linear.cpp reads as well, and what every kernel on them checks of its outputs and bias.
+// The packed weight layouts of skinny_linear.cpp and skinny_quantized.cpp (pack_skinny_weight /
+// _int8 / _int4), which prompt_linear.cpp reads as well, and what every kernel on them checks of
+// its outputs and bias.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // y = x @ W^T (+ bias) for the prompt tokens of a step, W the quantized weights in
-// skinny_linear.cpp's layouts (pack_skinny_int8, pack_skinny_int4), on AMX bf16 tiles.
+// skinny_quantized.cpp's layouts (pack_skinny_int8, pack_skinny_int4), on AMX bf16 tiles.
 //
 // A decode step takes skinny_linear_int8 / _int4, which round the activations to int8 per group of
 // 32 inputs: each group's 16 x 16 integer tile must then be stored and scaled by its group's

@@ -39,7 +39,7 @@ namespace {
 using namespace kvserve_cpu;
 
 constexpr int kChunkRows = 4;          // rows of x sharing each widened weight register
-constexpr int64_t kPrefetchLines = 64;  // as skinny_linear.cpp: past the prefetcher's 4 KiB page stop
+constexpr int64_t kPrefetchLines = 64;  // as skinny_tiles.h: past the prefetcher's 4 KiB page stop
 
 // acc[m][0..16) = sum over k of x[m, k] * W[tile row, k], for ROWS rows of x.
 #if defined(__AVX2__) && defined(__FMA__)

@@ -1,0 +1,153 @@
+// What the few-row matmul kernels share (skinny_linear.cpp: bf16; skinny_quantized.cpp: int8 and
+// int4): the loop over blocks of weight tiles and chunks of rows (run_tiles), and where its kernels
+// prefetch the weights (Prefetcher).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include "packed_layout.h"
+#include "vec16.h"
+
+namespace kvserve_cpu {
+
+constexpr int kMaxChunkRows = 8;  // rows of x sharing each weight load
+
+// Where a kernel's software prefetches go: the kernel calls it with each weight line it reads, and it
+// asks for a line to come.
+//
+// The weights are one sequential stream, but the hardware prefetcher stops at every 4 KiB page and
+// ramps up again. With the rows in one chunk, each line read asks for the line kPrefetchLines
+// further on (one core streamed a decode step's bf16 weights at ~10 GB/s without, ~14 with;
+// docs/executor.md). With more rows, the chunks take turns over a block of tiles: the first would
+// read it from memory, bound by it, and the others from cache, compute-bound while memory idles.
+// There each chunk asks instead for its share of the next block's lines (its rows' share), spread
+// evenly over its reads, so that the stream runs through every chunk: on the Zen 4 box a decode
+// step's bf16 matmuls at 12-40 rows take 11-19 % less time, the int8 ones at 16-40 rows 7-14 %
+// (docs/executor.md).
+constexpr int64_t kPrefetchLines = 64;
+
+class Prefetcher {
+ public:
+  // Rows in one chunk: kPrefetchLines ahead of each line read.
+  static Prefetcher ahead(const void* block) {
+    const char* start = static_cast<const char*>(block);
+    return Prefetcher(start, start + kPrefetchLines * 64, 1 << 16);
+  }
+  // Rows [m0, m0 + chunk) of `rows` over the block of `bytes` at `block`: the same share of the
+  // next block's lines, in step with the chunk's reads.
+  static Prefetcher next_block_share(const void* block, int64_t bytes, int64_t m0, int64_t chunk, int64_t rows) {
+    const char* start = static_cast<const char*>(block);
+    return Prefetcher(start, start + bytes + bytes / 64 * m0 / rows * 64, (chunk << 16) / rows);
+  }
+
+  void operator()(const void* read) const {
+    const int64_t line = (static_cast<const char*>(read) - block_) >> 6;
+    __builtin_prefetch(target_ + (((line * scale_) >> 16) << 6), 0, 3);
+  }
+
+ private:
+  Prefetcher(const char* block, const char* target, int64_t scale) : block_(block), target_(target), scale_(scale) {}
+
+  const char* block_;   // the block the kernel reads
+  const char* target_;  // what line 0 of the block asks for
+  int64_t scale_;       // line i asks for target line i * scale / 65536
+};
+
+// The 32 bits at p: a pair of bf16 inputs, or four int8 ones, to broadcast.
+inline int32_t load_32_bits(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename Instance, size_t... I>
+constexpr auto instances_for(Instance instance, std::index_sequence<I...>) {
+  return std::array{instance(std::integral_constant<int, static_cast<int>(I) + 1>{})...};
+}
+
+// {kernel<1>, ..., kernel<N>}, with `instance(std::integral_constant<int, R>)` giving &kernel<R>:
+// table[r - 1] handles a chunk of r rows.
+template <int N, typename Instance>
+constexpr auto per_row_count(Instance instance) {
+  return instances_for(instance, std::make_index_sequence<N>{});
+}
+
+struct NoThreadSetup {
+  void operator()() const {}
+};
+
+// How the chunks of rows after the first prefetch: Prefetcher's next-block shares, or each as the
+// first (kAhead: the int4 kernels, 1-5 % slower at 16-48 rows with the shares on the Zen 4 box, and
+// the AMX ones, not measured with them).
+enum class PrefetchPolicy { kNextBlockShare, kAhead };
+
+// Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
+// dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
+// j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
+// every block of tiles and chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or
+// float32 for the quantized kernels on a CPU without native bf16). `weights`: the packed tiles,
+// `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before its first chunk.
+template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
+          typename TileChunk, typename ThreadSetup = NoThreadSetup>
+at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, int64_t tiles, int64_t tile_bytes,
+                     const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
+                     const ThreadSetup& thread_setup = {}) {
+  const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
+  const int64_t rows = x.size(0);
+  at::Tensor out = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return out;
+  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  const auto store_all = [&](auto* y) {
+    using Out = std::remove_pointer_t<decltype(y)>;
+    // A thread's share: enough blocks to be worth the wake-up (~64 KiB of weights).
+    const int64_t blocks = (tiles + BlockTiles - 1) / BlockTiles;
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes * BlockTiles, 1));
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      thread_setup();
+      alignas(64) float acc[BlockTiles * ChunkRows * kTile];
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t t0 = block * BlockTiles, count = std::min<int64_t>(BlockTiles, tiles - t0);
+        const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
+        for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
+          const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
+          const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
+          const Prefetcher prefetch =
+              share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m0, chunk, rows)
+                    : Prefetcher::ahead(block_weights);
+          tile_chunk(t0, count, m0, chunk, acc, prefetch);
+          for (int64_t j = 0; j < count; ++j) {
+            const int64_t col0 = (t0 + j) * kTile, cols = std::min(kTile, out_features - col0);
+            const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
+            const float* tile_acc = acc + j * chunk * kTile;
+            for (int64_t m = 0; m < chunk; ++m) {
+              Out* dst = y + (m0 + m) * out_features + col0;
+              if (cols == kTile) {
+                store16(dst, load16(tile_acc + m * kTile) + bias_v);
+              } else {
+                for (int64_t i = 0; i < cols; ++i) {
+                  dst[i] = static_cast<Out>(tile_acc[m * kTile + i] + (b ? b[col0 + i] : 0.f));
+                }
+              }
+            }
+          }
+        }
+      }
+    });
+  };
+  if (out.scalar_type() == at::kFloat) {
+    store_all(out.data_ptr<float>());
+  } else {
+    store_all(out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace kvserve_cpu
