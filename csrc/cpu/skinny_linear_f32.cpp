@@ -12,34 +12,30 @@
 //
 // With AVX2 a tile's 16 outputs are two 8-lane halves, taken one after the other; each row of x
 // keeps an accumulator per half, so a chunk of 4 rows (8 accumulators, 2 widened weight registers,
-// 2 broadcasts) fits the 16 registers. A row's sums run in the same order whatever the number of rows, so a token gets the
-// same result alone or in a batch.
+// 2 broadcasts) fits the 16 registers. The loop over tiles and chunks of rows, and where it
+// prefetches the weights: skinny_tiles.h. A row's sums run in the same order whatever the number of
+// rows, so a token gets the same result alone or in a batch.
 //
 // Registered as torch.ops.kvserve_cpu.skinny_linear_f32.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <cstring>
-#include <utility>
 
 #include "packed_layout.h"
+#include "skinny_tiles.h"
 #include "vec16.h"
 
 namespace {
 
 using namespace kvserve_cpu;
 
-constexpr int kChunkRows = 4;          // rows of x sharing each widened weight register
-constexpr int64_t kPrefetchLines = 64;  // as skinny_tiles.h: past the prefetcher's 4 KiB page stop
+constexpr int kChunkRows = 4;  // rows of x sharing each widened weight register
 
 // acc[m][0..16) = sum over k of x[m, k] * W[tile row, k], for ROWS rows of x.
 #if defined(__AVX2__) && defined(__FMA__)
@@ -55,13 +51,14 @@ struct HalfPair {
 };
 
 template <int ROWS>
-void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc) {
+void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc,
+                  Prefetcher prefetch) {
   // One half at a time, so that 4 rows' accumulators stay in registers.
   __m256 lo[ROWS], hi[ROWS];
   for (int m = 0; m < ROWS; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
   for (int64_t kp = 0; kp < pairs; ++kp) {
     const uint16_t* pair = w + kp * 2 * kTile;
-    __builtin_prefetch(reinterpret_cast<const char*>(pair) + kPrefetchLines * 64, 0, 3);
+    prefetch(pair);
     const float* xk = x + 2 * kp;
     const HalfPair first(pair);
     for (int m = 0; m < ROWS; ++m)
@@ -79,16 +76,13 @@ void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t p
 }
 #else
 template <int ROWS>
-void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc) {
+void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc,
+                  Prefetcher prefetch) {
   portable_pair_tile_dot<ROWS>(w, x, x_stride, pairs, acc);
 }
 #endif
 
-template <size_t... I>
-constexpr auto tile_dots_for(std::index_sequence<I...>) {
-  return std::array{&tile_dot_f32<static_cast<int>(I) + 1>...};
-}
-constexpr auto kTileDots = tile_dots_for(std::make_index_sequence<kChunkRows>{});  // [r - 1]: r rows
+constexpr auto kTileDots = per_row_count<kChunkRows>([](auto rows) { return &tile_dot_f32<rows>; });
 
 at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                              int64_t out_features) {
@@ -97,33 +91,16 @@ at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, cons
                   packed.scalar_type() == at::kBFloat16,
               "skinny_linear_f32: packed must come from pack_skinny_weight");
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  const int64_t k = xc.size(1), pairs = packed.size(1), tiles = packed.size(0), rows = xc.size(0);
+  const int64_t k = xc.size(1), pairs = packed.size(1), tiles = packed.size(0);
   TORCH_CHECK(pairs * 2 == k, "skinny_linear_f32: x has ", k, " features, the weight ", pairs * 2);
-  const at::Tensor bias_f32 = checked_bias_f32("skinny_linear_f32", tiles, kTile, out_features, bias);
-  at::Tensor out = at::empty({rows, out_features}, xc.options());
-  if (rows == 0) return out;
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const float* xp = xc.data_ptr<float>();
-  const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  float* y = out.data_ptr<float>();
   const int64_t x_stride = xc.stride(0), tile_elems = pairs * 2 * kTile;
-  // A thread's share: enough tiles to be worth the wake-up (~64 KiB of weights).
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_elems * 2, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kChunkRows * kTile];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t col0 = t * kTile, cols = std::min(kTile, out_features - col0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kChunkRows) {
-        const int64_t chunk = std::min<int64_t>(kChunkRows, rows - m0);
-        kTileDots[chunk - 1](w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs, acc);
-        for (int64_t m = 0; m < chunk; ++m) {
-          float* dst = y + (m0 + m) * out_features + col0;
-          for (int64_t j = 0; j < cols; ++j) dst[j] = acc[m * kTile + j] + (b ? b[col0 + j] : 0.f);
-        }
-      }
-    }
-  });
-  return out;
+  return run_tiles<kChunkRows>("skinny_linear_f32", xc, w, tiles, tile_elems * 2, bias, out_features,
+                               [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
+                                 kTileDots[chunk - 1](w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs, acc,
+                                                      prefetch);
+                               });
 }
 
 }  // namespace
