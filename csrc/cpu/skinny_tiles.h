@@ -1,6 +1,6 @@
 // What the few-row matmul kernels share (skinny_linear.cpp: bf16; skinny_quantized.cpp: int8 and
-// int4): the loop over blocks of weight tiles and chunks of rows (run_tiles), and where its kernels
-// prefetch the weights (Prefetcher).
+// int4; skinny_linear_f32.cpp: bf16 weights, float32 activations): the loop over blocks of weight
+// tiles and chunks of rows (run_tiles), and where its kernels prefetch the weights (Prefetcher).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -84,16 +84,16 @@ struct NoThreadSetup {
   void operator()() const {}
 };
 
-// How the chunks of rows after the first prefetch: Prefetcher's next-block shares, or each as the
-// first (kAhead: the int4 kernels, 1-5 % slower at 16-48 rows with the shares on the Zen 4 box, and
-// the AMX ones, not measured with them).
+// How the chunks prefetch where x's rows take several: each its share of the next block, or each
+// 4 KiB ahead as a lone chunk does (kAhead: the int4 kernels, 1-5 % slower at 16-48 rows with the
+// shares on the Zen 4 box, and the AMX ones, not measured with them).
 enum class PrefetchPolicy { kNextBlockShare, kAhead };
 
 // Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
 // dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
 // j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
 // every block of tiles and chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or
-// float32 for the quantized kernels on a CPU without native bf16). `weights`: the packed tiles,
+// float32: skinny_linear_f32, and the quantized kernels on a CPU without native bf16). `weights`: the packed tiles,
 // `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before its first chunk.
 template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
           typename TileChunk, typename ThreadSetup = NoThreadSetup>
