@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 
 # Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
-# measured on AVX512-BF16 (Zen 4, two threads, a decode step's matmuls): 10.7 vs 13.1 ms at 8 rows,
-# 15.8 vs 17.4 at 16, 25.7 vs 27.1 at 32, 35.5 vs 38.9 at 48, 45.3 vs 46.6 at 64 (docs/executor.md).
-SKINNY_MAX_ROWS = 48
+# measured on AVX512-BF16 (Zen 4, two threads, a decode step's matmuls, two runs): 10.2 vs 14.8 ms at
+# 8 rows, 13.7 vs 19.5 at 16, 22.5 vs 29.1 at 32, 42.1-42.2 vs 49.3-52.0 at 64, 82.0-83.6 vs
+# 87.5-91.2 at 128, 110.9 vs 108.7 at 160 (docs/executor.md).
+SKINNY_MAX_ROWS = 128
 # The same where the CPU has AMX, whose tiles run oneDNN's bf16 GEMM: a step's matmuls on an
 # Emerald Rapids-class Xeon, one thread, skinny vs oneDNN: 18.6 vs 24.6 ms at 1 row, 21.2 vs 24.7 at
 # 2, 27.6 vs 24.6 at 8 (docs/executor.md).
