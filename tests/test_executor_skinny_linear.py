@@ -33,7 +33,7 @@ def reference(x, weight, bias=None):
 BF16_STEP = dict(rtol=2 ** -7, atol=1e-3)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 48])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17, 48, SKINNY_MAX_ROWS])
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (40, 64), (40, 66), (832, 576), (7, 1536)])
 def test_matches_float32_arithmetic_for_any_rows_and_ragged_outputs(cpu_ops, rows, out_features, in_features):
     weight, x = randn(out_features, in_features, scale=0.05), randn(rows, in_features)
