@@ -93,8 +93,9 @@ enum class PrefetchPolicy { kNextBlockShare, kAhead };
 // dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
 // j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
 // every block of tiles and chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or
-// float32: skinny_linear_f32, and the quantized kernels on a CPU without native bf16). `weights`: the packed tiles,
-// `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before its first chunk.
+// float32: skinny_linear_f32, and the quantized kernels on a CPU without native bf16). `weights`:
+// the packed tiles, `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before
+// its first chunk.
 template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
           typename TileChunk, typename ThreadSetup = NoThreadSetup>
 at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, int64_t tiles, int64_t tile_bytes,
@@ -105,6 +106,7 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
+  const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
   const auto store_all = [&](auto* y) {
     using Out = std::remove_pointer_t<decltype(y)>;
     // A thread's share: enough blocks to be worth the wake-up (~64 KiB of weights).
@@ -118,7 +120,6 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
         const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
         for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
           const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
-          const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
           const Prefetcher prefetch =
               share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m0, chunk, rows)
                     : Prefetcher::ahead(block_weights);
