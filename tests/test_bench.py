@@ -156,7 +156,7 @@ def test_table_json_and_plot_are_written(tmp_path):
 def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and_timed_from_the_first_send():
     """llama-server now and then closes a kept-alive connection as the next request arrives on it:
     the client retries once on a new connection, and the lost time stays in that request's TTFT."""
-    import httpx
+    import aiohttp
 
     from bench.client import send_http
 
@@ -184,8 +184,8 @@ def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and
     async def run():
         server = await asyncio.start_server(handler, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        async with httpx.AsyncClient() as client:
-            result = await send_http(client, f"http://127.0.0.1:{port}", "m", BenchRequest("p", 3, 2), 0.0)
+        async with aiohttp.ClientSession() as session:
+            result = await send_http(session, f"http://127.0.0.1:{port}", "m", BenchRequest("p", 3, 2), 0.0)
         server.close()
         return result
 
