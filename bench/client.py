@@ -116,13 +116,19 @@ def usage_of(chunk: dict) -> tuple[int, int, int] | None:
             int(usage.get("prompt_tokens") or 0))
 
 
+# How aiohttp reports a pooled connection the server closed: before the request's body went out
+# ("ClientOSError: Can not write request body", llama-server at 32 streams), or after it, before any
+# byte of a response.
+CLOSED_CONNECTION_ERRORS = ("ServerDisconnectedError", "ClientOSError")
+
+
 async def send_http(session: aiohttp.ClientSession, base_url: str, model: str, request: BenchRequest,
                     t0: float) -> RequestResult:
     """One streaming ``/v1/completions`` request; SSE chunks with text are output chunks. A pooled
     connection the server closed before answering (llama-server does, now and then) is retried once
     on a new one, as browsers and urllib3 do: the time lost stays in the request's TTFT."""
     first = await _send_http_once(session, base_url, model, request, t0)
-    if not (first.error.startswith("ServerDisconnectedError") and not first.ttft):
+    if not (first.error.startswith(CLOSED_CONNECTION_ERRORS) and not first.ttft):
         return first
     result = await _send_http_once(session, base_url, model, request, t0)
     lost = result.sent_at - first.sent_at

@@ -153,9 +153,12 @@ def test_table_json_and_plot_are_written(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and_timed_from_the_first_send():
-    """llama-server now and then closes a kept-alive connection as the next request arrives on it:
-    the client retries once on a new connection, and the lost time stays in that request's TTFT."""
+@pytest.mark.parametrize("close_before_body", [False, True])
+def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and_timed_from_the_first_send(
+        close_before_body):
+    """llama-server now and then closes a kept-alive connection as the next request arrives on it,
+    after reading the request or before: the client retries once on a new connection, and the lost
+    time stays in that request's TTFT."""
     import aiohttp
 
     from bench.client import send_http
@@ -163,6 +166,11 @@ def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and
     answered = []
 
     async def handler(reader, writer):
+        if close_before_body and not answered:  # reset before the request is read
+            answered.append("closed")
+            await asyncio.sleep(0.2)
+            writer.transport.abort()
+            return
         head = await reader.readuntil(b"\r\n\r\n")
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length")))
@@ -193,6 +201,31 @@ def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and
     assert answered == ["closed", "answered"]
     assert result.ok and not result.error and result.output_tokens == 2
     assert result.ttft >= 0.2 and result.e2e >= result.ttft  # timed from the first send
+
+
+def test_a_request_whose_body_could_not_be_written_is_retried_once(monkeypatch):
+    """aiohttp reports a pooled connection closed before the request's body went out as ClientOSError
+    (llama-server at 32 streams): retried like a disconnect; any other error is not."""
+    from bench import client
+
+    calls = []
+
+    async def once(session, base_url, model, request, t0):
+        calls.append(request.prompt)
+        result = client.RequestResult(request.prompt_len, request.output_len)
+        if len(calls) == 1 or request.prompt == "bad":
+            result.error = ("ClientOSError: [Errno None] Can not write request body" if request.prompt == "p"
+                            else "HTTP 400: bad")
+            return result
+        result.ok, result.output_tokens, result.sent_at = True, 2, 1.0
+        return result
+
+    monkeypatch.setattr(client, "_send_http_once", once)
+    result = asyncio.run(client.send_http(None, "http://x", "m", BenchRequest("p", 3, 2), 0.0))
+    assert calls == ["p", "p"] and result.ok and not result.error
+    calls.clear()
+    result = asyncio.run(client.send_http(None, "http://x", "m", BenchRequest("bad", 3, 2), 0.0))
+    assert calls == ["bad"] and result.error == "HTTP 400: bad"
 
 
 def test_hf_peer_padding_and_kv_bookkeeping():
