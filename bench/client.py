@@ -130,7 +130,10 @@ async def send_http(session: aiohttp.ClientSession, base_url: str, model: str, r
     first = await _send_http_once(session, base_url, model, request, t0)
     if not (first.error.startswith(CLOSED_CONNECTION_ERRORS) and not first.ttft):
         return first
-    result = await _send_http_once(session, base_url, model, request, t0)
+    # A connection of its own: the pool may hold more that the server is about to close.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=session.timeout) as fresh:
+        result = await _send_http_once(fresh, base_url, model, request, t0)
     lost = result.sent_at - first.sent_at
     result.sent_at = first.sent_at
     if result.ttft:

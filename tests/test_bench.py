@@ -206,6 +206,10 @@ def test_a_request_whose_pooled_connection_the_server_closed_is_retried_once_and
 def test_a_request_whose_body_could_not_be_written_is_retried_once(monkeypatch):
     """aiohttp reports a pooled connection closed before the request's body went out as ClientOSError
     (llama-server at 32 streams): retried like a disconnect; any other error is not."""
+    import types
+
+    import aiohttp
+
     from bench import client
 
     calls = []
@@ -221,10 +225,11 @@ def test_a_request_whose_body_could_not_be_written_is_retried_once(monkeypatch):
         return result
 
     monkeypatch.setattr(client, "_send_http_once", once)
-    result = asyncio.run(client.send_http(None, "http://x", "m", BenchRequest("p", 3, 2), 0.0))
+    pooled = types.SimpleNamespace(timeout=aiohttp.ClientTimeout(total=5))
+    result = asyncio.run(client.send_http(pooled, "http://x", "m", BenchRequest("p", 3, 2), 0.0))
     assert calls == ["p", "p"] and result.ok and not result.error
     calls.clear()
-    result = asyncio.run(client.send_http(None, "http://x", "m", BenchRequest("bad", 3, 2), 0.0))
+    result = asyncio.run(client.send_http(pooled, "http://x", "m", BenchRequest("bad", 3, 2), 0.0))
     assert calls == ["bad"] and result.error == "HTTP 400: bad"
 
 
