@@ -102,7 +102,7 @@ async def sse_chunks(reply: httpx.Response) -> AsyncIterator[dict]:
 async def aiohttp_sse_chunks(reply: aiohttp.ClientResponse) -> AsyncIterator[dict]:
     """The same from an aiohttp reply (lines as bytes)."""
     async for raw in reply.content:
-        if raw.startswith(b"data:") and (chunk := sse_event(raw.decode())) is not None:
+        if (chunk := sse_event(raw.decode())) is not None:
             yield chunk
 
 

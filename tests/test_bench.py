@@ -213,15 +213,13 @@ def test_a_request_whose_body_could_not_be_written_is_retried_once(monkeypatch):
     from bench import client
 
     calls = []
+    errors = {"p": ["ClientOSError: [Errno None] Can not write request body", ""], "bad": ["HTTP 400: bad"]}
 
     async def once(session, base_url, model, request, t0):
         calls.append(request.prompt)
         result = client.RequestResult(request.prompt_len, request.output_len)
-        if len(calls) == 1 or request.prompt == "bad":
-            result.error = ("ClientOSError: [Errno None] Can not write request body" if request.prompt == "p"
-                            else "HTTP 400: bad")
-            return result
-        result.ok, result.output_tokens, result.sent_at = True, 2, 1.0
+        result.error = errors[request.prompt].pop(0)
+        result.ok = not result.error
         return result
 
     monkeypatch.setattr(client, "_send_http_once", once)
