@@ -74,6 +74,7 @@ struct QuantizedRows {
   int8_t* codes;        // [rows, K]
   float* scales;        // [rows, K / 32]: sx (0 for an all-zero group, NaN for one with NaN or inf)
   float* scaled_sums;   // [rows, K / 32]: sx * sum(a)
+  int32_t* code_sums;   // [rows, K / 32]: sum(a)
 };
 
 // Rows [begin, end) of x (float32 or bf16) into q's codes, scales and scaled sums.
@@ -83,6 +84,7 @@ void quantize_groups(const T* xp, int64_t x_stride, int64_t begin, int64_t end, 
   int8_t* codes = q.codes;
   float* scales = q.scales;
   float* scaled_sums = q.scaled_sums;
+  int32_t* code_sums = q.code_sums;
   for (int64_t m = begin; m < end; ++m) {
     for (int64_t g = 0; g < groups; ++g) {
       const T* src = xp + m * x_stride + g * kGroup;
@@ -101,6 +103,7 @@ void quantize_groups(const T* xp, int64_t x_stride, int64_t begin, int64_t end, 
         // output as it would through a float matmul instead of vanishing.
         std::memset(out, 0, kGroup);
         scales[slot] = scaled_sums[slot] = finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+        code_sums[slot] = 0;
         continue;
       }
       // A division, not a product with 127 / amax: GCC may fuse a product with the rounding's
@@ -119,6 +122,7 @@ void quantize_groups(const T* xp, int64_t x_stride, int64_t begin, int64_t end, 
       const int32_t sum = reduce_sum(total);
       scales[slot] = scale;
       scaled_sums[slot] = scale * static_cast<float>(sum);
+      code_sums[slot] = sum;
     }
   }
 }
@@ -129,16 +133,18 @@ constexpr int64_t kQuantizeGrainElements = 8192;
 // `padded_rows` (>= x's rows): rows past x's are all-zero groups (for whole AMX tiles of rows).
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t padded_rows = 0) {
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kGroup, total = std::max(rows, padded_rows);
-  const int64_t float_bytes = 2 * total * groups * static_cast<int64_t>(sizeof(float));
+  const int64_t float_bytes = 3 * total * groups * static_cast<int64_t>(sizeof(float));
   const int64_t codes_offset = (float_bytes + 63) / 64 * 64;
   QuantizedRows q{at::empty({codes_offset + total * k}, x.options().dtype(at::kByte)), total};
   auto* base = q.storage.data_ptr<uint8_t>();
   q.scales = reinterpret_cast<float*>(base);
   q.scaled_sums = q.scales + total * groups;
+  q.code_sums = reinterpret_cast<int32_t*>(q.scaled_sums + total * groups);
   q.codes = reinterpret_cast<int8_t*>(base + codes_offset);
   const int64_t padding = total - rows;
   std::fill_n(q.scales + rows * groups, padding * groups, 0.f);
   std::fill_n(q.scaled_sums + rows * groups, padding * groups, 0.f);
+  std::fill_n(q.code_sums + rows * groups, padding * groups, 0);
   std::memset(q.codes + rows * k, 0, padding * k);
   // Each row's codes are its own, whichever thread makes them. Single-threaded, this took a fifth
   // of an int8 matmul's time at 32 rows and at 1024 (Zen 4, two threads).
@@ -246,8 +252,8 @@ inline __m512 dot_as_float(const int32_t* dots, int m) {
 // out of them, because that epilogue, not the multiply, bounds the kernel (20 rows of x are a tile
 // of 16 and one of 4: 32 rows' epilogue for 20 rows' work otherwise).
 template <int ROWS>
-void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
-                    Prefetcher prefetch) {
+void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t*,
+                    const float* offsets, float* acc, Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   alignas(64) int32_t dots[2][2][kAmxRows * kTile];
   __m512 totals[ROWS];
@@ -361,10 +367,12 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // Without VNNI: VPMADDUBSW multiplies the unsigned codes by the signed activation codes into 16-bit
 // pairs (at most 2 * 15 * 127 each, so a group's eight fit in 16 bits), VPMADDWD widens them to
 // the VNNI kernel's 32-bit dots, and the float steps after it are its own, in its order: both
-// builds give the same bits. The 16 weight rows are two 8-lane halves, one after the other (each
-// row's accumulators then fit the 16 registers).
+// builds give the same bits. The 16 weight rows are two 8-lane halves, both taken per load of a
+// row's activation codes, for up to 4 rows of x at a time (kQuantizedAvx2Rows, as int8's).
+constexpr int kQuantizedAvx2Rows = 4;
+
 template <int ROWS>
-void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+void int4_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
                    Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -373,27 +381,32 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* record = w + g * kInt4RecordBytes;
     prefetch(record + 4 * kQuadBytes);  // the record's scales and zeros
+    __m256i pair_sums[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) pair_sums[m][0] = pair_sums[m][1] = _mm256_setzero_si256();
+    for (int block = 0; block < 4; ++block) {
+      prefetch(record + block * kQuadBytes);
+      const __m256i both0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + block * kQuadBytes));
+      const __m256i both1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + block * kQuadBytes + 32));
+      const __m256i low0 = _mm256_and_si256(both0, nibble), high0 = _mm256_and_si256(_mm256_srli_epi16(both0, 4), nibble);
+      const __m256i low1 = _mm256_and_si256(both1, nibble), high1 = _mm256_and_si256(_mm256_srli_epi16(both1, 4), nibble);
+      const int64_t k0 = g * kGroup + 4 * block;
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256i codes_low = _mm256_set1_epi32(load_32_bits(a + m * k + k0));
+        const __m256i codes_high = _mm256_set1_epi32(load_32_bits(a + m * k + k0 + 16));
+        pair_sums[m][0] = _mm256_add_epi16(pair_sums[m][0], _mm256_maddubs_epi16(low0, codes_low));
+        pair_sums[m][1] = _mm256_add_epi16(pair_sums[m][1], _mm256_maddubs_epi16(low1, codes_low));
+        pair_sums[m][0] = _mm256_add_epi16(pair_sums[m][0], _mm256_maddubs_epi16(high0, codes_high));
+        pair_sums[m][1] = _mm256_add_epi16(pair_sums[m][1], _mm256_maddubs_epi16(high1, codes_high));
+      }
+    }
     const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);
     const Vec16 a_coef = zero - 8.f * scale;  // 8 * scale is exact: one rounding
     __m256 scale_halves[2], a_coef_halves[2];
     std::memcpy(scale_halves, &scale, sizeof(scale));
     std::memcpy(a_coef_halves, &a_coef, sizeof(a_coef));
-    for (int half = 0; half < 2; ++half) {
-      __m256i pair_sums[ROWS];
-      for (int m = 0; m < ROWS; ++m) pair_sums[m] = _mm256_setzero_si256();
-      for (int block = 0; block < 4; ++block) {
-        prefetch(record + block * kQuadBytes);
-        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + block * kQuadBytes + 32 * half));
-        const __m256i low = _mm256_and_si256(both, nibble), high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
-        const int64_t k0 = g * kGroup + 4 * block;
-        for (int m = 0; m < ROWS; ++m) {
-          pair_sums[m] = _mm256_add_epi16(pair_sums[m], _mm256_maddubs_epi16(low, _mm256_set1_epi32(load_32_bits(a + m * k + k0))));
-          pair_sums[m] = _mm256_add_epi16(pair_sums[m],
-                                          _mm256_maddubs_epi16(high, _mm256_set1_epi32(load_32_bits(a + m * k + k0 + 16))));
-        }
-      }
-      for (int m = 0; m < ROWS; ++m) {
-        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pair_sums[m], ones)),
+    for (int m = 0; m < ROWS; ++m) {
+      for (int half = 0; half < 2; ++half) {
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pair_sums[m][half], ones)),
                                          _mm256_set1_ps(sx[m * groups + g]));
         totals[m][half] = _mm256_fmadd_ps(dot, scale_halves[half], totals[m][half]);
         totals[m][half] = _mm256_fmadd_ps(_mm256_set1_ps(sxa[m * groups + g]), a_coef_halves[half], totals[m][half]);
@@ -403,6 +416,19 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   for (int m = 0; m < ROWS; ++m) {
     _mm256_storeu_ps(acc + m * kTile, totals[m][0]);
     _mm256_storeu_ps(acc + m * kTile + 8, totals[m][1]);
+  }
+}
+
+// A chunk of ROWS rows as pieces of kQuantizedAvx2Rows; the tile's weights stay in L1 between them.
+template <int ROWS>
+void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
+                   Prefetcher prefetch) {
+  constexpr int kFirst = ROWS < kQuantizedAvx2Rows ? ROWS : kQuantizedAvx2Rows;
+  int4_rows_dot<kFirst>(w, a, k, sx, sxa, acc, prefetch);
+  if constexpr (ROWS > kQuantizedAvx2Rows) {
+    const int64_t groups = k / kGroup;
+    int4_tile_dot<ROWS - kQuantizedAvx2Rows>(w, a + kQuantizedAvx2Rows * k, k, sx + kQuantizedAvx2Rows * groups,
+                                             sxa + kQuantizedAvx2Rows * groups, acc + kQuantizedAvx2Rows * kTile, prefetch);
   }
 }
 #else
@@ -582,8 +608,8 @@ at::Tensor skinny_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 // next group's chain and the other rows' are independent of it.
 #if defined(__AVX512VNNI__)
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
-                   Prefetcher prefetch) {
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
+                   const float* offsets, float* acc, Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
@@ -617,42 +643,43 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // the stored codes q + 128 would overflow (2 * 255 * 127); the signed code q, its sign moved onto
 // the activation, cannot (2 * 127 * 127), and VPMADDWD sums the pairs into 32 bits. Started at
 // 128 A, each group's integer dot is the VNNI kernel's, sum (q + 128) a, and the float steps after
-// it are its own, in its order: both builds give the same bits. The 16 weight rows are two 8-lane
-// halves, one after the other (each row's accumulators then fit the 16 registers).
-inline int32_t code_sum_times_128(const int8_t* group) {
-  const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
-  __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), codes), _mm256_set1_epi16(1));
-  sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0x4E));
-  sum = _mm256_add_epi32(sum, _mm256_shuffle_epi32(sum, 0xB1));
-  return 128 * (_mm256_cvtsi256_si32(sum) + _mm256_extract_epi32(sum, 4));
-}
+// it are its own, in its order: both builds give the same bits.
+//
+// The 16 weight rows are two 8-lane halves, both taken per load of a row's 4 activation codes, for
+// up to 4 rows of x at a time (kQuantizedAvx2Rows): their 8 accumulators, the two halves' codes
+// and magnitudes, the broadcast codes and two constants fill the 16 registers. With 8 rows, one
+// half at a time, GCC kept 3 accumulators and a constant on the stack, each loaded and stored at
+// every multiply-add (one thread, a layer's four projections: 39 GMAC/s against 44-45 so).
 
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
-                   Prefetcher prefetch) {
+void int8_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
+                   const float* offsets, float* acc, Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   const __m256i sign_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   __m256 totals[ROWS][2];
   for (int m = 0; m < ROWS; ++m) totals[m][0] = totals[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    int32_t offset_dots[ROWS];
-    for (int m = 0; m < ROWS; ++m) offset_dots[m] = code_sum_times_128(a + m * k + g * kGroup);
-    for (int half = 0; half < 2; ++half) {
-      __m256i dots[ROWS];
-      for (int m = 0; m < ROWS; ++m) dots[m] = _mm256_set1_epi32(offset_dots[m]);
-      for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
-        const int64_t k0 = g * kGroup + 4 * quad;
-        const uint8_t* codes = w + (k0 / 4) * kQuadBytes;
-        prefetch(codes);
-        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * half)), sign_bit);
-        const __m256i magnitude = _mm256_abs_epi8(q);
-        for (int m = 0; m < ROWS; ++m) {
-          const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(load_32_bits(a + m * k + k0)), q);
-          dots[m] = _mm256_add_epi32(dots[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_a), ones));
-        }
-      }
+    __m256i dots[ROWS][2];
+    for (int m = 0; m < ROWS; ++m) dots[m][0] = dots[m][1] = _mm256_set1_epi32(128 * code_sums[m * groups + g]);
+    for (int64_t quad = 0; quad < kGroup / 4; ++quad) {
+      const int64_t k0 = g * kGroup + 4 * quad;
+      const uint8_t* codes = w + (k0 / 4) * kQuadBytes;
+      prefetch(codes);
+      const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), sign_bit);
+      const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32)), sign_bit);
+      const __m256i magnitude0 = _mm256_abs_epi8(q0), magnitude1 = _mm256_abs_epi8(q1);
       for (int m = 0; m < ROWS; ++m) {
-        totals[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m]), _mm256_set1_ps(sx[m * groups + g]), totals[m][half]);
+        const __m256i codes_a = _mm256_set1_epi32(load_32_bits(a + m * k + k0));
+        dots[m][0] = _mm256_add_epi32(dots[m][0],
+                                      _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude0, _mm256_sign_epi8(codes_a, q0)), ones));
+        dots[m][1] = _mm256_add_epi32(dots[m][1],
+                                      _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude1, _mm256_sign_epi8(codes_a, q1)), ones));
+      }
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      const __m256 row_scale = _mm256_set1_ps(sx[m * groups + g]);
+      for (int half = 0; half < 2; ++half) {
+        totals[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m][half]), row_scale, totals[m][half]);
       }
     }
   }
@@ -664,10 +691,24 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
     }
   }
 }
+
+// A chunk of ROWS rows as pieces of kQuantizedAvx2Rows; the tile's weights stay in L1 between them.
+template <int ROWS>
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
+                   const float* offsets, float* acc, Prefetcher prefetch) {
+  constexpr int kFirst = ROWS < kQuantizedAvx2Rows ? ROWS : kQuantizedAvx2Rows;
+  int8_rows_dot<kFirst>(w, a, k, sx, code_sums, offsets, acc, prefetch);
+  if constexpr (ROWS > kQuantizedAvx2Rows) {
+    const int64_t groups = k / kGroup;
+    int8_tile_dot<ROWS - kQuantizedAvx2Rows>(w, a + kQuantizedAvx2Rows * k, k, sx + kQuantizedAvx2Rows * groups,
+                                        code_sums + kQuantizedAvx2Rows * groups, offsets + kQuantizedAvx2Rows,
+                                        acc + kQuantizedAvx2Rows * kTile, prefetch);
+  }
+}
 #else
 template <int ROWS>
-void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* offsets, float* acc,
-                   Prefetcher prefetch) {
+void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
+                   const float* offsets, float* acc, Prefetcher prefetch) {
   const int64_t groups = k / kGroup;
   Vec16 totals[ROWS] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -731,13 +772,14 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   const auto* w = packed.data_ptr<uint8_t>();
   const int8_t* a = q.codes;
   const float* sx = q.scales;
+  const int32_t* code_sums = q.code_sums;
   const float* offset = offsets.data();
   const int64_t tile_bytes = packed.size(1);
 #if defined(KVSERVE_AMX_INT8)
   if (padded_rows > 0) {
     return run_tiles<kAmxRows, 1, PrefetchPolicy::kAhead>("skinny_linear_int8", xc, w, packed.size(0), tile_bytes, bias, out_features,
                                [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
-                                 kInt8AmxChunks[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0,
+                                 kInt8AmxChunks[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, code_sums + m0 * groups, offset + m0,
                                                            acc, prefetch);
                                },
                                LoadAmxConfig{});
@@ -745,7 +787,7 @@ at::Tensor skinny_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 #endif
   return run_tiles("skinny_linear_int8", xc, w, packed.size(0), tile_bytes, bias, out_features,
                    [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
-                     kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, offset + m0, acc,
+                     kInt8TileDots[chunk - 1](w + t * tile_bytes, a + m0 * k, k, sx + m0 * groups, code_sums + m0 * groups, offset + m0, acc,
                                               prefetch);
                    });
 }
