@@ -371,6 +371,15 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // row's activation codes, for up to 4 rows of x at a time (kQuantizedAvx2Rows, as int8's).
 constexpr int kQuantizedAvx2Rows = 4;
 
+// piece(std::integral_constant<int, R>{}, m0) for rows [m0, m0 + R) of a chunk of ROWS rows, in pieces
+// of kQuantizedAvx2Rows: the tile's weights stay in L1 between them.
+template <int ROWS, int M0 = 0, typename Piece>
+inline void for_each_avx2_row_piece(const Piece& piece) {
+  constexpr int kRows = ROWS - M0 < kQuantizedAvx2Rows ? ROWS - M0 : kQuantizedAvx2Rows;
+  piece(std::integral_constant<int, kRows>{}, M0);
+  if constexpr (M0 + kRows < ROWS) for_each_avx2_row_piece<ROWS, M0 + kRows>(piece);
+}
+
 template <int ROWS>
 void int4_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
                    Prefetcher prefetch) {
@@ -419,17 +428,13 @@ void int4_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   }
 }
 
-// A chunk of ROWS rows as pieces of kQuantizedAvx2Rows; the tile's weights stay in L1 between them.
 template <int ROWS>
 void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const float* sxa, float* acc,
                    Prefetcher prefetch) {
-  constexpr int kFirst = ROWS < kQuantizedAvx2Rows ? ROWS : kQuantizedAvx2Rows;
-  int4_rows_dot<kFirst>(w, a, k, sx, sxa, acc, prefetch);
-  if constexpr (ROWS > kQuantizedAvx2Rows) {
-    const int64_t groups = k / kGroup;
-    int4_tile_dot<ROWS - kQuantizedAvx2Rows>(w, a + kQuantizedAvx2Rows * k, k, sx + kQuantizedAvx2Rows * groups,
-                                             sxa + kQuantizedAvx2Rows * groups, acc + kQuantizedAvx2Rows * kTile, prefetch);
-  }
+  const int64_t groups = k / kGroup;
+  for_each_avx2_row_piece<ROWS>([&](auto rows, int m0) {
+    int4_rows_dot<rows>(w, a + m0 * k, k, sx + m0 * groups, sxa + m0 * groups, acc + m0 * kTile, prefetch);
+  });
 }
 #else
 template <int ROWS>
@@ -646,10 +651,10 @@ void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // it are its own, in its order: both builds give the same bits.
 //
 // The 16 weight rows are two 8-lane halves, both taken per load of a row's 4 activation codes, for
-// up to 4 rows of x at a time (kQuantizedAvx2Rows): their 8 accumulators, the two halves' codes
-// and magnitudes, the broadcast codes and two constants fill the 16 registers. With 8 rows, one
-// half at a time, GCC kept 3 accumulators and a constant on the stack, each loaded and stored at
-// every multiply-add (one thread, a layer's four projections: 39 GMAC/s against 44-45 so).
+// up to 4 rows of x at a time (kQuantizedAvx2Rows): 8 accumulators, the two halves' codes and
+// magnitudes, a row's broadcast codes and two constants, 15 of the 16 registers. With 8 rows, one
+// half at a time, GCC kept more accumulators on the stack, loaded and stored at every multiply-add
+// (one thread, a layer's four projections: 39 GMAC/s against 44-45 so; 3 rows: 43).
 
 template <int ROWS>
 void int8_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
@@ -692,18 +697,14 @@ void int8_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
   }
 }
 
-// A chunk of ROWS rows as pieces of kQuantizedAvx2Rows; the tile's weights stay in L1 between them.
 template <int ROWS>
 void int8_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx, const int32_t* code_sums,
                    const float* offsets, float* acc, Prefetcher prefetch) {
-  constexpr int kFirst = ROWS < kQuantizedAvx2Rows ? ROWS : kQuantizedAvx2Rows;
-  int8_rows_dot<kFirst>(w, a, k, sx, code_sums, offsets, acc, prefetch);
-  if constexpr (ROWS > kQuantizedAvx2Rows) {
-    const int64_t groups = k / kGroup;
-    int8_tile_dot<ROWS - kQuantizedAvx2Rows>(w, a + kQuantizedAvx2Rows * k, k, sx + kQuantizedAvx2Rows * groups,
-                                        code_sums + kQuantizedAvx2Rows * groups, offsets + kQuantizedAvx2Rows,
-                                        acc + kQuantizedAvx2Rows * kTile, prefetch);
-  }
+  const int64_t groups = k / kGroup;
+  for_each_avx2_row_piece<ROWS>([&](auto rows, int m0) {
+    int8_rows_dot<rows>(w, a + m0 * k, k, sx + m0 * groups, code_sums + m0 * groups, offsets + m0, acc + m0 * kTile,
+                        prefetch);
+  });
 }
 #else
 template <int ROWS>
