@@ -139,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the executor's --dtype, every kvserve row (auto: bfloat16 where the CPU runs it "
                              "natively, else float32)")
     engine.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
-                        help="the executor's K/V cache: auto (--dtype) or int8 (a float32 scale per token and "
-                             "head; OpenVINO's CPU plugin keeps u8 by default), every kvserve row")
+                        help="the executor's K/V cache, every kvserve row: auto (as the executor resolves it: "
+                             "--dtype's, bfloat16 where --dtype auto computes a bf16 checkpoint in float32), "
+                             "bfloat16, or int8 (a float32 scale per token and head; OpenVINO's CPU plugin keeps "
+                             "u8 by default)")
     engine.add_argument("--executor-threads", type=thread_counts, default=DEFAULT_THREADS,
                         help="executor --num-threads, comma-separated: every kvserve row runs once per value "
                              "(auto: the executor's own probe). Default: 1, 2, 4, ... and every usable CPU, "
@@ -198,7 +200,8 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, references: list[rep
 
 def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None]:
     """The seed-table rows and the peers' rows, ``--rounds`` times; every row carries its round."""
-    from bench.sweep import plan_budget, plan_configs, probe_auto_threads, resolve_auto_dtype
+    from bench.sweep import (plan_budget, plan_configs, probe_auto_threads, resolve_auto_dtype,
+                             resolve_auto_kv_cache_dtype)
 
     # The flag as asked decides the rows' precision class; the resolved name is what runs.
     args.dtype_flag, args.dtype = args.dtype, resolve_auto_dtype(args.dtype, args.model_dir)
@@ -207,7 +210,8 @@ def run_sweep(args, requests, meta) -> tuple[list[report.Row], report.Row | None
                          max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          dtype=args.dtype)
-    budget.kv_cache_dtype = args.kv_cache_dtype
+    budget.kv_cache_dtype = args.kv_cache_dtype = resolve_auto_kv_cache_dtype(args.kv_cache_dtype, args.dtype_flag,
+                                                                              args.dtype, args.model_dir)
     budget.extra_executor_args = shlex.split(args.executor_args)
     budget.extra_gateway_args = shlex.split(args.gateway_args)
     meta["budget"] = vars(budget)

@@ -31,7 +31,7 @@ from bench.workload import BenchRequest
 # The executor's --quantization values (executor/quantization.py; not imported here, which would load torch).
 QUANTIZATION_MODES = ("none", "int8", "int4")
 # ... and its --kv-cache-dtype values (executor/attention/__init__.py), for the same reason.
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class Budget:
     max_num_seqs: int
     max_num_batched_tokens: int
     dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"  # the executor's --kv-cache-dtype: auto (= dtype) or int8
+    kv_cache_dtype: str = "auto"  # the executor's --kv-cache-dtype: auto (= dtype), bfloat16 or int8
     extra_executor_args: list[str] = field(default_factory=list)
     extra_gateway_args: list[str] = field(default_factory=list)
 
@@ -147,7 +147,7 @@ class Budget:
     def kv_description(self) -> str:
         if self.kv_cache_dtype == "int8":
             return "int8 K/V (a float32 scale per token and head)"
-        return f"{self.dtype} K/V"
+        return f"{self.dtype if self.kv_cache_dtype == 'auto' else self.kv_cache_dtype} K/V"
 
     def gateway_args(self) -> list[str]:
         return ["--max-num-seqs", str(self.max_num_seqs),
@@ -187,6 +187,8 @@ def check_applied(config: SweepConfig, info: dict, kv_cache_dtype: str = "auto")
         extras = info["dtype"].split("+")[1:]
         weights = next((e for e in extras if not e.startswith("kv-")), "none")
         kv = next((e.removeprefix("kv-") for e in extras if e.startswith("kv-")), "auto")
+        if kv == "auto" and info["dtype"].split("+")[0] == kv_cache_dtype:  # a bf16 model's bf16 K/V
+            kv = kv_cache_dtype
         if weights != config.quantization:
             problems.append(f"asked quantization={config.quantization!r}, executor reports dtype {info['dtype']!r}")
         if kv != kv_cache_dtype:
@@ -258,6 +260,21 @@ def machine_description() -> dict:
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def resolve_auto_kv_cache_dtype(kv_cache_dtype: str, dtype_flag: str, dtype: str, model_dir: Path) -> str:
+    """``--kv-cache-dtype`` as the executor resolves it for ``--dtype dtype_flag`` (executor/devices.py):
+    bfloat16 where ``auto`` computes a bf16 checkpoint in float32 (an AVX2-only CPU). The sweep passes
+    the executor the resolved names, so that each row says what ran."""
+    if (kv_cache_dtype, dtype_flag, dtype) != ("auto", "auto", "float32"):
+        return kv_cache_dtype
+    import torch
+
+    from executor.devices import resolve_kv_cache_dtype
+    from executor.model import ModelConfig
+
+    return resolve_kv_cache_dtype(kv_cache_dtype, dtype_flag, ModelConfig.from_dir(model_dir), getattr(torch, dtype),
+                                  reads_other_kv_dtype=True)
 
 
 def probe_auto_threads(model_dir: Path, dtype: str, quantization: str, kv_cache_dtype: str) -> dict:

@@ -45,18 +45,22 @@ def build_parser() -> EnvArgumentParser:
                         help="Hugging Face model directory")
     parser.add_argument("--served-model-name", default=None, help="model name to report (default: the directory name)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="compute and KV dtype (auto: the checkpoint's on a device; on the CPU bfloat16 where it runs "
-                             "natively (AVX-512 or AVX-NE-CONVERT), else float32)")
+                        help="compute dtype, and K/V's unless --kv-cache-dtype says otherwise (auto: the "
+                             "checkpoint's on a device; on the CPU bfloat16 where it runs natively (AVX-512 or "
+                             "AVX-NE-CONVERT), else float32)")
     parser.add_argument("--quantization", default="none", choices=list(QUANTIZATION_MODES),
                         help="quantized weights for the layers' projections (the embedding stays in --dtype): "
                              "int8 per output channel, int4 in groups of 32 with scale and min; on the CPU with "
                              "the compiled kernels, activations rounded to int8 too and an int8 LM head "
                              "(docs/quantization.md); Describe reports it in dtype, e.g. bfloat16+int8")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                        help="K/V cache element type: auto (the model's dtype) or int8 (a byte a value and a "
-                             "float32 scale per token and KV head: half the bytes, so twice the tokens in the "
-                             "same memory and half the reads of a decode step; the CPU attention backend only, "
-                             "docs/executor.md); Describe reports it in dtype, e.g. bfloat16+kv-int8")
+                        help="K/V cache element type: auto (the model's dtype, but bfloat16 where --dtype auto "
+                             "computes a bf16 checkpoint in float32 on a CPU without native bf16); bfloat16 (a "
+                             "float32 model's K/V rounded to bf16, as a bf16 model keeps them: half the bytes; "
+                             "the cpu and torch attention backends); int8 (a byte a value and a float32 scale per token and KV "
+                             "head: half a bf16 cache's bytes, so twice the tokens in the same memory and half "
+                             "the reads of a decode step; the CPU attention backend only, docs/executor.md); "
+                             "Describe reports it in dtype, e.g. float32+kv-bfloat16, bfloat16+kv-int8")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cuda", "musa"],

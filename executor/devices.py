@@ -44,6 +44,21 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     return DTYPES[name]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, config: ModelConfig, compute: torch.dtype,
+                           reads_other_kv_dtype: bool) -> str:
+    """The ``--kv-cache-dtype`` in effect: ``auto`` keeps K/V in the model's dtype, except where
+    ``--dtype auto`` computes a bf16 checkpoint in float32 because the CPU has no native bf16: there
+    they stay bf16, as on a CPU that has it (half the bytes a decode step reads, twice the tokens in
+    the same memory), where the backend can read such a cache. ``bfloat16`` for a bf16 model is
+    ``auto``: the same cache, described alike."""
+    if kv_cache_dtype == "auto" and dtype == "auto" and compute == torch.float32 and reads_other_kv_dtype \
+            and config.checkpoint_dtype == "bfloat16":
+        return "bfloat16"
+    if kv_cache_dtype == "bfloat16" and compute == torch.bfloat16:
+        return "auto"
+    return kv_cache_dtype
+
+
 def device_module(device: torch.device):
     """``torch.cuda`` / ``torch.musa`` for a device, None for the CPU."""
     return None if device.type == "cpu" else getattr(torch, device.type)

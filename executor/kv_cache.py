@@ -29,8 +29,8 @@ class KVSizing:
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """K and V, every layer, one block. ``kv_cache_dtype`` "int8": a byte a value and a float32
-    scale per token and KV head (executor/attention/cpu_backend.py)."""
+    """K and V, every layer, one block, each value a ``dtype`` (the cache's); with ``kv_cache_dtype`` "int8" a
+    byte a value and a float32 scale per token and KV head (executor/attention/cpu_backend.py)."""
     if kv_cache_dtype == "int8":
         per_token_head = config.head_dim + 4
     else:

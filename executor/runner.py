@@ -16,7 +16,8 @@ import torch
 
 from executor.attention import AttentionMetadata, create_backend
 from executor.draft_verification import accept, check_drafts, logit_rows
-from executor.devices import device_module, dtype_name, resolve_dtype, resolve_device, synchronize
+from executor.devices import (device_module, dtype_name, resolve_dtype, resolve_device, resolve_kv_cache_dtype,
+                              synchronize)
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
 from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, store_namespace
 from executor.loader import eos_token_ids, load_model, model_fingerprint
@@ -36,7 +37,7 @@ class RunnerOptions:
     model_dir: Path
     dtype: str = "auto"
     quantization: str = "none"  # none, int8 or int4: the projections' weights (executor/quantization.py)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) or int8 (executor/attention/cpu_backend.py)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), bfloat16 or int8 (executor/attention/cpu_backend.py)
     device: str = "auto"
     attention_backend: str = "auto"
     block_size: int = 16
@@ -124,7 +125,13 @@ class ModelRunner:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         self.max_model_len = min(options.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.backend = create_backend(options.attention_backend, self.device, options.kv_cache_dtype)
-        self.kv_cache_dtype = options.kv_cache_dtype
+        self.kv_cache_dtype = resolve_kv_cache_dtype(options.kv_cache_dtype, options.dtype, config, self.dtype,
+                                                     self.backend.reads_other_kv_dtype)
+        self.kv_dtype = torch.bfloat16 if self.kv_cache_dtype == "bfloat16" else self.dtype  # what allocate takes
+        if self.kv_dtype != self.dtype and not self.backend.reads_other_kv_dtype:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} with --dtype {dtype_name(self.dtype)} needs an "
+                             f"attention backend that reads a cache of another dtype (cpu or torch), not "
+                             f"{self.backend.name}")
         start = time.monotonic()
         self.quantization = options.quantization
         self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len, self.quantization,
@@ -136,7 +143,7 @@ class ModelRunner:
         self.num_blocks = sizing.num_blocks
         self.kv_caches = [
             self.backend.allocate_kv_cache(self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim,
-                                           self.dtype, self.device)
+                                           self.kv_dtype, self.device)
             for _ in range(config.num_layers)
         ]
         concurrency = max_concurrency(self.num_blocks, self.block_size, self.max_model_len)
@@ -203,10 +210,10 @@ class ModelRunner:
         device_memory = None
         if self.device.type != "cpu" and options.num_blocks is None and options.kv_cache_memory is None:
             device_memory = self._profile_device_memory(options.profile_tokens)
-        return size_kv_cache(self.config, self.block_size, self.dtype, self.device,
+        return size_kv_cache(self.config, self.block_size, self.kv_dtype, self.device,
                              num_blocks=options.num_blocks, kv_cache_memory=options.kv_cache_memory,
                              gpu_memory_utilization=options.gpu_memory_utilization, device_memory=device_memory,
-                             kv_cache_dtype=options.kv_cache_dtype)
+                             kv_cache_dtype=self.kv_cache_dtype)
 
     def _profile_device_memory(self, profile_tokens: int) -> tuple[int, int, int]:
         """(free, total, activation peak) bytes: one forward of the longest step we expect,
@@ -215,7 +222,7 @@ class ModelRunner:
         num_tokens = min(profile_tokens, self.max_model_len)
         blocks = -(-num_tokens // self.block_size) + 1
         caches = [self.backend.allocate_kv_cache(blocks, self.block_size, self.config.num_kv_heads,
-                                                 self.config.head_dim, self.dtype, self.device)
+                                                 self.config.head_dim, self.kv_dtype, self.device)
                   for _ in range(self.config.num_layers)]
         synchronize(self.device)
         module.reset_peak_memory_stats(self.device)

@@ -47,14 +47,17 @@ def dtypes():
                                                             "bf16 matmuls: a bf16 model has no few-row layouts"))
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), ("int8", "auto"), ("int4", "auto"),
+                                                          ("none", "bfloat16")])
 @pytest.mark.parametrize("dtype", dtypes())
 def test_decode_steps_give_the_same_bits_and_kv_as_the_python_layers(default_model_dir, cpu_ops, prompts, dtype,
-                                                                       quantization):
+                                                                       quantization, kv_cache_dtype):
     """Prompts prefilled, then greedy decode steps of several sequences and of one alone: every
     logit and every KV slot written equal, and one compiled call per layer on each decode step
-    (quantized projections: at any batch size)."""
-    fused, layered = runner_pair(default_model_dir, dtype, quantization=quantization)
+    (quantized projections: at any batch size; a float32 model's bf16 cache too)."""
+    fused, layered = runner_pair(default_model_dir, dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype == "bfloat16":
+        assert fused.kv_caches[0][0].dtype == torch.bfloat16
     calls = counting(fused.model.fused_decode)
     max_rows = fused.model.fused_decode.max_rows or len(prompts)
     assert (fused.model.fused_decode.max_rows is None) == (quantization != "none")

@@ -173,7 +173,7 @@ def test_bad_arguments_are_refused_clearly(cpu_ops):
 def test_the_flag_is_refused_where_the_cache_cannot_live(default_model_dir):
     with pytest.raises(ValueError, match="needs the cpu attention backend on the CPU"):
         create_backend("torch", CPU, "int8")
-    with pytest.raises(ValueError, match="choose from auto, int8"):
+    with pytest.raises(ValueError, match="choose from auto, bfloat16, int8"):
         create_backend("auto", CPU, "fp8")
     with pytest.raises(ValueError, match="block_size 16"):
         ModelRunner(RunnerOptions(default_model_dir, num_blocks=8, block_size=8, kv_cache_dtype="int8"))

@@ -139,8 +139,9 @@ def test_default_model_answers_paris_and_stays_healthy_during_a_step(start_servi
 
     service = start_service("executor", "--model", str(default_model_dir), "--num-blocks", "128")
     stub = executor_pb2_grpc.ExecutorStub(grpc.insecure_channel(service.address))
-    # auto on the CPU: bf16 where the CPU runs it natively, float32 where it would be emulated
-    assert stub.Describe(pb.DescribeRequest()).dtype == ("bfloat16" if cpu_packs_bf16() else "float32")
+    # auto on the CPU: bf16 where the CPU runs it natively, float32 where it would be emulated, with
+    # the bf16 checkpoint's K/V kept in bf16 (--kv-cache-dtype auto)
+    assert stub.Describe(pb.DescribeRequest()).dtype == ("bfloat16" if cpu_packs_bf16() else "float32+kv-bfloat16")
     chat = AutoTokenizer.from_pretrained(default_model_dir)
     prompt = chat.apply_chat_template([{"role": "user", "content": PARIS_QUESTION}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)

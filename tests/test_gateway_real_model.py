@@ -12,9 +12,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 # Each weight format end to end: gateway, kvmanager and an executor with --quantization, the
 # second request of a prompt served from the prefix cache (int8 also rounds activations and
 # both quantized modes carry an int8 LM head: a cached prompt must still answer as a cold one).
-# "kv-int8": bf16 weights over --kv-cache-dtype int8, whose cached prompt is read back dequantized.
+# "kv-int8": bf16 weights over --kv-cache-dtype int8, whose cached prompt is read back dequantized;
+# "f32-kv-bf16": float32 compute over a bf16 cache (the default where the CPU has no native bf16).
 EXECUTOR_ARGS = {"none": [], "int8": ["--quantization", "int8"], "int4": ["--quantization", "int4"],
-                 "kv-int8": ["--kv-cache-dtype", "int8"]}
+                 "kv-int8": ["--kv-cache-dtype", "int8"],
+                 "f32-kv-bf16": ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"]}
 
 
 @pytest.fixture(scope="module", params=list(EXECUTOR_ARGS))

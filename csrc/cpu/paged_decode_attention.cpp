@@ -339,7 +339,7 @@ void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_
 }
 
 // Both ops' common part once the caches' shapes are checked: the block tables, then attend_all with
-// the query's type T and the cache's element type (T itself, or int8_t for the int8 cache).
+// the query's type T and the cache's element type (a float type, or int8_t for the int8 cache).
 template <bool Int8Cache>
 at::Tensor attend_checked(const char* op, const at::Tensor& query, const at::Tensor& key_cache,
                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -354,7 +354,13 @@ at::Tensor attend_checked(const char* op, const at::Tensor& query, const at::Ten
   const Shape shape{num_heads / kv_heads, q.size(2), static_cast<float>(scale)};
   dispatch_float_types(q.scalar_type(), op, [&](auto query_type) {
     using T = decltype(query_type);
-    attend_all<T, std::conditional_t<Int8Cache, int8_t, T>>(q, key_cache, value_cache, tables, lens, shape, out);
+    if constexpr (Int8Cache) {
+      attend_all<T, int8_t>(q, key_cache, value_cache, tables, lens, shape, out);
+    } else {
+      dispatch_float_types(key_cache.scalar_type(), op, [&](auto cache_type) {
+        attend_all<T, decltype(cache_type)>(q, key_cache, value_cache, tables, lens, shape, out);
+      });
+    }
   });
   return out;
 }
@@ -363,15 +369,15 @@ at::Tensor attend_checked(const char* op, const at::Tensor& query, const at::Ten
 // key_cache: [num_blocks, num_kv_heads, head_size, 16]; value_cache: [num_blocks, num_kv_heads, 16, head_size];
 //   each (block, head) tile contiguous, blocks and heads at any stride
 // block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (keys to attend, incl. the new one)
-// returns [num_seqs, num_heads, head_size]
+// returns [num_seqs, num_heads, head_size] in query's dtype. Query and caches are float32, bfloat16 or
+// float16, each its own (a float32 model's bf16 cache is read as it lies, widened in registers).
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(query.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "paged_decode_attention: query [seqs, heads, d], K [blocks, kv_heads, d, 16], V [blocks, kv_heads, 16, d]");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
-              "paged_decode_attention: query and caches must share a dtype");
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "paged_decode_attention: K and V share a dtype");
   const int64_t head_size = query.size(2);
   const int64_t num_blocks = value_cache.size(0), kv_heads = value_cache.size(1);
   TORCH_CHECK(value_cache.size(2) == kLanes && value_cache.size(3) == head_size && head_size % kLanes == 0,

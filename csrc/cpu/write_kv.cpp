@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace {
 
@@ -55,14 +56,21 @@ void for_each_written_head(const at::Tensor& key, const at::Tensor& value, at::T
   });
 }
 
-template <typename T>
+// Each head's K and V stored as the cache's type C: copied where C is T, else rounded as
+// torch's .to() rounds (to nearest even for bfloat16), so a float32 model can keep a bf16 cache.
+template <typename T, typename C>
 void write_all(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                const int64_t* slots) {
   const int64_t head_size = key.size(2), block_size = value_cache.size(2);
-  for_each_written_head<T, T>(key, value, key_cache, value_cache, slots, block_size,
-                              [&](const T* k_row, const T* v_row, T* k_tile, T* v_tile, int64_t offset) {
-    for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = k_row[d];
-    std::memcpy(v_tile + offset * head_size, v_row, head_size * sizeof(T));
+  for_each_written_head<T, C>(key, value, key_cache, value_cache, slots, block_size,
+                              [&](const T* k_row, const T* v_row, C* k_tile, C* v_tile, int64_t offset) {
+    auto stored = [](T x) { return static_cast<C>(static_cast<float>(x)); };
+    for (int64_t d = 0; d < head_size; ++d) k_tile[d * block_size + offset] = stored(k_row[d]);
+    if constexpr (std::is_same_v<T, C>) {
+      std::memcpy(v_tile + offset * head_size, v_row, head_size * sizeof(T));
+    } else {
+      for (int64_t d = 0; d < head_size; ++d) v_tile[offset * head_size + d] = stored(v_row[d]);
+    }
   });
 }
 
@@ -151,7 +159,8 @@ at::Tensor checked_slots(const char* op, const at::Tensor& slot_mapping, int64_t
   return slots;
 }
 
-// key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens] int64, -1 = skip
+// key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens] int64, -1 = skip. The caches
+// may be of another float type than key and value (a float32 model's bf16 cache).
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
               const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "write_kv: key and value [tokens, kv_heads, d]");
@@ -163,12 +172,14 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
                   key_cache.size(3) == block_size, "write_kv: K must be V's shape with the last two dims swapped");
   TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == block_size && value_cache.stride(3) == 1 &&
                   value_cache.stride(2) == head_size, "write_kv: each cache tile must be contiguous");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type() &&
-                  key_cache.scalar_type() == value_cache.scalar_type(), "write_kv: one dtype for K/V and caches");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "write_kv: one dtype for K and V, one for the two caches");
   const auto slots = checked_slots("write_kv", slot_mapping, key.size(0), num_blocks * block_size);
   const auto k = key.contiguous(), v = value.contiguous();
   dispatch_float_types(key.scalar_type(), "write_kv", [&](auto type) {
-    write_all<decltype(type)>(k, v, key_cache, value_cache, slots.data_ptr<int64_t>());
+    dispatch_float_types(key_cache.scalar_type(), "write_kv", [&](auto cache_type) {
+      write_all<decltype(type), decltype(cache_type)>(k, v, key_cache, value_cache, slots.data_ptr<int64_t>());
+    });
   });
 }
 

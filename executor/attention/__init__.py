@@ -30,8 +30,9 @@ def _instantiate(name: str, device: torch.device) -> AttentionBackend:
     return getattr(importlib.import_module(module_name), class_name)(device)
 
 
-# --kv-cache-dtype: "auto" keeps K/V in the model's dtype; "int8" is the cpu backend's int8 cache.
-KV_CACHE_DTYPES = ("auto", "int8")
+# --kv-cache-dtype: "auto" keeps K/V in the model's dtype; "bfloat16" stores them in bf16 whatever the
+# model computes in (backends with ``reads_other_kv_dtype``); "int8" is the cpu backend's int8 cache.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 
 
 def create_backend(name: str, device: torch.device, kv_cache_dtype: str = "auto") -> AttentionBackend:

@@ -70,6 +70,9 @@ class AttentionBackend(ABC):
     # The device's compiled few-row matmuls for decode steps (executor/skinny.py: the CPU's
     # ``torch.ops.kvserve_cpu``), which the loader gives the model; None: the usual kernels only.
     skinny_matmul_ops = None
+    # Whether the cache may hold another float dtype than the model computes in (a float32 model's
+    # bf16 cache: ``--kv-cache-dtype bfloat16``): written rounded to it, read widened back.
+    reads_other_kv_dtype = False
 
     @abstractmethod
     def allocate_kv_cache(
@@ -97,7 +100,7 @@ class AttentionBackend(ABC):
     def decode_kernel_inputs(self, meta: AttentionMetadata, kv_cache: KVCache,
                              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a step of decode tokens only whose attention the compiled decode kernel takes
-        (``paged_decode_attention`` over a ``dtype`` cache): the (block_tables, seq_lens) it takes,
+        (``paged_decode_attention`` with ``dtype`` queries): the (block_tables, seq_lens) it takes,
         so that a whole layer can run in one compiled call (``decode_layer``); else None."""
         return None
 

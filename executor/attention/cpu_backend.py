@@ -79,11 +79,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv(self, kv_cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
         key_cache, value_cache = kv_cache
-        self._ops.write_kv(key.to(key_cache.dtype), value.to(value_cache.dtype), key_cache, value_cache, slot_mapping)
+        self._ops.write_kv(key, value, key_cache, value_cache, slot_mapping)  # rounded to the cache's dtype
 
     def decode_kernel_inputs(self, meta, kv_cache, dtype):
-        if meta.max_query_len != 1 or not self._kernel_fits or kv_cache[0].dtype != dtype:
-            return None  # prompt tokens, shapes the kernel refuses, or a cache of another dtype (int8)
+        if meta.max_query_len != 1 or not self._kernel_fits or not kv_cache[0].is_floating_point():
+            return None  # prompt tokens, shapes the kernel refuses, or the int8 cache
         (group,) = self._groups(meta)
         return group.block_tables, group.seq_lens
 
@@ -113,9 +113,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if g.query_len != 1 or not self._kernel_fits:
             return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
-        out = self._ops.paged_decode_attention(query.to(key_cache.dtype), key_cache, value_cache, g.block_tables,
-                                               g.seq_lens, scale)
-        return out.to(query.dtype)
+        return self._ops.paged_decode_attention(query, key_cache, value_cache, g.block_tables, g.seq_lens, scale)
 
     def _fused_prefill_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         """A prefill group's attention in paged_prefill_attention (csrc/cpu/prefill_attention.cpp):

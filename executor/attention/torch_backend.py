@@ -156,6 +156,7 @@ def _make_group(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    reads_other_kv_dtype = True
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -226,12 +227,12 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         key_cache, value_cache = kv_cache
-        keys = self._gather_keys(key_cache, g)
-        values = self._gather_values(value_cache, g)
-        # the cache's dtype, or the model's where the cache is quantized
-        q = rows_per_kv_head(query.to(keys.dtype), g, keys.shape[1])
+        # computed in the query's dtype, whatever the cache holds (a bf16 cache of a float32 model)
+        keys = self._gather_keys(key_cache, g).to(query.dtype)
+        values = self._gather_values(value_cache, g).to(query.dtype)
+        q = rows_per_kv_head(query, g, keys.shape[1])
         out = self._masked_attention(q, keys, values, g, scale)
-        return tokens_from_rows(out, g, query.shape[1]).to(query.dtype)
+        return tokens_from_rows(out, g, query.shape[1])
 
     def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
                           scale: float) -> torch.Tensor:
