@@ -57,10 +57,11 @@ def build_parser() -> EnvArgumentParser:
                         help="K/V cache element type: auto (the model's dtype, but bfloat16 where --dtype auto "
                              "computes a bf16 checkpoint in float32 on a CPU without native bf16); bfloat16 (a "
                              "float32 model's K/V rounded to bf16, as a bf16 model keeps them: half the bytes; "
-                             "the cpu and torch attention backends); int8 (a byte a value and a float32 scale per token and KV "
-                             "head: half a bf16 cache's bytes, so twice the tokens in the same memory and half "
-                             "the reads of a decode step; the CPU attention backend only, docs/executor.md); "
-                             "Describe reports it in dtype, e.g. float32+kv-bfloat16, bfloat16+kv-int8")
+                             "the cpu and torch attention backends); int8 (a byte a value and a float32 scale "
+                             "per token and KV head: half a bf16 cache's bytes, so twice the tokens in the same "
+                             "memory and half the reads of a decode step; the CPU attention backend only, "
+                             "docs/executor.md); Describe reports it in dtype, e.g. float32+kv-bfloat16, "
+                             "bfloat16+kv-int8")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "musa"],
                         help="auto: musa if torch_musa sees a device, else cuda if available, else cpu")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cuda", "musa"],
