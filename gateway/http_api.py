@@ -245,13 +245,25 @@ EXCEPTION_HANDLERS = {
 router = APIRouter()
 
 
+def _model_entry(engine) -> dict:
+    served_name = engine.model_name
+    return {"id": served_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
+            "root": served_name, "parent": None, "max_model_len": engine.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
-    engine = _engine(request)
-    served_name = engine.model_name
-    entry = {"id": served_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-             "root": served_name, "parent": None, "max_model_len": engine.max_model_len}
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": [_model_entry(_engine(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request):
+    """OpenAI's "retrieve model" (``client.models.retrieve``): the served model, or 404 for another name."""
+    entry = _model_entry(_engine(request))
+    if model_id != entry["id"]:
+        return error_response(404, f"model {model_id!r} does not exist; this server serves {entry['id']!r}",
+                              "invalid_request_error", "model")
+    return entry
 
 
 @router.get("/health")

@@ -69,6 +69,17 @@ def test_models_health_and_metric_names(stack, model_name, tiny_model_dir):
         assert f"{name}" in text and 'model_name="' in text, name
 
 
+def test_a_model_is_retrieved_by_name_as_openai_clients_ask(stack, model_name):
+    client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    entry = client.models.retrieve(model_name)
+    assert entry.id == model_name and entry.object == "model"
+    listed = httpx.get(stack.http_url + "/v1/models").json()["data"][0]
+    assert entry.model_dump()["max_model_len"] == listed["max_model_len"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert "'gpt-4o' does not exist" in str(missing.value) and missing.value.body["param"] == "model"
+
+
 def test_an_idle_connection_outlives_a_client_pools_idle_timeout(stack):
     # A server that closes idle connections sooner than the client's pool forgets them races the
     # client's next request on them ("Server disconnected without sending a response"). uvicorn's
