@@ -2,6 +2,7 @@
 replaced, at the model's shapes, on this machine.
 
     python -m bench.attention_bench [--model DIR] [--cases 1x512,20x512,32x1024] [--threads 1]
+        [--query-dtype bfloat16|float32] [--kv-dtype bfloat16|float32]
 
 For each (batch, context) case, ``paged_decode_attention`` runs over one layer's worth of caches
 at a time, cycling through enough layers that their K/V (over 512 MiB) cannot stay in the CPU's
@@ -11,7 +12,9 @@ reused by many sequences). The same kernel reads both layouts (it takes any bloc
 stride): *block-major* is the backend's ``[num_blocks, kv_heads, tile]`` (K and V apart), where
 one block's tiles for every head lie side by side; *head-major* is ``[kv_heads, num_blocks, tile]``,
 where each (head, block) tile is a 2 KiB island. The layouts run in turn, round after round, and
-the best of ``--rounds`` is kept. GB/s is K/V bytes attended per second.
+the best of ``--rounds`` is kept. GB/s is K/V bytes attended per second. ``--query-dtype float32``
+with the default bf16 K/V is a float32 model's bf16 cache (the default where the CPU has no native
+bf16); ``--kv-dtype float32`` its float32 cache.
 """
 from __future__ import annotations
 
@@ -38,13 +41,14 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
-def layer_caches(layout: str, num_blocks: int, kv_heads: int, head_size: int, generator: torch.Generator):
+def layer_caches(layout: str, num_blocks: int, kv_heads: int, head_size: int, generator: torch.Generator,
+                 dtype: torch.dtype = torch.bfloat16):
     """One layer's (K, V) as the kernel's 4-d views [num_blocks, kv_heads, ...] of ``layout``."""
     if layout == "block-major":
-        return (torch.randn(num_blocks, kv_heads, head_size, BLOCK, generator=generator).to(torch.bfloat16),
-                torch.randn(num_blocks, kv_heads, BLOCK, head_size, generator=generator).to(torch.bfloat16))
-    keys = torch.randn(kv_heads, num_blocks, head_size, BLOCK, generator=generator).to(torch.bfloat16)
-    values = torch.randn(kv_heads, num_blocks, BLOCK, head_size, generator=generator).to(torch.bfloat16)
+        return (torch.randn(num_blocks, kv_heads, head_size, BLOCK, generator=generator).to(dtype),
+                torch.randn(num_blocks, kv_heads, BLOCK, head_size, generator=generator).to(dtype))
+    keys = torch.randn(kv_heads, num_blocks, head_size, BLOCK, generator=generator).to(dtype)
+    values = torch.randn(kv_heads, num_blocks, BLOCK, head_size, generator=generator).to(dtype)
     return keys.transpose(0, 1), values.transpose(0, 1)
 
 
@@ -64,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch x context pairs")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--query-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the queries' dtype: the model's (float32 where the CPU has no native bf16)")
+    parser.add_argument("--kv-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="the cache's")
     args = parser.parse_args(argv)
+    query_dtype, kv_dtype = getattr(torch, args.query_dtype), getattr(torch, args.kv_dtype)
     torch.set_num_threads(args.threads)
     ops = csrc_build_script().load_cpu()
     config = ModelConfig.from_dir(args.model)
@@ -72,20 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     scale = head_size ** -0.5
     generator = torch.Generator().manual_seed(0)
     print(f"paged_decode_attention, {config.architecture} shapes ({num_heads} heads, {kv_heads} KV heads, "
-          f"head_size {head_size}), bf16, {args.threads} thread(s), best of {args.rounds}; ms per layer")
+          f"head_size {head_size}), {args.query_dtype} queries, {args.kv_dtype} K/V, {args.threads} thread(s), "
+          f"best of {args.rounds}; ms per layer")
     print("| batch x context | block order | head-major | block-major | speed-up |")
     print("|---|---|---:|---:|---:|")
     for batch, ctx in args.cases:
         per_seq = -(-ctx // BLOCK)
         num_blocks = max(1 + batch * per_seq, 4096)
-        layer_bytes = num_blocks * 2 * kv_heads * BLOCK * head_size * 2
+        layer_bytes = num_blocks * 2 * kv_heads * BLOCK * head_size * kv_dtype.itemsize
         num_layers = max(2, -(-CACHE_BYTES // layer_bytes))
-        attended = batch * ctx * 2 * kv_heads * head_size * 2
-        query = torch.randn(batch, num_heads, head_size, generator=generator).to(torch.bfloat16)
+        attended = batch * ctx * 2 * kv_heads * head_size * kv_dtype.itemsize
+        query = torch.randn(batch, num_heads, head_size, generator=generator).to(query_dtype)
         lens = torch.full((batch,), ctx, dtype=torch.int32)
         for order in ("consecutive", "shuffled"):
             tables = block_tables(batch, ctx, num_blocks, order, generator)
-            layers = {layout: [layer_caches(layout, num_blocks, kv_heads, head_size, generator)
+            layers = {layout: [layer_caches(layout, num_blocks, kv_heads, head_size, generator, kv_dtype)
                                for _ in range(num_layers)] for layout in ("head-major", "block-major")}
             def every_layer(caches, query=query, tables=tables, lens=lens):
                 for key_cache, value_cache in caches:
