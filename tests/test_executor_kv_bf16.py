@@ -14,7 +14,8 @@ from executor.attention.cpu_backend import CpuAttentionBackend
 from executor.devices import resolve_kv_cache_dtype
 from executor.kv_cache import kv_bytes_per_block
 from executor.model import ModelConfig
-from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.runner import ModelRunner, RunnerOptions
+from tests.kv_cache_agreement import copied_blocks_logits, drive
 from tests.test_executor_exactness import PROMPTS
 
 BLOCK, HEAD, KV_HEADS, HEADS = 16, 64, 3, 9
@@ -144,37 +145,16 @@ def test_the_model_over_the_bf16_cache(runners, default_model_dir):
     >= 90 % of rows (measured on the AVX2 EPYC: worst 0.064 nats, mean 0.007, every pick the same)."""
     from tokenizers import Tokenizer
 
+    def same_as_rounded_writes(logits):
+        assert torch.equal(logits["bf16"], logits["rounded-f32"])
+
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
-    cut = [len(p) // 2 for p in prompts]
-    errors, agree, total = [], 0, 0
-    for batch in (list(range(len(prompts))), [3]):
-        for runner in runners.values():
-            runner.forward_logits([SequenceInput(i, prompts[i][:cut[i]], 0, tables[i]) for i in batch])
-        seqs = [SequenceInput(i, prompts[i][cut[i]:], cut[i], tables[i]) for i in batch]
-        for step in range(9):
-            logits = {name: runner.forward_logits(seqs) for name, runner in runners.items()}
-            assert torch.equal(logits["bf16"], logits["rounded-f32"]), (batch, step)
-            usual, narrow = logits["f32"], logits["bf16"]
-            top5 = usual.topk(5, dim=-1).indices
-            errors.append((narrow.log_softmax(-1).gather(1, top5) - usual.log_softmax(-1).gather(1, top5)).abs())
-            agree += int((narrow.argmax(-1) == usual.argmax(-1)).sum())
-            total += len(seqs)
-            seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i])
-                    for i, t in zip(batch, usual.argmax(-1).tolist())]
-    errors = torch.cat(errors)
-    worst, mean = errors.max().item(), errors.mean().item()
-    print(f"\nbf16 KV vs float32 KV: top-5 logprob error worst {worst:.4f}, mean {mean:.4f} nats, argmax "
-          f"agreement {agree}/{total}")
-    assert worst < 0.25 and mean < 0.03 and agree / total >= 0.9
+    found = drive(runners, [tokenizer.encode(p).ids for p in PROMPTS], reference="f32", candidate="bf16",
+                  each_step=same_as_rounded_writes)
+    print("\n" + found.line("bf16 KV vs float32 KV"))
+    assert found.worst < 0.25 and found.mean < 0.03 and found.agree / found.total >= 0.9
 
 
 def test_copy_on_write_and_decode_read_the_copied_bf16_blocks(runners):
-    runner = runners["bf16"]
-    prompt = list(range(300, 340))
-    runner.forward_logits([SequenceInput(0, prompt, 0, [20, 21, 22])])
-    runner.execute([SequenceInput(1, [7], 0, [30])], copy_src=[20, 21, 22], copy_dst=[40, 41, 42])
-    original = runner.forward_logits([SequenceInput(0, [5], len(prompt), [20, 21, 22])])
-    copied = runner.forward_logits([SequenceInput(2, [5], len(prompt), [40, 41, 42])])
+    original, copied = copied_blocks_logits(runners["bf16"])
     assert torch.equal(original, copied)

@@ -12,7 +12,8 @@ import torch
 from executor.attention import create_backend
 from executor.kv_cache import kv_bytes_per_block
 from executor.model import ModelConfig
-from executor.runner import ModelRunner, RunnerOptions, SequenceInput
+from executor.runner import ModelRunner, RunnerOptions
+from tests.kv_cache_agreement import copied_blocks_logits, drive
 from tests.test_executor_exactness import PROMPTS
 
 BLOCK, HEAD, KV_HEADS, HEADS = 16, 64, 3, 9
@@ -206,34 +207,11 @@ def test_the_model_gives_the_bf16_caches_tokens(runners, default_model_dir):
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
-    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
-    tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
-    errors, agree, total = [], 0, 0
-    cut = [len(p) // 2 for p in prompts]
-    for batch in (list(range(len(prompts))), [3]):
-        for runner in runners.values():
-            runner.forward_logits([SequenceInput(i, prompts[i][:cut[i]], 0, tables[i]) for i in batch])
-        seqs = [SequenceInput(i, prompts[i][cut[i]:], cut[i], tables[i]) for i in batch]
-        for step in range(9):
-            quantized, usual = runners["int8"].forward_logits(seqs), runners["auto"].forward_logits(seqs)
-            top5 = usual.topk(5, dim=-1).indices
-            errors.append((quantized.log_softmax(-1).gather(1, top5) - usual.log_softmax(-1).gather(1, top5)).abs())
-            agree += int((quantized.argmax(-1) == usual.argmax(-1)).sum())
-            total += len(seqs)
-            seqs = [SequenceInput(i, [t], len(prompts[i]) + step, tables[i])
-                    for i, t in zip(batch, usual.argmax(-1).tolist())]
-    errors = torch.cat(errors)
-    worst, mean = errors.max().item(), errors.mean().item()
-    print(f"\nint8 KV vs bf16 KV: top-5 logprob error worst {worst:.3f}, mean {mean:.3f} nats, "
-          f"argmax agreement {agree}/{total}")
-    assert worst < 0.75 and mean < 0.15 and agree / total >= 0.9
+    found = drive(runners, [tokenizer.encode(p).ids for p in PROMPTS], reference="auto", candidate="int8")
+    print("\n" + found.line("int8 KV vs bf16 KV"))
+    assert found.worst < 0.75 and found.mean < 0.15 and found.agree / found.total >= 0.9
 
 
 def test_copy_on_write_copies_codes_and_scales(runners):
-    runner = runners["int8"]
-    prompt = list(range(300, 340))
-    runner.forward_logits([SequenceInput(0, prompt, 0, [20, 21, 22])])
-    runner.execute([SequenceInput(1, [7], 0, [30])], copy_src=[20, 21, 22], copy_dst=[40, 41, 42])
-    original = runner.forward_logits([SequenceInput(0, [5], len(prompt), [20, 21, 22])])
-    copied = runner.forward_logits([SequenceInput(2, [5], len(prompt), [40, 41, 42])])
+    original, copied = copied_blocks_logits(runners["int8"])
     assert torch.equal(original, copied)
