@@ -5,7 +5,7 @@ backend's dispatch) cost about half what the kernels did on a 2-core AVX2 EPYC. 
 runs the same kernels in the same order from C++, so a step gives the same bits either way. It takes
 the layers whose projections all have a few-row layout (``SkinnyMatmul`` in bf16,
 ``SkinnyF32Matmul`` in float32, the int8 and int4 ones in either), without q/k norms, and steps of
-decode tokens only, as many as those layouts take, whose attention the compiled decode kernel runs
+decode tokens only (any number but for bf16's row limit), whose attention the compiled decode kernel runs
 (``AttentionBackend.decode_kernel_inputs``); every other step runs ``DecoderLayer`` as before.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 from executor.attention.base import AttentionMetadata, AttentionBackend, KVCache
 from executor.skinny import SkinnyF32Matmul, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul
 
-# The quantized layouts take decode steps of any size (they have no other kernel).
+# All but bf16's take decode steps of any size (the quantized ones have no other kernel, the float32
+# one is ahead of torch's float32 matmul at any size measured).
 FEW_ROW_LAYOUTS = (SkinnyMatmul, SkinnyF32Matmul, SkinnyInt8Matmul, SkinnyInt4Matmul)
 
 
@@ -38,7 +39,7 @@ class FusedDecodeLayers:
             weights = [layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down]
             self.layers.append((weights, [p.bias for p in projections(layer)], layer.self_attn.scale))
         self.max_rows = min((p.skinny.max_rows for layer in model.layers for p in projections(layer)
-                             if isinstance(p.skinny, (SkinnyMatmul, SkinnyF32Matmul))), default=None)
+                             if isinstance(p.skinny, SkinnyMatmul)), default=None)
 
     @staticmethod
     def fits(model) -> bool:

@@ -186,13 +186,14 @@ class Linear(GateUpActivation, nn.Linear):
     one token. Prompt tokens always take oneDNN, however few are left after a prefix-cache hit, so
     that a prompt's rounding (and a greedy answer at a near-tie) does not depend on how much of it
     was cached — except the MLP's gate_up where the CPU has AMX bf16 tiles, whose prompt tokens take
-    the prompt kernel with the SiLU applied to its sums (``GateUpActivation``), as row by row."""
+    the prompt kernel with the SiLU applied to its sums (``GateUpActivation``), as row by row, and a
+    float32 model's ``SkinnyF32Matmul``, which takes every step (its float32 weight released)."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | SkinnyF32Matmul | None = None
 
     def forward(self, x: torch.Tensor, decode_step: bool = False) -> torch.Tensor:
-        if self.skinny is not None and decode_step and self.skinny.takes(x):
+        if self.skinny is not None and self.skinny.takes(x, decode_step):
             return self.skinny(x, self.bias)
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.bias)
@@ -330,11 +331,13 @@ class Transformer(nn.Module):
 
     def use_skinny_f32_matmuls(self, cpu_ops) -> None:
         """Gives every float32 projection and the LM head whose values are all bf16 a
-        ``SkinnyF32Matmul`` for decode steps of up to ``F32_SKINNY_MAX_ROWS`` tokens: a float32
-        model on a CPU without native bf16 reads the checkpoint's bf16 weights in half the bytes."""
+        ``SkinnyF32Matmul`` for every step: a float32 model on a CPU without native bf16 reads the
+        checkpoint's bf16 weights in half the bytes. The projections' float32 weights are dropped
+        (nothing reads them); the LM head's matrix stays (tied, it is the embedding table)."""
         for module in self.modules():
             if isinstance(module, Linear) and SkinnyF32Matmul.fits(module.weight):
                 module.skinny = SkinnyF32Matmul(cpu_ops, module.weight)
+                module.weight = None
         if self.quantized_lm_head is None and SkinnyF32Matmul.fits(self.lm_head_weight()):
             self.skinny_lm_head = SkinnyF32Matmul(cpu_ops, self.lm_head_weight())
 
@@ -369,7 +372,7 @@ class Transformer(nn.Module):
         # whoever needs float32: the compiled greedy pick reads bf16 as it is); decode_step as Linear's
         if self.quantized_lm_head is not None:
             return self.quantized_lm_head(hidden, None)
-        if self.skinny_lm_head is not None and decode_step and self.skinny_lm_head.takes(hidden):
+        if self.skinny_lm_head is not None and self.skinny_lm_head.takes(hidden, decode_step):
             return self.skinny_lm_head(hidden, None)
         if self.packed_lm_head is not None:
             return packed_linear(hidden, self.packed_lm_head, None)

@@ -20,11 +20,6 @@ SKINNY_MAX_ROWS = 128
 # Emerald Rapids-class Xeon, one thread, skinny vs oneDNN: 18.6 vs 24.6 ms at 1 row, 21.2 vs 24.7 at
 # 2, 27.6 vs 24.6 at 8 (docs/executor.md).
 AMX_SKINNY_MAX_ROWS = 2
-# The float32 kernel (float32 activations, the weights read as bf16) up to this many rows: on an
-# AVX2-only EPYC, a 135M model's decode-step matmuls (python -m bench.matmul_bench --float32), skinny
-# vs torch's float32 matmul, one thread: 27.5 vs 59.7 ms at 1 row, 52.5 vs 151 at 4, 407 vs 398 at
-# 32, 809 vs 653 at 64; two threads: 16.3 vs 60.2 at 1, 212 vs 289 at 32, 424 vs 446 at 64.
-F32_SKINNY_MAX_ROWS = 32
 # skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
 # many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
@@ -84,8 +79,8 @@ class SkinnyMatmul(_PackedMatmul):
         self._ops = cpu_ops
         self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster (bf16_skinny_max_rows)
 
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.max_rows
+    def takes(self, x: torch.Tensor, decode_step: bool) -> bool:
+        return decode_step and x.shape[0] <= self.max_rows
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -100,13 +95,19 @@ class SkinnyF32Matmul:
     """A float32 weight whose values are all bf16 (a bf16 checkpoint loaded in float32, as on a CPU
     without native bf16) in ``skinny_linear``'s layout, for ``skinny_linear_f32``: float32
     activations times the weights widened in registers, exactly the float32 matmul's products at
-    half its weight bytes. The float32 weight stays for steps beyond ``max_rows`` and prompts."""
+    half its weight bytes. It takes every step, prompts too, and the float32 weight is released: on
+    an AVX2-only EPYC (python -m bench.matmul_bench --float32, a 135M model's 121 matmuls, two threads)
+    it is ahead of torch's float32 matmul (MKL) from 1 row to 1024 (16.7 vs 38.6 ms at 1 row, 58 vs
+    108-111 at 32, 197 vs 266 at 128, 405 vs 471 at 256, 814 vs 867 at 512, 1683 vs 1725 at 1024; from
+    9 rows each tile is widened once and multiplied 6 rows at a time) and 2.5 % behind at 2048. One
+    kernel for every row also keeps a prompt's rounding independent of how it was cut into steps."""
 
-    def __init__(self, cpu_ops, weight: torch.Tensor, max_rows: int = F32_SKINNY_MAX_ROWS):
+    max_rows = None  # any step (FusedDecodeLayers reads it)
+
+    def __init__(self, cpu_ops, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.packed = cpu_ops.pack_skinny_weight(weight.detach().to(torch.bfloat16))
         self._ops = cpu_ops
-        self.max_rows = max_rows
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -115,8 +116,8 @@ class SkinnyF32Matmul:
             return False
         return bool(torch.equal(weight.detach().to(torch.bfloat16).to(torch.float32), weight.detach()))
 
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.max_rows
+    def takes(self, x: torch.Tensor, decode_step: bool) -> bool:
+        return True  # every step (see the class docstring)
 
     def fuses_silu_and_mul(self, prompt: bool) -> bool:
         return False  # the fused prompt kernel takes bf16 activations

@@ -60,7 +60,8 @@ def test_decode_steps_give_the_same_bits_and_kv_as_the_python_layers(default_mod
         assert fused.kv_caches[0][0].dtype == torch.bfloat16
     calls = counting(fused.model.fused_decode)
     max_rows = fused.model.fused_decode.max_rows or len(prompts)
-    assert (fused.model.fused_decode.max_rows is None) == (quantization != "none")
+    # the quantized layouts and the float32 one take any number of rows; bf16's up to its limit
+    assert (fused.model.fused_decode.max_rows is None) == (quantization != "none" or dtype == "float32")
     batch = list(range(min(len(prompts), max_rows)))
     tables = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
     for chosen in (batch, [3]):
@@ -77,19 +78,15 @@ def test_decode_steps_give_the_same_bits_and_kv_as_the_python_layers(default_mod
 
 
 def test_steps_it_does_not_take_run_the_python_layers(default_model_dir, cpu_ops, prompts):
-    """A step with prompt tokens, a decode step of more rows than the few-row layouts take, and a
-    model over the int8 KV cache keep DecoderLayer (and still agree with it)."""
+    """A step with prompt tokens and a model over the int8 KV cache keep DecoderLayer (and still
+    agree with it)."""
     fused, layered = runner_pair(default_model_dir, "float32")
     calls = counting(fused.model.fused_decode)
-    max_rows = fused.model.fused_decode.max_rows
-    rows = max_rows + 1
-    tables = [[1 + i] for i in range(rows)]  # 8 prompt tokens and 3 more: one block each
+    tables = [[1], [2]]  # 8 prompt tokens and 2 more: one block each
     prompt = prompts[0][:8]
     for runner in (fused, layered):
-        runner.forward_logits([SequenceInput(i, prompt, 0, tables[i]) for i in range(rows)])
-    wide = [SequenceInput(i, [7], len(prompt), tables[i]) for i in range(rows)]
-    assert torch.equal(fused.forward_logits(wide), layered.forward_logits(wide))
-    mixed = [SequenceInput(0, [9], len(prompt) + 1, tables[0]), SequenceInput(1, [5, 6], len(prompt) + 1, tables[1])]
+        runner.forward_logits([SequenceInput(i, prompt, 0, tables[i]) for i in range(2)])
+    mixed = [SequenceInput(0, [9], len(prompt), tables[0]), SequenceInput(1, [5, 6], len(prompt), tables[1])]
     assert torch.equal(fused.forward_logits(mixed), layered.forward_logits(mixed))
     assert calls[0] == 0
 

@@ -1,7 +1,7 @@
 """The float32 few-row matmul (csrc/cpu/skinny_linear_f32.cpp, executor/skinny.py's
 SkinnyF32Matmul): float32 activations times bf16-valued weights read as bf16, what a float32 model
-(a CPU without native bf16) runs for its decode steps. Against float32 arithmetic, and the model
-using it: the same greedy tokens and logits within float32 rounding as torch's float32 matmul."""
+(a CPU without native bf16) runs for every step. Against float32 arithmetic, and the model using
+it: the same greedy tokens and logits within float32 rounding as torch's float32 matmul."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from executor.loader import load_model
 from executor.model import Linear
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
-from executor.skinny import F32_SKINNY_MAX_ROWS, SkinnyF32Matmul
+from executor.skinny import SkinnyF32Matmul
 from tests.test_executor_skinny_linear import PROMPTS, randn
 
 
@@ -95,12 +95,26 @@ def float32_runners(default_model_dir, cpu_ops):
     return skinny, usual
 
 
-def test_a_float32_model_of_a_bf16_checkpoint_decodes_with_it(float32_runners):
+def test_a_float32_model_of_a_bf16_checkpoint_runs_every_step_with_it(float32_runners, cpu_ops, monkeypatch):
+    """Every projection and the LM head take the kernel, their float32 weights dropped (half the
+    bytes held); a prompt step's projections take it too."""
     model = float32_runners[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
-    assert projections and all(isinstance(m.skinny, SkinnyF32Matmul) and m.weight is not None for m in projections)
-    assert isinstance(model.skinny_lm_head, SkinnyF32Matmul) and model.skinny_lm_head.max_rows == F32_SKINNY_MAX_ROWS
+    assert projections and all(isinstance(m.skinny, SkinnyF32Matmul) and m.weight is None for m in projections)
+    assert isinstance(model.skinny_lm_head, SkinnyF32Matmul) and model.skinny_lm_head.max_rows is None
     assert all(m.skinny is None for m in float32_runners[1].model.modules() if isinstance(m, Linear))
+    rows = []
+
+    class CountingOps:
+        @staticmethod
+        def skinny_linear_f32(x, *args):
+            rows.append(x.shape[0])
+            return cpu_ops.skinny_linear_f32(x, *args)
+
+    for skinny in [m.skinny for m in projections] + [model.skinny_lm_head]:
+        monkeypatch.setattr(skinny, "_ops", CountingOps())
+    float32_runners[0].forward_logits([SequenceInput(0, list(range(100, 400)), 0, list(range(1, 20)))])
+    assert len(rows) == len(projections) + 1 and rows[0] == 300  # every projection, then the head's 1 row
 
 
 def test_logits_and_greedy_tokens_match_torchs_float32_matmul(float32_runners, default_model_dir):
