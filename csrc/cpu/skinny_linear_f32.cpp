@@ -1,9 +1,9 @@
-// y = x @ W^T (+ bias) for a few float32 rows of x, W stored in bf16: the decode-step projections
-// of a float32 model on a CPU without native bf16 (AVX2 only), whose checkpoint is bf16.
+// y = x @ W^T (+ bias) for float32 rows of x, W stored in bf16: the projections of a float32 model
+// on a CPU without native bf16 (AVX2 only), whose checkpoint is bf16, at every step.
 //
 // Such a CPU runs the executor in float32 (bf16 matmuls are emulated there, many times slower),
 // and a decode step then reads every weight as 4 bytes although the checkpoint's values fit in 2.
-// A decode step is bound by that read. This kernel reads skinny_linear's bf16 layout
+// A step of few rows is bound by that read. This kernel reads skinny_linear's bf16 layout
 // (pack_skinny_weight: tiles of 16 output rows, input columns in pairs) and widens each weight to
 // float32 in registers — a shift, exact — so it reads half the bytes and computes the same
 // products as the float32 matmul; only the order of the additions differs.
@@ -13,8 +13,9 @@
 // With AVX2 a tile's 16 outputs are two 8-lane halves, taken one after the other; each row of x
 // keeps an accumulator per half, so a chunk of 4 rows (8 accumulators, 2 widened weight registers,
 // 2 broadcasts) fits the 16 registers. The loop over tiles and chunks of rows, and where it
-// prefetches the weights: skinny_tiles.h. A row's sums run in the same order whatever the number of
-// rows, so a token gets the same result alone or in a batch.
+// prefetches the weights: skinny_tiles.h. From kWidenedMinRows rows, chunks of 6 multiply a tile
+// widened once (below). A row's sums run in the same order whatever the number of rows, so a token
+// gets the same result alone or in a batch.
 //
 // Registered as torch.ops.kvserve_cpu.skinny_linear_f32.
 
