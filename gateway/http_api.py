@@ -260,9 +260,10 @@ async def models(request: Request):
 async def model(model_id: str, request: Request):
     """OpenAI's "retrieve model" (``client.models.retrieve``): the served model, or 404 for another name."""
     entry = _model_entry(_engine(request))
-    if model_id != entry["id"]:
-        return error_response(404, f"model {model_id!r} does not exist; this server serves {entry['id']!r}",
-                              "invalid_request_error", "model")
+    try:
+        check_model_name(model_id, entry["id"])
+    except InvalidArgument as exc:  # a body naming another model is a 400; a path naming none, a 404
+        return error_response(404, str(exc), "invalid_request_error", "model")
     return entry
 
 
