@@ -58,6 +58,7 @@ CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "w
                                                          "layer_ops.cpp", "skinny_linear.cpp", "skinny_quantized.cpp",
                                                          "skinny_linear_f32.cpp",
                                                          "causal_softmax.cpp", "prompt_linear.cpp", "prefill_attention.cpp",
+                                                         "prefill_attention_f32.cpp",
                                                          "decode_layer.cpp")]
 # OpenMP for at::parallel_for: the extension links libgomp.so.1, which resolves to the
 # copy torch has already loaded, so both share one thread pool. -Wno-psabi: without AVX-512,

@@ -93,6 +93,23 @@ def run_step(backend, block_size, query_lens, seq_lens, num_heads=NUM_HEADS, kv_
                                   query_lens, head**-0.5)
 
 
+def backend_on_path(cache_dtype: torch.dtype | None, fused: bool) -> CpuAttentionBackend:
+    """The cpu backend with its cache in ``cache_dtype`` (None: the dtype asked for), taking the fused
+    float32 prefill kernel where this CPU has it or, with ``fused`` False, the gathered K/V and two GEMMs
+    on every CPU."""
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    allocate = backend.allocate_kv_cache
+
+    def allocate_in(num_blocks, block_size, kv_heads, head_size, dtype, device):
+        caches = allocate(num_blocks, block_size, kv_heads, head_size, cache_dtype or dtype, device)
+        assert backend._fused_prefill_f32 or not fused
+        backend._fused_prefill_f32 = fused
+        return caches
+
+    backend.allocate_kv_cache = allocate_in
+    return backend
+
+
 @pytest.mark.parametrize("backend_name", list(BACKENDS))
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("query_lens,seq_lens", [
@@ -147,13 +164,13 @@ def test_prefill_chunks_of_like_size_in_one_group_keep_the_batch_order(backend_n
 
 
 def test_cpu_prefill_in_query_chunks_matches_reference():
-    """Prefill chunks longer than CAUSAL_QUERY_CHUNK take the GEMMs chunk by chunk, each against the
+    """On the GEMM path, prefill chunks longer than CAUSAL_QUERY_CHUNK take the GEMMs chunk by chunk, each against the
     keys its last token sees: the same attention, with padded rows, a cached prefix and a decode token
     in the step."""
     torch.manual_seed(3)
     query_lens, seq_lens = [300, 1, 130, 200], [300, 40, 200, 420]
     assert max(query_lens) > 2 * CAUSAL_QUERY_CHUNK
-    out, expected = run_step(BACKENDS["cpu"](torch.device("cpu")), 16, query_lens, seq_lens, num_heads=9, kv_heads=3,
+    out, expected = run_step(backend_on_path(None, fused=False), 16, query_lens, seq_lens, num_heads=9, kv_heads=3,
                              head=64)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

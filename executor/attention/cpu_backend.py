@@ -64,10 +64,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # Prefill chunks fused (AVX-512 BF16 or AMX), for bf16 models whose head size the kernel takes
         # (set once the cache is allocated); elsewhere the two GEMMs around causal_softmax_.
         self._fused_prefill = False
+        # A float32 model's prefill chunks fused on a CPU with AVX2 and no AVX-512, over a float32 or
+        # bf16 cache (set once the cache is allocated).
+        self._fused_prefill_f32 = False
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
         self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
+        self._fused_prefill_f32 = bool(self._ops.has_prefill_attention_f32()) and self._kernel_fits and \
+            head_size <= 256 and dtype in (torch.float32, torch.bfloat16)
         key_cache = zeroed_cache((num_blocks, num_kv_heads, head_size, block_size), dtype, device)
         value_cache = zeroed_cache((num_blocks, num_kv_heads, block_size, head_size), dtype, device)
         return key_cache, value_cache
@@ -110,6 +115,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         if g.query_len != 1 and self._fused_prefill:
             return self._fused_prefill_group(query, kv_cache, g, scale)
+        if g.query_len != 1 and self._fused_prefill_f32 and query.dtype == torch.float32:
+            return self._fused_prefill_f32_group(query, kv_cache, g, scale)
         if g.query_len != 1 or not self._kernel_fits:
             return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
@@ -124,6 +131,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = self._ops.paged_prefill_attention(q, key_cache, value_cache, g.block_tables, g.first_query_pos,
                                                 g.seq_lens, g.query_len, scale)
         return tokens_from_rows(out, g, query.shape[1]).to(query.dtype)
+
+    def _fused_prefill_f32_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
+        """A float32 prefill group's attention in paged_prefill_attention_f32
+        (csrc/cpu/prefill_attention_f32.cpp): per unit of query tokens, K/V widened once from the blocks,
+        then scores, softmax and values a few rows at a time."""
+        key_cache, value_cache = kv_cache
+        q = rows_per_kv_head(query, g, key_cache.shape[1])
+        out = self._ops.paged_prefill_attention_f32(q, key_cache, value_cache, g.block_tables, g.first_query_pos,
+                                                    g.seq_lens, g.query_len, scale)
+        return tokens_from_rows(out, g, query.shape[1])
 
     def _masked_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: _Group,
                           scale: float) -> torch.Tensor:

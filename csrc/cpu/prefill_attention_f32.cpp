@@ -1,0 +1,293 @@
+// Causal attention of a float32 model's prefill chunks on a CPU with AVX2 (and no AVX-512), fused:
+// what prefill_attention.cpp does with bf16 tiles where the CPU has AVX-512 BF16, here with float32
+// FMAs over a float32 or bf16 cache.
+//
+// Without it the cpu backend gathers each group's blocks, widens them to float32 and runs two GEMMs
+// around causal_softmax_: the gathered K/V and the [rows, ctx_len] scores go through memory, and
+// beyond glibc's 32 MiB mmap threshold each step's scores are fresh pages the kernel zeroes again
+// (a 4-sequence, 1,550-token prefill step of the float32 model on the AVX2 EPYC: 26 % of the step
+// in the GEMMs, the softmax and the copies).
+//
+// Here one unit of work is (sequence, KV head, up to kUnitTokens query tokens): the keys its last
+// token sees are widened once into per-thread float32 buffers (K as the cache's transposed tiles
+// [blocks][d][16], V as rows [keys][d]), then every query head of the KV head takes its tokens kRows
+// at a time:
+//
+//   scores  S [kRows, keys] = (q * scale) . K^T   per 16-key block, broadcast-FMAs over d
+//   softmax per row over its own keys (the rest masked to exactly 0), in a buffer of kRows rows
+//   values  O [kRows, d] = P . V / sum             16 output dims at a time, over the keys
+//
+// so nothing larger than a unit's widened K/V (~0.5 MiB at 1,024 keys) and kRows score rows is
+// written. A row's result depends on nothing but its query, its keys and the fixed orders above:
+// not on the batch, the chunking of the prompt or the thread count.
+//
+// Registered as torch.ops.kvserve_cpu.{has_prefill_attention_f32, paged_prefill_attention_f32}.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "avx2_lanes.h"
+#include "vec16.h"
+
+namespace {
+
+using namespace kvserve_cpu;
+
+constexpr int64_t kBlock = 16;        // tokens per cache block
+constexpr int64_t kMaxHeadSize = 256;
+constexpr int64_t kUnitTokens = 32;   // query tokens of one unit: its K/V widening is 1/(3 x 32) of its products
+constexpr int kRows = 4;              // query rows sharing each K and V load: 8 accumulators of the 16 registers
+
+bool has_prefill_attention_f32() {
+#if defined(KVSERVE_AVX2_LANES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(KVSERVE_AVX2_LANES)
+// One sequence and KV head of the cache: its block table and the tiles' strides.
+template <typename T>
+struct SequenceCache {
+  const T* key_cache;    // [num_blocks, kv_heads, d, 16]
+  const T* value_cache;  // [num_blocks, kv_heads, 16, d]
+  int64_t block_stride, head_stride;  // the same for K and V (checked)
+  const int32_t* table;
+  int64_t head;
+};
+
+inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, widen_bf16(raw));
+  }
+}
+
+// K and V of keys [0, blocks * 16) of one sequence and head, as float32: k [blocks][d][16], v [blocks * 16][d].
+template <typename T>
+void widen_keys(const SequenceCache<T>& c, int64_t blocks, int64_t d, float* k, float* v) {
+  const int64_t tile = kBlock * d;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
+    widen(c.key_cache + offset, k + b * tile, tile);
+    widen(c.value_cache + offset, v + b * tile, tile);
+  }
+}
+
+// s[r][t] = q[r] . K[:, t] for t < blocks * 16; q already scaled. Two halves of 8 keys per row.
+template <int R>
+void tile_scores(const float* q, const float* k, int64_t blocks, int64_t d, float* s, int64_t s_stride) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* tile = k + b * kBlock * d;
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; ++i) {
+      const __m256 k_lo = _mm256_loadu_ps(tile + i * kBlock), k_hi = _mm256_loadu_ps(tile + i * kBlock + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_broadcast_ss(q + r * d + i);
+        lo[r] = _mm256_fmadd_ps(qv, k_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(qv, k_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * s_stride + b * kBlock, lo[r]);
+      _mm256_storeu_ps(s + r * s_stride + b * kBlock + 8, hi[r]);
+    }
+  }
+}
+
+// Row s[0, padded) in place: exp(s - max) over its first `keys` entries, exactly 0 past them (the
+// masked keys, and the stale slots of a last block). Returns 1 / the sum.
+float softmax_row(float* s, int64_t keys, int64_t padded) {
+  std::fill(s + keys, s + padded, -std::numeric_limits<float>::infinity());
+  __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < padded; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  for (int64_t t = 0; t < padded; t += 8) {
+    _mm256_storeu_ps(s + t, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), row_max)));
+  }
+  std::fill(s + keys, s + padded, 0.f);  // exp_nonpositive floors at e^-87, not 0
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(s + t));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  return 1.f / _mm_cvtss_f32(s4);
+}
+
+// out[r] = sum over t < keys of p[r][t] * V[t] * inv[r]; p is 0 past each row's own keys.
+template <int R>
+void tile_values(const float* p, int64_t p_stride, const float* v, int64_t keys, int64_t d, const float* inv,
+                 float* out, int64_t out_stride) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m256 lo[R], hi[R];
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < keys; ++t) {
+      const __m256 v_lo = _mm256_loadu_ps(v + t * d + c), v_hi = _mm256_loadu_ps(v + t * d + c + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 pv = _mm256_broadcast_ss(p + r * p_stride + t);
+        lo[r] = _mm256_fmadd_ps(pv, v_lo, lo[r]);
+        hi[r] = _mm256_fmadd_ps(pv, v_hi, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 scale = _mm256_set1_ps(inv[r]);
+      _mm256_storeu_ps(out + r * out_stride + c, _mm256_mul_ps(lo[r], scale));
+      _mm256_storeu_ps(out + r * out_stride + c + 8, _mm256_mul_ps(hi[r], scale));
+    }
+  }
+}
+
+// Query tokens [i, i + R) of one query head: rows q_rows (d apart) into out_rows; token i + j sees
+// keys [0, min(first + i + j + 1, seq_len)).
+template <int R>
+void attend_tokens(const float* q_rows, float* out_rows, int64_t i, int64_t first, int64_t seq_len, int64_t d,
+                   float scale, const float* k, const float* v, std::vector<float>& scratch) {
+  const int64_t last_keys = std::min(first + i + R, seq_len);
+  const int64_t blocks = (last_keys + kBlock - 1) / kBlock, padded = blocks * kBlock;
+  scratch.resize(R * d + R * padded);
+  float* q = scratch.data();
+  float* s = q + R * d;
+  for (int64_t x = 0; x < R * d; ++x) q[x] = q_rows[x] * scale;
+  tile_scores<R>(q, k, blocks, d, s, padded);
+  float inv[R];
+  for (int r = 0; r < R; ++r) inv[r] = softmax_row(s + r * padded, std::min(first + i + r + 1, seq_len), padded);
+  tile_values<R>(s, padded, v, last_keys, d, inv, out_rows, d);
+}
+
+template <int... R>
+constexpr auto attend_tokens_table(std::integer_sequence<int, R...>) {
+  return std::array{&attend_tokens<R + 1>...};
+}
+constexpr auto kAttendTokens = attend_tokens_table(std::make_integer_sequence<int, kRows>{});
+
+struct Buffers {
+  std::vector<float> k, v, scratch;
+};
+
+template <typename T>
+void attend_all(const at::Tensor& q, const T* key_cache, const T* value_cache, int64_t block_stride,
+                int64_t head_stride, const int32_t* tables, int64_t max_blocks, const int32_t* first,
+                const int32_t* lens, int64_t query_len, float scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
+  const int64_t group = rows / query_len, units_per_head = (query_len + kUnitTokens - 1) / kUnitTokens;
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, num_seqs * heads * units_per_head, 1, [&](int64_t begin, int64_t end) {
+    thread_local Buffers buffers;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t s = unit / (heads * units_per_head), h = unit / units_per_head % heads;
+      const int64_t i0 = unit % units_per_head * kUnitTokens;
+      // Rows past the sequence's last token pad a shorter chunk to the group's query_len: zero.
+      const int64_t i1 = std::min({i0 + kUnitTokens, query_len, static_cast<int64_t>(lens[s] - first[s])});
+      const int64_t base = (s * heads + h) * rows * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t zero_from = std::max(i0, i1), zero_to = std::min(i0 + kUnitTokens, query_len);
+        if (zero_to > zero_from) std::fill(op + base + (g * query_len + zero_from) * d, op + base + (g * query_len + zero_to) * d, 0.f);
+      }
+      if (i1 <= i0) continue;
+      const int64_t keys = std::min<int64_t>(first[s] + i1, lens[s]), blocks = (keys + kBlock - 1) / kBlock;
+      buffers.k.resize(blocks * kBlock * d);
+      buffers.v.resize(blocks * kBlock * d);
+      widen_keys(SequenceCache<T>{key_cache, value_cache, block_stride, head_stride, tables + s * max_blocks, h}, blocks,
+                 d, buffers.k.data(), buffers.v.data());
+      for (int64_t g = 0; g < group; ++g) {
+        for (int64_t i = i0; i < i1; i += kRows) {
+          const int64_t n = std::min<int64_t>(kRows, i1 - i), row = base + (g * query_len + i) * d;
+          kAttendTokens[n - 1](qp + row, op + row, i, first[s], lens[s], d, scale, buffers.k.data(),
+                               buffers.v.data(), buffers.scratch);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// q: [num_seqs, kv_heads, rows, d] float32, rows = group * query_len (the query heads of a KV head,
+//   query_len rows each: row r is query token r % query_len);
+// key_cache, value_cache: the cpu backend's, float32 or bf16 (K [num_blocks, kv_heads, d, 16], V
+//   [num_blocks, kv_heads, 16, d]); block_tables [num_seqs, max_blocks] int32; first_query_pos,
+//   seq_lens [num_seqs] int32.
+// Row r of sequence s attends to keys [0, first_query_pos[s] + r % query_len + 1); rows whose token
+// lies past seq_lens[s] (a shorter chunk's padding) are zero. Returns [num_seqs, kv_heads, rows, d].
+at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& first_query_pos,
+                                       const at::Tensor& seq_lens, int64_t query_len, double scale) {
+  const char* op = "paged_prefill_attention_f32";
+  TORCH_CHECK(has_prefill_attention_f32(), op, ": built for AVX2 without AVX-512, which this CPU or build is not");
+  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
+              ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4, op, ": q must be float32 [seqs, kv_heads, rows, d]");
+  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
+  TORCH_CHECK(d % 16 == 0 && d > 0 && d <= kMaxHeadSize, op, ": head_size must be a multiple of 16 up to ",
+              kMaxHeadSize, ", got ", d);
+  TORCH_CHECK(query_len > 0 && rows % query_len == 0, op, ": rows (", rows, ") must be a multiple of query_len (",
+              query_len, ")");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && (cache_type == at::kFloat || cache_type == at::kBFloat16), op,
+              ": the caches must be float32 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d && key_cache.size(3) == kBlock &&
+                  value_cache.size(2) == kBlock && value_cache.size(3) == d && key_cache.size(0) == value_cache.size(0) &&
+                  key_cache.stride(3) == 1 && key_cache.stride(2) == kBlock && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == d && key_cache.stride(0) == value_cache.stride(0) &&
+                  key_cache.stride(1) == value_cache.stride(1),
+              op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
+              " with contiguous tiles");
+  TORCH_CHECK(key_cache.size(1) == heads, op, ": q has ", heads, " KV heads, the caches ", key_cache.size(1));
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
+              op, ": block_tables [seqs, max_blocks], first_query_pos and seq_lens [seqs], int32");
+  const auto tables = block_tables.contiguous(), first = first_query_pos.contiguous(), lens = seq_lens.contiguous();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int32_t* first_ptr = first.data_ptr<int32_t>();
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1), num_blocks = key_cache.size(0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kBlock && first_ptr[s] >= 0 && first_ptr[s] < lens_ptr[s],
+                op, ": sequence ", s, " has seq_len ", lens_ptr[s], " and first query at ", first_ptr[s], " for ",
+                max_blocks, " blocks");
+    for (int64_t b = 0; b < (lens_ptr[s] + kBlock - 1) / kBlock; ++b) {
+      const int32_t block = tables_ptr[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options());
+#if defined(KVSERVE_AVX2_LANES)
+  const auto qc = q.contiguous();
+  if (cache_type == at::kFloat) {
+    attend_all(qc, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.stride(0), key_cache.stride(1),
+               tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+  } else {
+    attend_all(qc, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), key_cache.stride(0),
+               key_cache.stride(1), tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale),
+               out);
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
+  m.def("has_prefill_attention_f32", &has_prefill_attention_f32);
+  m.def("paged_prefill_attention_f32(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor first_query_pos, Tensor seq_lens, int query_len, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_prefill_attention_f32", &paged_prefill_attention_f32); }
