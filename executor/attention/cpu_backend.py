@@ -18,7 +18,10 @@ Prefill chunks (more than one new token per sequence), where the CPU has AVX-512
 on AMX bf16 tiles where there are some) and the model computes in bf16, go to
 ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``): per 16 query rows, scores, an
 online softmax and the values in one pass over 64-key chunks read from the blocks where they lie, so
-neither the gathered K/V nor the [rows, ctx_len] scores go through memory. Elsewhere they gather their blocks as the torch backend does and attend with two
+neither the gathered K/V nor the [rows, ctx_len] scores go through memory. A float32 model's prefill chunks
+on a CPU with AVX2 and no AVX-512 (bf16 emulated: the model computes in float32) go to
+``paged_prefill_attention_f32`` (``csrc/cpu/prefill_attention_f32.cpp``), the same idea in float32 FMAs over
+a float32 or bf16 cache. Elsewhere they gather their blocks as the torch backend does and attend with two
 oneDNN GEMMs around ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``), which masks and
 normalizes each score row in one pass, where torch needed an additive mask, an add and a softmax
 (SDPA beyond ``MATMUL_ATTENTION_MAX_SCORES``). The kernels want ``block_size`` 16 and a
