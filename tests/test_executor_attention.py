@@ -334,26 +334,36 @@ def test_fused_prefill_agrees_with_the_gemm_path(prefill_ops, cache):
     torch.testing.assert_close(outputs[0], outputs[1], atol=2e-2, rtol=2e-2)
 
 
-def test_fused_prefill_refuses_what_it_cannot_compute(prefill_ops):
-    backend = CpuAttentionBackend(torch.device("cpu"))
-    key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 64, torch.bfloat16, torch.device("cpu"))
-    q = torch.zeros(1, 1, 4, 64).bfloat16()
-    table, first, lens = (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                          torch.tensor([4], dtype=torch.int32))
-    attend = prefill_ops.paged_prefill_attention
+PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS = (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                              torch.tensor([4], dtype=torch.int32))
+
+
+def assert_refuses_bad_tables(attend, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """What both prefill kernels refuse of a step's tables and shapes, for one sequence of 4 query tokens
+    (``q`` [1, 1, 4, d]) in blocks 1 and 2 of a one-KV-head cache: a seq_len past its blocks, a block id
+    outside the cache, rows that are not whole query lengths, another number of KV heads than the caches'."""
+    table, first, lens = PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS
     with pytest.raises(RuntimeError, match="seq_len 33 .* for 2 blocks"):
         attend(q, key_cache, value_cache, table, first, torch.tensor([33], dtype=torch.int32), 4, 0.125)
     with pytest.raises(RuntimeError, match="block id 9 out of range"):
         attend(q, key_cache, value_cache, torch.tensor([[9, 1]], dtype=torch.int32), first, lens, 4, 0.125)
     with pytest.raises(RuntimeError, match="multiple of query_len"):
         attend(q, key_cache, value_cache, table, first, lens, 3, 0.125)
-    with pytest.raises(RuntimeError, match="q must be bfloat16"):
-        attend(q.float(), key_cache, value_cache, table, first, lens, 4, 0.125)
     with pytest.raises(RuntimeError, match="q has 2 KV heads"):
-        attend(torch.zeros(1, 2, 4, 64).bfloat16(), key_cache, value_cache, table, first, lens, 4, 0.125)
+        attend(q.expand(1, 2, 4, q.shape[3]).contiguous(), key_cache, value_cache, table, first, lens, 4, 0.125)
+
+
+def test_fused_prefill_refuses_what_it_cannot_compute(prefill_ops):
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 64, torch.bfloat16, torch.device("cpu"))
+    q = torch.zeros(1, 1, 4, 64).bfloat16()
+    attend = prefill_ops.paged_prefill_attention
+    assert_refuses_bad_tables(attend, q, key_cache, value_cache)
+    with pytest.raises(RuntimeError, match="q must be bfloat16"):
+        attend(q.float(), key_cache, value_cache, PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS, 4, 0.125)
     odd_k, odd_v = backend.allocate_kv_cache(4, 16, 1, 48, torch.bfloat16, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="head_size must be a multiple of 32"):
-        attend(torch.zeros(1, 1, 4, 48).bfloat16(), odd_k, odd_v, table, first, lens, 4, 0.125)
+        attend(torch.zeros(1, 1, 4, 48).bfloat16(), odd_k, odd_v, PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS, 4, 0.125)
 
 
 def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from executor.attention.cpu_backend import CpuAttentionBackend
-from tests.test_executor_attention import backend_on_path, run_step
+from tests.test_executor_attention import (PREFILL_FIRST, PREFILL_LENS, PREFILL_TABLE, assert_refuses_bad_tables,
+                                           backend_on_path, run_step)
 
 
 @pytest.fixture
@@ -83,21 +84,13 @@ def test_f32_prefill_refuses_what_it_cannot_compute(f32_prefill_ops):
     backend = CpuAttentionBackend(torch.device("cpu"))
     key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 64, torch.float32, torch.device("cpu"))
     q = torch.zeros(1, 1, 4, 64)
-    table, first, lens = (torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                          torch.tensor([4], dtype=torch.int32))
     attend = f32_prefill_ops.paged_prefill_attention_f32
-    with pytest.raises(RuntimeError, match="seq_len 33 .* for 2 blocks"):
-        attend(q, key_cache, value_cache, table, first, torch.tensor([33], dtype=torch.int32), 4, 0.125)
-    with pytest.raises(RuntimeError, match="block id 9 out of range"):
-        attend(q, key_cache, value_cache, torch.tensor([[9, 1]], dtype=torch.int32), first, lens, 4, 0.125)
-    with pytest.raises(RuntimeError, match="multiple of query_len"):
-        attend(q, key_cache, value_cache, table, first, lens, 3, 0.125)
+    assert_refuses_bad_tables(attend, q, key_cache, value_cache)
+    args = (PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS, 4, 0.125)
     with pytest.raises(RuntimeError, match="q must be float32"):
-        attend(q.bfloat16(), key_cache, value_cache, table, first, lens, 4, 0.125)
-    with pytest.raises(RuntimeError, match="q has 2 KV heads"):
-        attend(torch.zeros(1, 2, 4, 64), key_cache, value_cache, table, first, lens, 4, 0.125)
+        attend(q.bfloat16(), key_cache, value_cache, *args)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        attend(q, key_cache.half(), value_cache.half(), table, first, lens, 4, 0.125)
+        attend(q, key_cache.half(), value_cache.half(), *args)
     odd_k, odd_v = backend.allocate_kv_cache(4, 16, 1, 40, torch.float32, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="head_size must be a multiple of 16"):
-        attend(torch.zeros(1, 1, 4, 40), odd_k, odd_v, table, first, lens, 4, 0.125)
+        attend(torch.zeros(1, 1, 4, 40), odd_k, odd_v, *args)

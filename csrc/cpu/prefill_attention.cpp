@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "prefill_tables.h"
 #include "vec16.h"
 
 namespace {
@@ -563,34 +564,18 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
   }
   TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
               " KV heads, the caches ", key_cache.size(1));
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
-                  first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
-              op, ": block_tables [seqs, max_blocks], first_query_pos and seq_lens [seqs], int32");
-  const auto tables = block_tables.contiguous(), first = first_query_pos.contiguous(), lens = seq_lens.contiguous();
-  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
-  const int32_t* first_ptr = first.data_ptr<int32_t>();
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int64_t max_blocks = tables.size(1), num_blocks = key_cache.size(0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kBlock && first_ptr[s] >= 0 && first_ptr[s] < lens_ptr[s],
-                op, ": sequence ", s, " has seq_len ", lens_ptr[s], " and first query at ", first_ptr[s], " for ",
-                max_blocks, " blocks");
-    for (int64_t b = 0; b < (lens_ptr[s] + kBlock - 1) / kBlock; ++b) {
-      const int32_t block = tables_ptr[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
-    }
-  }
+  const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
+                                                  key_cache.size(0), kBlock);
   at::Tensor out = at::empty(q.sizes(), q.options());
 #if defined(KVSERVE_PREFILL_ATTENTION)
   const auto qc = q.contiguous();
   const TileCache k{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1)};
   const TileCache v{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1)};
   if (int8) {
-    attend_all_fastest(Int8Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len,
+    attend_all_fastest(Int8Cache{k, v, d}, qc, t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
                        static_cast<float>(scale), out);
   } else {
-    attend_all_fastest(Bf16Cache{k, v, d}, qc, tables_ptr, max_blocks, first_ptr, lens_ptr, query_len,
+    attend_all_fastest(Bf16Cache{k, v, d}, qc, t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
                        static_cast<float>(scale), out);
   }
 #endif

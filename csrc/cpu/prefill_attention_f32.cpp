@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "avx2_lanes.h"
+#include "prefill_tables.h"
 #include "vec16.h"
 
 namespace {
@@ -196,16 +197,17 @@ void attend_all(const at::Tensor& q, const T* key_cache, const T* value_cache, i
       // Rows past the sequence's last token pad a shorter chunk to the group's query_len: zero.
       const int64_t i1 = std::min({i0 + kUnitTokens, query_len, static_cast<int64_t>(lens[s] - first[s])});
       const int64_t base = (s * heads + h) * rows * d;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t zero_from = std::max(i0, i1), zero_to = std::min(i0 + kUnitTokens, query_len);
-        if (zero_to > zero_from) std::fill(op + base + (g * query_len + zero_from) * d, op + base + (g * query_len + zero_to) * d, 0.f);
+      const int64_t zero_from = std::max(i0, i1), zero_to = std::min(i0 + kUnitTokens, query_len);
+      for (int64_t g = 0; g < group && zero_to > zero_from; ++g) {
+        float* head_rows = op + base + g * query_len * d;
+        std::fill(head_rows + zero_from * d, head_rows + zero_to * d, 0.f);
       }
       if (i1 <= i0) continue;
       const int64_t keys = std::min<int64_t>(first[s] + i1, lens[s]), blocks = (keys + kBlock - 1) / kBlock;
       buffers.k.resize(blocks * kBlock * d);
       buffers.v.resize(blocks * kBlock * d);
-      widen_keys(SequenceCache<T>{key_cache, value_cache, block_stride, head_stride, tables + s * max_blocks, h}, blocks,
-                 d, buffers.k.data(), buffers.v.data());
+      const SequenceCache<T> cache{key_cache, value_cache, block_stride, head_stride, tables + s * max_blocks, h};
+      widen_keys(cache, blocks, d, buffers.k.data(), buffers.v.data());
       for (int64_t g = 0; g < group; ++g) {
         for (int64_t i = i0; i < i1; i += kRows) {
           const int64_t n = std::min<int64_t>(kRows, i1 - i), row = base + (g * query_len + i) * d;
@@ -249,34 +251,18 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& ke
               op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
               " with contiguous tiles");
   TORCH_CHECK(key_cache.size(1) == heads, op, ": q has ", heads, " KV heads, the caches ", key_cache.size(1));
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
-                  first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
-              op, ": block_tables [seqs, max_blocks], first_query_pos and seq_lens [seqs], int32");
-  const auto tables = block_tables.contiguous(), first = first_query_pos.contiguous(), lens = seq_lens.contiguous();
-  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
-  const int32_t* first_ptr = first.data_ptr<int32_t>();
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int64_t max_blocks = tables.size(1), num_blocks = key_cache.size(0);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens_ptr[s] > 0 && lens_ptr[s] <= max_blocks * kBlock && first_ptr[s] >= 0 && first_ptr[s] < lens_ptr[s],
-                op, ": sequence ", s, " has seq_len ", lens_ptr[s], " and first query at ", first_ptr[s], " for ",
-                max_blocks, " blocks");
-    for (int64_t b = 0; b < (lens_ptr[s] + kBlock - 1) / kBlock; ++b) {
-      const int32_t block = tables_ptr[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
-    }
-  }
+  const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
+                                                  key_cache.size(0), kBlock);
   at::Tensor out = at::empty(q.sizes(), q.options());
 #if defined(KVSERVE_AVX2_LANES)
   const auto qc = q.contiguous();
   if (cache_type == at::kFloat) {
     attend_all(qc, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.stride(0), key_cache.stride(1),
-               tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale), out);
+               t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len, static_cast<float>(scale), out);
   } else {
     attend_all(qc, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), key_cache.stride(0),
-               key_cache.stride(1), tables_ptr, max_blocks, first_ptr, lens_ptr, query_len, static_cast<float>(scale),
-               out);
+               key_cache.stride(1), t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
+               static_cast<float>(scale), out);
   }
 #endif
   return out;

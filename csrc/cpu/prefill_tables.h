@@ -1,0 +1,46 @@
+// What both prefill attention kernels (prefill_attention.cpp, prefill_attention_f32.cpp) check of a
+// step's block tables and positions before they read a block.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace kvserve_cpu {
+
+struct PrefillTables {
+  at::Tensor tables, first, lens;  // block_tables, first_query_pos, seq_lens: contiguous int32
+  int64_t max_blocks;              // the tables' width
+
+  const int32_t* table_ptr() const { return tables.data_ptr<int32_t>(); }
+  const int32_t* first_ptr() const { return first.data_ptr<int32_t>(); }
+  const int32_t* lens_ptr() const { return lens.data_ptr<int32_t>(); }
+};
+
+// block_tables [num_seqs, max_blocks], first_query_pos and seq_lens [num_seqs], int32, such that each
+// sequence's keys fit its blocks, its first query token lies among them, and every block it reads is
+// one of the cache's num_blocks.
+inline PrefillTables checked_prefill_tables(const char* op, const at::Tensor& block_tables,
+                                            const at::Tensor& first_query_pos, const at::Tensor& seq_lens,
+                                            int64_t num_seqs, int64_t num_blocks, int64_t block_size) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  first_query_pos.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  first_query_pos.numel() == num_seqs && seq_lens.numel() == num_seqs,
+              op, ": block_tables [seqs, max_blocks], first_query_pos and seq_lens [seqs], int32");
+  PrefillTables t{block_tables.contiguous(), first_query_pos.contiguous(), seq_lens.contiguous(), block_tables.size(1)};
+  const int32_t* tables = t.table_ptr();
+  const int32_t* first = t.first_ptr();
+  const int32_t* lens = t.lens_ptr();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= t.max_blocks * block_size && first[s] >= 0 && first[s] < lens[s], op,
+                ": sequence ", s, " has seq_len ", lens[s], " and first query at ", first[s], " for ", t.max_blocks,
+                " blocks");
+    for (int64_t b = 0; b < (lens[s] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[s * t.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block id ", block, " out of range");
+    }
+  }
+  return t;
+}
+
+}  // namespace kvserve_cpu
