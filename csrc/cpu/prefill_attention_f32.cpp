@@ -28,15 +28,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "avx2_lanes.h"
 #include "prefill_tables.h"
+#include "skinny_tiles.h"
 #include "vec16.h"
 
 namespace {
@@ -171,11 +170,7 @@ void attend_tokens(const float* q_rows, float* out_rows, int64_t i, int64_t firs
   tile_values<R>(s, padded, v, last_keys, d, inv, out_rows, d);
 }
 
-template <int... R>
-constexpr auto attend_tokens_table(std::integer_sequence<int, R...>) {
-  return std::array{&attend_tokens<R + 1>...};
-}
-constexpr auto kAttendTokens = attend_tokens_table(std::make_integer_sequence<int, kRows>{});
+constexpr auto kAttendTokens = per_row_count<kRows>([](auto rows) { return &attend_tokens<rows>; });
 
 struct Buffers {
   std::vector<float> k, v, scratch;
