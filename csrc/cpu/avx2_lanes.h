@@ -35,6 +35,15 @@ inline Lanes16 load_lanes(const c10::BFloat16* p) {
   return {widen_bf16(_mm256_castsi256_si128(raw)), widen_bf16(_mm256_extracti128_si256(raw, 1))};
 }
 
+// 16 bf16 as {elements 0, 2, ..., 14; elements 1, 3, ..., 15}: a bf16 is the top half of an fp32,
+// so one load widens by a shift and a mask where the ordered form takes an extraction, two
+// extensions and two shifts. For loops whose lanes need not come out in order (a sum per lane).
+inline Lanes16 load_lanes_even_odd(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+
 inline Lanes16 load_lanes(const c10::Half* p) {
 #if defined(__F16C__)
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

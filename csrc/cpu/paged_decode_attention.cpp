@@ -51,34 +51,62 @@ struct Shape {
 // K column or a V chunk is loaded once for all of them. Larger GQA groups are split.
 constexpr int kMaxRows = 4;
 
-// scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes]. Each row sums
-// into kChains accumulators (key dimensions d mod kChains) so that the FMAs of a row do not
-// wait on one another (a 4-cycle latency each); the sum's order depends on nothing but d.
-// kChains x kMaxRows accumulators plus a K column fit the 32 AVX-512 registers; AVX2's 16 hold
-// half as many 16-lane vectors.
+// On AVX2 a bf16 tile's 16 elements widen as the even ones, then the odd ones
+// (load_lanes_even_odd: a shift and a mask where the ordered widening takes five operations, for
+// three rows' six FMAs): a block's scores lie in that order, and so do a V chunk's accumulators.
+// The probabilities are read, and the output written, by position, so every sum is the one
+// the ordered lanes make, in the same order.
 #if defined(KVSERVE_AVX2_LANES)
-constexpr int64_t kChains = 2;
+template <typename T>
+constexpr bool kEvenOdd = std::is_same_v<T, c10::BFloat16>;
+
+template <typename T>
+inline Lanes16 load_tile_lanes(const T* p) {
+  if constexpr (kEvenOdd<T>) {
+    return load_lanes_even_odd(p);
+  } else {
+    return load_lanes(p);
+  }
+}
 #else
-constexpr int64_t kChains = 4;
+template <typename T>
+constexpr bool kEvenOdd = false;
 #endif
 
+// The lane that holds position i (0..15) of a block's scores or of a V chunk.
+template <typename T>
+constexpr int64_t lane_of(int64_t i) {
+  return kEvenOdd<T> ? i / 2 + (i % 2) * 8 : i;
+}
+
+// scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes]; the sum's order
+// depends on nothing but d.
 #if defined(KVSERVE_AVX2_LANES)
+// One accumulator (two registers) a row, summing d in turn. With AVX-512's four chains a row,
+// or even two, three rows' accumulators, a K column, a broadcast and the bf16 mask outgrow AVX2's
+// 16 registers: GCC kept them on the stack, a load and a store around every FMA, and the kernel
+// took 1.4x as long (bf16 cache, 32 sequences x 351 tokens, one thread).
 template <typename T, int R>
 inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row,
                          const T* ahead) {
-  Lanes16 s[R][kChains];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kChains; ++j) s[r][j] = zero_lanes();
-  for (int64_t d = 0; d < head_size; d += kChains) {
-    prefetch_lines<kChains * kLanes * sizeof(T)>(ahead + d * kLanes);
-    for (int64_t j = 0; j < kChains; ++j) {
-      const Lanes16 k = load_lanes(keys + (d + j) * kLanes);
-      for (int r = 0; r < R; ++r) s[r][j] = fma_lanes(q[r * head_size + d + j], k, s[r][j]);
+  constexpr int64_t kColumnsPerLine = std::max<int64_t>(1, 64 / (kLanes * sizeof(T)));
+  Lanes16 s[R];
+  for (int r = 0; r < R; ++r) s[r] = zero_lanes();
+  for (int64_t d = 0; d < head_size; d += kColumnsPerLine) {
+    prefetch_lines<64>(ahead + d * kLanes);
+    for (int64_t j = 0; j < kColumnsPerLine; ++j) {
+      const Lanes16 k = load_tile_lanes(keys + (d + j) * kLanes);
+      for (int r = 0; r < R; ++r) s[r] = fma_lanes(q[r * head_size + d + j], k, s[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store_lanes(scores + r * row, add_lanes(s[r][0], s[r][1]));
+  for (int r = 0; r < R; ++r) store_lanes(scores + r * row, s[r]);
 }
 #else
+// Each row sums into kChains accumulators (key dimensions d mod kChains) so that the FMAs of a
+// row do not wait on one another (a 4-cycle latency each); kChains x kMaxRows accumulators plus a
+// K column fit the 32 AVX-512 registers.
+constexpr int64_t kChains = 4;
+
 template <typename T, int R>
 inline void block_scores(const float* q, const T* keys, int64_t head_size, float* scores, int64_t row,
                          const T* ahead) {
@@ -107,9 +135,9 @@ inline void block_values_columns(const float* p, const T* values, int64_t n, int
   for (int64_t t = 0; t < n; ++t) {
     prefetch_lines<C * kLanes * sizeof(T)>(ahead + t * head_size + c0);
     Lanes16 v[C];
-    for (int c = 0; c < C; ++c) v[c] = load_lanes(values + t * head_size + c0 + c * kLanes);
+    for (int c = 0; c < C; ++c) v[c] = load_tile_lanes(values + t * head_size + c0 + c * kLanes);
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) a[r][c] = fma_lanes(p[r * row + t], v[c], a[r][c]);
+      for (int c = 0; c < C; ++c) a[r][c] = fma_lanes(p[r * row + lane_of<T>(t)], v[c], a[r][c]);
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) store_lanes(acc + r * head_size + c0 + c * kLanes, a[r][c]);
@@ -155,13 +183,17 @@ inline void block_values(const float* p, const T* values, int64_t n, int64_t hea
   }
 }
 
-// Softmax of each of `rows` score rows in place: [rows, row], the first seq_len of each valid.
+// Softmax of each of `rows` score rows in place: [rows, row], the first seq_len positions of each
+// valid; C, the cache's element type, says where a block's positions lie (lane_of).
+template <typename C>
 inline void softmax_rows(float* scores, int64_t rows, int64_t row, int64_t seq_len) {
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * row;
     // Slots past seq_len hold whatever the block held before: out of the softmax.
-    std::fill(s + seq_len, s + row, -std::numeric_limits<float>::infinity());
-    const Vec16 inv = splat(softmax_numerators(s, row));
+    for (int64_t t = seq_len; t < row; ++t) {
+      s[t / kLanes * kLanes + lane_of<C>(t % kLanes)] = -std::numeric_limits<float>::infinity();
+    }
+    const Vec16 inv = splat(softmax_numerators<kEvenOdd<C>>(s, row));
     for (int64_t i = 0; i < row; i += kLanes) store16(s + i, load16(s + i) * inv);
   }
 }
@@ -269,7 +301,7 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
       if constexpr (kQuantized<C>) scale_block(scores, row, (h - h0) * group, group, b, tile_scales(key_tile, tile));
     }
   }
-  softmax_rows(scores, rows, row, seq_len);
+  softmax_rows<C>(scores, rows, row, seq_len);
   std::fill(acc, acc + rows * head_size, 0.f);
   for (int64_t b = 0; b < num_seq_blocks; ++b) {
     const int64_t n = std::min(kLanes, seq_len - b * kLanes);
@@ -288,7 +320,7 @@ void attend_run(const T* query,        // [kv heads of the run, group, head_size
       }
     }
   }
-  for (int64_t i = 0; i < rows * head_size; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < rows * head_size; ++i) out[i] = static_cast<T>(acc[i / kLanes * kLanes + lane_of<C>(i % kLanes)]);
 }
 
 template <typename T, typename C = T>

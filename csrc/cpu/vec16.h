@@ -306,7 +306,42 @@ inline Vec16 silu(Vec16 x) {
 
 // The numerators of a softmax over x[0..n) (n a multiple of 16; lanes out of it -inf), in place:
 // exp(x - max x), with a vectorized exp. Returns 1 / their sum.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// The generic form's max went lane by lane through the stack on AVX2 (three quarters of the
+// decode attention's softmax, a quarter of the whole kernel). The same sums in the same order:
+// each of 16 lanes accumulates its own elements, then lanes 0..15 are added in turn. EvenOdd:
+// each 16 elements hold positions 0, 2, ..., 14 then 1, 3, ..., 15 (the decode attention's bf16
+// tiles, avx2_lanes.h), and the lanes are added in the order of their positions all the same.
+template <bool EvenOdd = false>
 inline float softmax_numerators(float* x, int64_t n) {
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256 lo = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    const __m256 hi = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m));
+    _mm256_storeu_ps(x + i, lo);
+    _mm256_storeu_ps(x + i + 8, hi);
+    sum_lo = _mm256_add_ps(sum_lo, lo);
+    sum_hi = _mm256_add_ps(sum_hi, hi);
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, sum_lo);
+  _mm256_store_ps(lanes + 8, sum_hi);
+  float sum = 0.f;
+  for (int64_t position = 0; position < kLanes; ++position) {
+    sum += lanes[EvenOdd ? position / 2 + (position % 2) * 8 : position];
+  }
+  return 1.f / sum;
+}
+#else
+template <bool EvenOdd = false>
+inline float softmax_numerators(float* x, int64_t n) {
+  static_assert(!EvenOdd, "tiles are widened to even/odd lanes on AVX2 only");
   Vec16 vmax = splat(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += kLanes) vmax = vmax > load16(x + i) ? vmax : load16(x + i);
   const float m = reduce_max(vmax);
@@ -318,5 +353,6 @@ inline float softmax_numerators(float* x, int64_t n) {
   }
   return 1.f / reduce_sum(vsum);
 }
+#endif
 
 }  // namespace kvserve_cpu
