@@ -76,7 +76,7 @@ constexpr bool kEvenOdd = false;
 // The lane that holds position i (0..15) of a block's scores or of a V chunk.
 template <typename T>
 constexpr int64_t lane_of(int64_t i) {
-  return kEvenOdd<T> ? i / 2 + (i % 2) * 8 : i;
+  return kEvenOdd<T> ? even_odd_lane(i) : i;
 }
 
 // scores[r][0..16) = q[r] . K[:, t] for one block; K tile [head_size, kLanes]; the sum's order

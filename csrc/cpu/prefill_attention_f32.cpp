@@ -114,10 +114,7 @@ float softmax_row(float* s, int64_t keys, int64_t padded) {
   std::fill(s + keys, s + padded, -std::numeric_limits<float>::infinity());
   __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < padded; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const __m256 row_max = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  const __m256 row_max = _mm256_set1_ps(max_of_lanes8(m));
   for (int64_t t = 0; t < padded; t += 8) {
     _mm256_storeu_ps(s + t, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), row_max)));
   }

@@ -239,6 +239,13 @@ inline __m256 exp_nonpositive8(__m256 x) {
   return _mm256_mul_ps(p, two_n);
 }
 
+// The largest of v's 8 lanes (NaN-free v: any order gives the same bits).
+inline float max_of_lanes8(__m256 v) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 inline Vec16 exp_nonpositive(Vec16 x) {
   __m256 halves[2];
   std::memcpy(halves, &x, sizeof(x));
@@ -304,6 +311,9 @@ inline Vec16 silu(Vec16 x) {
 #endif
 }
 
+// Where position i (0..15) of 16 values lies when they are held as the even positions, then the odd.
+constexpr int64_t even_odd_lane(int64_t i) { return i / 2 + (i % 2) * 8; }
+
 // The numerators of a softmax over x[0..n) (n a multiple of 16; lanes out of it -inf), in place:
 // exp(x - max x), with a vectorized exp. Returns 1 / their sum.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -316,10 +326,7 @@ template <bool EvenOdd = false>
 inline float softmax_numerators(float* x, int64_t n) {
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(x + i));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const __m256 m = _mm256_set1_ps(_mm_cvtss_f32(m4));
+  const __m256 m = _mm256_set1_ps(max_of_lanes8(vmax));
   __m256 sum_lo = _mm256_setzero_ps(), sum_hi = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __m256 lo = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
@@ -334,7 +341,7 @@ inline float softmax_numerators(float* x, int64_t n) {
   _mm256_store_ps(lanes + 8, sum_hi);
   float sum = 0.f;
   for (int64_t position = 0; position < kLanes; ++position) {
-    sum += lanes[EvenOdd ? position / 2 + (position % 2) * 8 : position];
+    sum += lanes[EvenOdd ? even_odd_lane(position) : position];
   }
   return 1.f / sum;
 }
