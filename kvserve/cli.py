@@ -2,9 +2,10 @@
 
 ``kvserve up`` runs the whole system locally (what ``make run`` calls): it
 prepares the default model if needed, starts kvmanager, executor and gateway,
-waits until all three are healthy, prints where to connect, and stops all
-three on Ctrl-C or SIGTERM. The other commands hand over to the module that
-owns the work, in a child process, so this package imports no service.
+waits until all three are healthy, prints where to connect and what the executor
+runs, and stops all three on Ctrl-C or SIGTERM. The other commands hand over to
+the module that owns the work, in a child process, so this package imports no
+service.
 """
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def with_kv_store(executor_args: list[str], kv_store: str) -> list[str]:
         return ["--kv-store", str(default_kv_store_dir()), "--kv-store-capacity", str(AUTO_KV_STORE_BYTES),
                 *executor_args]  # a capacity among them wins
     return ["--kv-store", kv_store, *executor_args]
+
+
+def describe_executor(info) -> str:
+    """The banner's line on what the executor runs: the precision its defaults chose on this
+    machine (``--dtype auto`` computes a bf16 checkpoint in float32 where the CPU has no native
+    bf16), where, and its KV cache. ``info``: the gateway's ``ModelInfo``."""
+    return (f"  executor     {info.dtype} on {info.device}, {info.num_blocks} KV blocks of {info.block_size} "
+            f"tokens, up to {info.max_model_len} tokens a request\n")
 
 
 def up(argv: list[str]) -> int:
@@ -110,6 +119,7 @@ def up(argv: list[str]) -> int:
         f"  metrics      {stack.http_url}/metrics\n"
         f"  kvmanager    {stack.kvmanager.address}   executor {stack.executor.address}   "
         f"(service token: {'--service-token' if args.service_token else 'generated for this run'})\n"
+        + (describe_executor(stack.model_info) if stack.model_info is not None else "")
         + ("  API key      required (Authorization: Bearer ...)\n" if args.api_key else "")
         + "Ctrl-C stops all three.\n",
         flush=True,

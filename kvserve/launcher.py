@@ -191,6 +191,9 @@ class Stack:
     executor: ServiceProcess
     gateway: ServiceProcess
     http_port: int
+    # What the gateway serves (its GetModelInfo): None where an API key the launcher was not
+    # told kept it from asking.
+    model_info: gateway_pb2.ModelInfo | None = None
 
     @property
     def http_url(self) -> str:
@@ -209,11 +212,11 @@ class Stack:
 
 
 def _wait_gateway_connected(gateway: ServiceProcess, services: list[ServiceProcess], api_key: str | None,
-                            deadline: float, *, interval: float = POLL_INTERVAL_S) -> None:
+                            deadline: float, *, interval: float = POLL_INTERVAL_S) -> gateway_pb2.ModelInfo | None:
     """Until the gateway has its kvmanager pool and session: ``GetModelInfo`` sets them up when
     the gateway has none (it started before its dependencies answered) and fails UNAVAILABLE
-    while one of them does not answer. UNAUTHENTICATED (an API key the launcher was not told)
-    means the gateway serves; it connects on its first request. Any other error (e.g. a
+    while one of them does not answer; returns its answer. UNAUTHENTICATED (an API key the
+    launcher was not told) means the gateway serves (None); it connects on its first request. Any other error (e.g. a
     tokenizer that is not the executor's, or a dependency refusing the gateway's service
     token) means this stack cannot serve."""
     metadata = bearer_metadata(api_key)
@@ -222,13 +225,12 @@ def _wait_gateway_connected(gateway: ServiceProcess, services: list[ServiceProce
         stub = gateway_pb2_grpc.GatewayStub(channel)
         while True:
             try:
-                stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=GATEWAY_PROBE_TIMEOUT_S,
-                                  metadata=metadata)
-                return
+                return stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=GATEWAY_PROBE_TIMEOUT_S,
+                                         metadata=metadata)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED:
-                    return
+                    return None
                 last = f"{code.name}: {exc.details()}"
                 # A dependency refusing the gateway's service token will not change its mind.
                 refused = ": UNAUTHENTICATED:" in (exc.details() or "")
@@ -279,9 +281,10 @@ def start_stack(config: StackConfig) -> Stack:
             gateway_env,
         )
         wait_healthy(started, config.timeout)
-        _wait_gateway_connected(gateway, started, config.api_key or gateway_env.get(API_KEY_ENV), deadline)
+        model_info = _wait_gateway_connected(gateway, started, config.api_key or gateway_env.get(API_KEY_ENV),
+                                             deadline)
     except BaseException:
         for service in reversed(started):
             service.stop(timeout=10.0)
         raise
-    return Stack(kvmanager, executor, gateway, config.http_port)
+    return Stack(kvmanager, executor, gateway, config.http_port, model_info)

@@ -314,6 +314,9 @@ def test_kvserve_up_leaves_nothing_running(tiny_model_dir, tmp_path, how):
         assert wait_for(lambda: "kvserve is up" in log_path.read_text() or up.poll() is not None, 180), log_path.read_text()
         assert up.poll() is None, log_path.read_text()
         assert len(_services_on(ports[1:])) == 3
+        # The banner says what the executor runs: its precision, device and KV cache.
+        assert re.search(r"executor +\S+ on cpu, 64 KV blocks of 16 tokens, up to \d+ tokens a request",
+                         log_path.read_text()), log_path.read_text()
         if how == "ctrl-c":
             os.killpg(up.pid, signal.SIGINT)  # what a terminal does
             assert up.wait(60) == 0, log_path.read_text()
