@@ -216,9 +216,9 @@ def _wait_gateway_connected(gateway: ServiceProcess, services: list[ServiceProce
     """Until the gateway has its kvmanager pool and session: ``GetModelInfo`` sets them up when
     the gateway has none (it started before its dependencies answered) and fails UNAVAILABLE
     while one of them does not answer; returns its answer. UNAUTHENTICATED (an API key the
-    launcher was not told) means the gateway serves (None); it connects on its first request. Any other error (e.g. a
-    tokenizer that is not the executor's, or a dependency refusing the gateway's service
-    token) means this stack cannot serve."""
+    launcher was not told) means the gateway serves (None); it connects on its first request.
+    Any other error (e.g. a tokenizer that is not the executor's, or a dependency refusing the
+    gateway's service token) means this stack cannot serve."""
     metadata = bearer_metadata(api_key)
     last = "no answer yet"
     with grpc.insecure_channel(gateway.address, options=PROBE_OPTIONS) as channel:
