@@ -94,3 +94,7 @@ def test_f32_prefill_refuses_what_it_cannot_compute(f32_prefill_ops):
     odd_k, odd_v = backend.allocate_kv_cache(4, 16, 1, 40, torch.float32, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="head_size must be a multiple of 16"):
         attend(torch.zeros(1, 1, 4, 40), odd_k, odd_v, *args)
+    # V with fewer KV heads than q and K (with K's strides): its second head's tiles are not V's.
+    two_k, two_v = backend.allocate_kv_cache(4, 16, 2, 64, torch.float32, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="q has 2 KV heads"):
+        attend(torch.zeros(1, 2, 4, 64), two_k, two_v[:, :1], *args)

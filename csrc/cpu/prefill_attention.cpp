@@ -539,14 +539,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
                                    const at::Tensor& seq_lens, int64_t query_len, double scale) {
   const char* op = "paged_prefill_attention";
   TORCH_CHECK(has_prefill_attention(), op, ": needs AVX-512 BF16, which this CPU or build lacks");
-  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
-              ": CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 4, op, ": q must be bfloat16 [seqs, kv_heads, rows, d]");
-  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
-  TORCH_CHECK(d % 32 == 0 && d <= kMaxHeadSize, op, ": head_size must be a multiple of 32 up to ", kMaxHeadSize,
-              ", got ", d);
-  TORCH_CHECK(query_len > 0 && rows % query_len == 0, op, ": rows (", rows, ") must be a multiple of query_len (",
-              query_len, ")");
+  check_prefill_query(op, q, key_cache, value_cache, at::kBFloat16, "bfloat16", 32, kMaxHeadSize, query_len);
+  const int64_t num_seqs = q.size(0), heads = q.size(1), d = q.size(3);
   const bool int8 = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && (int8 || key_cache.scalar_type() == at::kBFloat16),
               op, ": the caches must be bfloat16 tiles or int8 records");
@@ -554,16 +548,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
     TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
                     key_cache.size(2) == kBlock * d + kBlock * 4 && key_cache.stride(2) == 1 && value_cache.stride(2) == 1,
                 op, ": int8 caches must be [num_blocks, kv_heads, 16 x head_size codes + 16 float32 scales]");
+    TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
+                " KV heads, the caches ", key_cache.size(1));
   } else {
-    TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d &&
-                    key_cache.size(3) == kBlock && value_cache.size(2) == kBlock && value_cache.size(3) == d &&
-                    key_cache.size(0) == value_cache.size(0) && key_cache.stride(3) == 1 &&
-                    key_cache.stride(2) == kBlock && value_cache.stride(3) == 1 && value_cache.stride(2) == d,
-                op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
-                " with contiguous tiles");
+    check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
   }
-  TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
-              " KV heads, the caches ", key_cache.size(1));
   const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
                                                   key_cache.size(0), kBlock);
   at::Tensor out = at::empty(q.sizes(), q.options());

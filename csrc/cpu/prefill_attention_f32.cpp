@@ -224,25 +224,15 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& ke
                                        const at::Tensor& seq_lens, int64_t query_len, double scale) {
   const char* op = "paged_prefill_attention_f32";
   TORCH_CHECK(has_prefill_attention_f32(), op, ": built for AVX2 without AVX-512, which this CPU or build is not");
-  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
-              ": CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 4, op, ": q must be float32 [seqs, kv_heads, rows, d]");
-  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
-  TORCH_CHECK(d % 16 == 0 && d > 0 && d <= kMaxHeadSize, op, ": head_size must be a multiple of 16 up to ",
-              kMaxHeadSize, ", got ", d);
-  TORCH_CHECK(query_len > 0 && rows % query_len == 0, op, ": rows (", rows, ") must be a multiple of query_len (",
-              query_len, ")");
+  check_prefill_query(op, q, key_cache, value_cache, at::kFloat, "float32", 16, kMaxHeadSize, query_len);
+  const int64_t num_seqs = q.size(0);
   const auto cache_type = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == cache_type && (cache_type == at::kFloat || cache_type == at::kBFloat16), op,
               ": the caches must be float32 or bfloat16");
-  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d && key_cache.size(3) == kBlock &&
-                  value_cache.size(2) == kBlock && value_cache.size(3) == d && key_cache.size(0) == value_cache.size(0) &&
-                  key_cache.stride(3) == 1 && key_cache.stride(2) == kBlock && value_cache.stride(3) == 1 &&
-                  value_cache.stride(2) == d && key_cache.stride(0) == value_cache.stride(0) &&
-                  key_cache.stride(1) == value_cache.stride(1),
-              op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
-              " with contiguous tiles");
-  TORCH_CHECK(key_cache.size(1) == heads, op, ": q has ", heads, " KV heads, the caches ", key_cache.size(1));
+  check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
+  // attend_all addresses K and V tiles with one pair of strides.
+  TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(1) == value_cache.stride(1), op,
+              ": K and V must share their block and head strides");
   const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
                                                   key_cache.size(0), kBlock);
   at::Tensor out = at::empty(q.sizes(), q.options());

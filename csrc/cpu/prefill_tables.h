@@ -1,5 +1,5 @@
 // What both prefill attention kernels (prefill_attention.cpp, prefill_attention_f32.cpp) check of a
-// step's block tables and positions before they read a block.
+// step's query, cache tiles, block tables and positions before they read a block.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,6 +7,36 @@
 #include <cstdint>
 
 namespace kvserve_cpu {
+
+// q: [num_seqs, kv_heads, rows, d] of `dtype` (named `dtype_name` in the message), d a multiple of
+// d_multiple up to max_d, rows a whole number of query_len; q and the caches on the CPU.
+inline void check_prefill_query(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, at::ScalarType dtype, const char* dtype_name,
+                                int64_t d_multiple, int64_t max_d, int64_t query_len) {
+  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(), op,
+              ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == dtype && q.dim() == 4, op, ": q must be ", dtype_name, " [seqs, kv_heads, rows, d]");
+  const int64_t rows = q.size(2), d = q.size(3);
+  TORCH_CHECK(d % d_multiple == 0 && d > 0 && d <= max_d, op, ": head_size must be a multiple of ", d_multiple,
+              " up to ", max_d, ", got ", d);
+  TORCH_CHECK(query_len > 0 && rows % query_len == 0, op, ": rows (", rows, ") must be a multiple of query_len (",
+              query_len, ")");
+}
+
+// The cpu backend's tiles for q's kv_heads and head size d: K [num_blocks, kv_heads, d, block] and V
+// [num_blocks, kv_heads, block, d], each tile contiguous.
+inline void check_prefill_tile_caches(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, int64_t block) {
+  const int64_t heads = q.size(1), d = q.size(3);
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d && key_cache.size(3) == block &&
+                  value_cache.size(2) == block && value_cache.size(3) == d && key_cache.size(0) == value_cache.size(0) &&
+                  key_cache.stride(3) == 1 && key_cache.stride(2) == block && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == d,
+              op, ": caches must be K [num_blocks, kv_heads, head_size, 16] and V [num_blocks, kv_heads, 16, head_size]"
+              " with contiguous tiles");
+  TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
+              " KV heads, the caches ", key_cache.size(1));
+}
 
 struct PrefillTables {
   at::Tensor tables, first, lens;  // block_tables, first_query_pos, seq_lens: contiguous int32
