@@ -22,7 +22,7 @@ def f32_prefill_ops(cpu_ops):
 @pytest.mark.parametrize("head_size", [16, 64, 128])
 def test_f32_prefill_matches_float64_under_the_causal_mask(f32_prefill_ops, cache_dtype, tolerance, head_size):
     """A chunk after a cached prefix of several blocks, a chunk shorter than the group's query length
-    (padding rows), a decode token and whole prompts of more than one unit of 32 tokens in one step;
+    (padding rows), a decode token and whole prompts of more than one unit of query tokens in one step;
     every unused slot of the cache holds inf, which must reach no output."""
     torch.manual_seed(21)
     out, expected = run_step(backend_on_path(cache_dtype, fused=True), 16, [37, 5, 1, 64, 70], [177, 21, 40, 64, 70],
