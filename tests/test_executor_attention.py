@@ -94,14 +94,16 @@ def run_step(backend, block_size, query_lens, seq_lens, num_heads=NUM_HEADS, kv_
 
 
 def backend_on_path(cache_dtype: torch.dtype | None, fused: bool) -> CpuAttentionBackend:
-    """The cpu backend with its cache in ``cache_dtype`` (None: the dtype asked for), taking the fused
-    float32 prefill kernel where this CPU has it or, with ``fused`` False, the gathered K/V and two GEMMs
-    on every CPU."""
-    backend = CpuAttentionBackend(torch.device("cpu"))
+    """The cpu backend with its cache in ``cache_dtype`` (None: the dtype asked for; ``torch.int8``: the
+    int8 cache's records), taking the fused float32 prefill kernel where this CPU has it or, with
+    ``fused`` False, the gathered K/V and two GEMMs on every CPU."""
+    int8 = cache_dtype == torch.int8
+    backend = (CpuInt8KVAttentionBackend if int8 else CpuAttentionBackend)(torch.device("cpu"))
     allocate = backend.allocate_kv_cache
 
     def allocate_in(num_blocks, block_size, kv_heads, head_size, dtype, device):
-        caches = allocate(num_blocks, block_size, kv_heads, head_size, cache_dtype or dtype, device)
+        tiles_dtype = dtype if int8 else cache_dtype or dtype
+        caches = allocate(num_blocks, block_size, kv_heads, head_size, tiles_dtype, device)
         assert backend._fused_prefill_f32 or not fused
         backend._fused_prefill_f32 = fused
         return caches

@@ -18,24 +18,27 @@ def f32_prefill_ops(cpu_ops):
     return cpu_ops
 
 
-@pytest.mark.parametrize("cache_dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("cache_dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.int8, 3e-2)])
 @pytest.mark.parametrize("head_size", [16, 64, 128])
 def test_f32_prefill_matches_float64_under_the_causal_mask(f32_prefill_ops, cache_dtype, tolerance, head_size):
     """A chunk after a cached prefix of several blocks, a chunk shorter than the group's query length
     (padding rows), a decode token and whole prompts of more than one unit of query tokens in one step;
-    every unused slot of the cache holds inf, which must reach no output."""
+    every unused slot of the cache holds inf (in the int8 records, codes of -1 under NaN scales: bytes
+    0xFF), which must reach no output."""
     torch.manual_seed(21)
     out, expected = run_step(backend_on_path(cache_dtype, fused=True), 16, [37, 5, 1, 64, 70], [177, 21, 40, 64, 70],
-                             num_heads=9, kv_heads=3, head=head_size, stale=float("inf"))
+                             num_heads=9, kv_heads=3, head=head_size,
+                             stale=-1 if cache_dtype == torch.int8 else float("inf"))
     assert out.isfinite().all()
     torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_f32_prefill_agrees_with_the_gemm_path(f32_prefill_ops, cache_dtype):
     """The fused kernel and the gathered K/V with two GEMMs around causal_softmax_ (the path of every
-    other CPU) give the same outputs to float32 rounding: a model's prefill does not depend on which
-    CPU it runs on. Query chunks longer than the GEMM path's own chunking are included."""
+    other CPU) give the same outputs to float32 rounding (the int8 records widened to the same code *
+    scale on both): a model's prefill does not depend on which CPU it runs on. Query chunks longer
+    than the GEMM path's own chunking are included."""
     outputs = []
     for fused in (True, False):
         torch.manual_seed(22)

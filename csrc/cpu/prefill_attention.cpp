@@ -540,16 +540,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
   const char* op = "paged_prefill_attention";
   TORCH_CHECK(has_prefill_attention(), op, ": needs AVX-512 BF16, which this CPU or build lacks");
   check_prefill_query(op, q, key_cache, value_cache, at::kBFloat16, "bfloat16", 32, kMaxHeadSize, query_len);
-  const int64_t num_seqs = q.size(0), heads = q.size(1), d = q.size(3);
+  const int64_t num_seqs = q.size(0);
   const bool int8 = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && (int8 || key_cache.scalar_type() == at::kBFloat16),
               op, ": the caches must be bfloat16 tiles or int8 records");
   if (int8) {
-    TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
-                    key_cache.size(2) == kBlock * d + kBlock * 4 && key_cache.stride(2) == 1 && value_cache.stride(2) == 1,
-                op, ": int8 caches must be [num_blocks, kv_heads, 16 x head_size codes + 16 float32 scales]");
-    TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
-                " KV heads, the caches ", key_cache.size(1));
+    check_prefill_int8_records(op, q, key_cache, value_cache, kBlock);
   } else {
     check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
   }
@@ -558,6 +554,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
   at::Tensor out = at::empty(q.sizes(), q.options());
 #if defined(KVSERVE_PREFILL_ATTENTION)
   const auto qc = q.contiguous();
+  const int64_t d = q.size(3);
   const TileCache k{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1)};
   const TileCache v{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1)};
   if (int8) {

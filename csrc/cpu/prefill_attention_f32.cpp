@@ -1,6 +1,6 @@
 // Causal attention of a float32 model's prefill chunks on a CPU with AVX2 (and no AVX-512), fused:
 // what prefill_attention.cpp does with bf16 tiles where the CPU has AVX-512 BF16, here with float32
-// FMAs over a float32 or bf16 cache.
+// FMAs over a float32 or bf16 cache, or the int8 cache's records (codes times their token's scale).
 //
 // Without it the cpu backend gathers each group's blocks, widens them to float32 and runs two GEMMs
 // around causal_softmax_: the gathered K/V and the [rows, ctx_len] scores go through memory, and
@@ -57,7 +57,8 @@ bool has_prefill_attention_f32() {
 }
 
 #if defined(KVSERVE_AVX2_LANES)
-// One sequence and KV head of the cache: its block table and the tiles' strides.
+// One sequence and KV head of the cache: its block table and the tiles' strides. T = int8_t: the
+// int8 cache's records, each tile's codes followed by its 16 tokens' float32 scales.
 template <typename T>
 struct SequenceCache {
   const T* key_cache;    // [num_blocks, kv_heads, d, 16]
@@ -89,6 +90,38 @@ void widen_keys(const SequenceCache<T>& c, int64_t blocks, int64_t d, float* k, 
     const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
     widen(c.key_cache + offset, k + b * tile, tile);
     widen(c.value_cache + offset, v + b * tile, tile);
+  }
+}
+
+// 8 int8 codes as float32.
+inline __m256 widen_codes8(const int8_t* codes) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+}
+
+// The int8 records' K and V as code * scale in float32, one rounding: the values the gathered path's
+// codes.float() * scales gives.
+void widen_keys(const SequenceCache<int8_t>& c, int64_t blocks, int64_t d, float* k, float* v) {
+  const int64_t tile = kBlock * d;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
+    const int8_t* k_codes = c.key_cache + offset;    // [d][16], then the 16 tokens' scales
+    const int8_t* v_codes = c.value_cache + offset;  // [16][d], then the 16 tokens' scales
+    float k_scales[kBlock], v_scales[kBlock];
+    std::memcpy(k_scales, k_codes + tile, sizeof(k_scales));
+    std::memcpy(v_scales, v_codes + tile, sizeof(v_scales));
+    const __m256 k_scale_lo = _mm256_loadu_ps(k_scales), k_scale_hi = _mm256_loadu_ps(k_scales + 8);
+    float* k_tile = k + b * tile;
+    for (int64_t i = 0; i < d; ++i) {  // row i: dimension i of the block's 16 keys
+      _mm256_storeu_ps(k_tile + i * kBlock, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock), k_scale_lo));
+      _mm256_storeu_ps(k_tile + i * kBlock + 8, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock + 8), k_scale_hi));
+    }
+    float* v_rows = v + b * tile;
+    for (int64_t t = 0; t < kBlock; ++t) {
+      const __m256 scale = _mm256_set1_ps(v_scales[t]);
+      for (int64_t x = 0; x < d; x += 8) {
+        _mm256_storeu_ps(v_rows + t * d + x, _mm256_mul_ps(widen_codes8(v_codes + t * d + x), scale));
+      }
+    }
   }
 }
 
@@ -245,8 +278,8 @@ void attend_all(const at::Tensor& q, const T* key_cache, const T* value_cache, i
 // q: [num_seqs, kv_heads, rows, d] float32, rows = group * query_len (the query heads of a KV head,
 //   query_len rows each: row r is query token r % query_len);
 // key_cache, value_cache: the cpu backend's, float32 or bf16 (K [num_blocks, kv_heads, d, 16], V
-//   [num_blocks, kv_heads, 16, d]); block_tables [num_seqs, max_blocks] int32; first_query_pos,
-//   seq_lens [num_seqs] int32.
+//   [num_blocks, kv_heads, 16, d]) or int8 records ([num_blocks, kv_heads, 16 d codes + 16 float32
+//   scales]); block_tables [num_seqs, max_blocks] int32; first_query_pos, seq_lens [num_seqs] int32.
 // Row r of sequence s attends to keys [0, first_query_pos[s] + r % query_len + 1); rows whose token
 // lies past seq_lens[s] (a shorter chunk's padding) are zero. Returns [num_seqs, kv_heads, rows, d].
 at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -257,9 +290,14 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& ke
   check_prefill_query(op, q, key_cache, value_cache, at::kFloat, "float32", 16, kMaxHeadSize, query_len);
   const int64_t num_seqs = q.size(0);
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(value_cache.scalar_type() == cache_type && (cache_type == at::kFloat || cache_type == at::kBFloat16), op,
-              ": the caches must be float32 or bfloat16");
-  check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
+  TORCH_CHECK(value_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kChar),
+              op, ": the caches must be float32 or bfloat16 tiles or int8 records");
+  if (cache_type == at::kChar) {
+    check_prefill_int8_records(op, q, key_cache, value_cache, kBlock);
+  } else {
+    check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
+  }
   // attend_all addresses K and V tiles with one pair of strides.
   TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(1) == value_cache.stride(1), op,
               ": K and V must share their block and head strides");
@@ -268,13 +306,18 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& ke
   at::Tensor out = at::empty(q.sizes(), q.options());
 #if defined(KVSERVE_AVX2_LANES)
   const auto qc = q.contiguous();
+  auto attend = [&](auto element) {
+    using T = decltype(element);
+    attend_all(qc, static_cast<const T*>(key_cache.data_ptr()), static_cast<const T*>(value_cache.data_ptr()),
+               key_cache.stride(0), key_cache.stride(1), t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(),
+               query_len, static_cast<float>(scale), out);
+  };
   if (cache_type == at::kFloat) {
-    attend_all(qc, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.stride(0), key_cache.stride(1),
-               t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len, static_cast<float>(scale), out);
+    attend(float{});
+  } else if (cache_type == at::kBFloat16) {
+    attend(c10::BFloat16{});
   } else {
-    attend_all(qc, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), key_cache.stride(0),
-               key_cache.stride(1), t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
-               static_cast<float>(scale), out);
+    attend(int8_t{});
   }
 #endif
   return out;

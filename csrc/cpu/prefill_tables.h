@@ -38,6 +38,18 @@ inline void check_prefill_tile_caches(const char* op, const at::Tensor& q, const
               " KV heads, the caches ", key_cache.size(1));
 }
 
+// The int8 cache's records for q's kv_heads and head size d: [num_blocks, kv_heads, block x d codes +
+// block float32 scales], each record contiguous.
+inline void check_prefill_int8_records(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, int64_t block) {
+  const int64_t heads = q.size(1), d = q.size(3);
+  TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
+                  key_cache.size(2) == block * d + block * 4 && key_cache.stride(2) == 1 && value_cache.stride(2) == 1,
+              op, ": int8 caches must be [num_blocks, kv_heads, 16 x head_size codes + 16 float32 scales]");
+  TORCH_CHECK(key_cache.size(1) == heads && value_cache.size(1) == heads, op, ": q has ", heads,
+              " KV heads, the caches ", key_cache.size(1));
+}
+
 struct PrefillTables {
   at::Tensor tables, first, lens;  // block_tables, first_query_pos, seq_lens: contiguous int32
   int64_t max_blocks;              // the tables' width

@@ -21,7 +21,7 @@ online softmax and the values in one pass over 64-key chunks read from the block
 neither the gathered K/V nor the [rows, ctx_len] scores go through memory. A float32 model's prefill chunks
 on a CPU with AVX2 and no AVX-512 (bf16 emulated: the model computes in float32) go to
 ``paged_prefill_attention_f32`` (``csrc/cpu/prefill_attention_f32.cpp``), the same idea in float32 FMAs over
-a float32 or bf16 cache. Elsewhere they gather their blocks as the torch backend does and attend with two
+a float32, bf16 or int8 cache. Elsewhere they gather their blocks as the torch backend does and attend with two
 oneDNN GEMMs around ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``), which masks and
 normalizes each score row in one pass, where torch needed an additive mask, an add and a softmax
 (SDPA beyond ``MATMUL_ATTENTION_MAX_SCORES``). The kernels want ``block_size`` 16 and a
@@ -74,11 +74,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
         self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
-        self._fused_prefill_f32 = bool(self._ops.has_prefill_attention_f32()) and self._kernel_fits and \
-            head_size <= 256 and dtype in (torch.float32, torch.bfloat16)
+        self._fused_prefill_f32 = self._fused_prefill_f32_fits(block_size, head_size) and \
+            dtype in (torch.float32, torch.bfloat16)
         key_cache = zeroed_cache((num_blocks, num_kv_heads, head_size, block_size), dtype, device)
         value_cache = zeroed_cache((num_blocks, num_kv_heads, block_size, head_size), dtype, device)
         return key_cache, value_cache
+
+    def _fused_prefill_f32_fits(self, block_size: int, head_size: int) -> bool:
+        return bool(self._ops.has_prefill_attention_f32()) and block_size == KERNEL_BLOCK_SIZE and \
+            head_size % KERNEL_BLOCK_SIZE == 0 and head_size <= 256
 
     def _fused_prefill_fits(self, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
         return bool(self._ops.has_prefill_attention()) and block_size == KERNEL_BLOCK_SIZE and \
@@ -180,8 +184,9 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
     codes and then 16 float32 scales, one per token: x ~ code * scale, scale = max|x| / 127 over the
     token's head. Decode tokens read it in ``paged_decode_attention_int8``; prefill chunks in
     ``paged_prefill_attention`` where the CPU has AVX-512 BF16 (it widens the codes as it packs them, to the
-    same bf16), else they gather their blocks dequantized to the model's dtype and take the torch
-    path."""
+    same bf16) or in ``paged_prefill_attention_f32`` where a float32 model runs on AVX2 (code * scale in
+    float32, as the gather computes it), else they gather their blocks dequantized to the model's dtype
+    and take the torch path."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
@@ -193,6 +198,7 @@ class CpuInt8KVAttentionBackend(CpuAttentionBackend):
                              f"multiple of {KERNEL_BLOCK_SIZE} (got {block_size} and {head_size})")
         self._compute_dtype = dtype
         self._fused_prefill = self._fused_prefill_fits(block_size, head_size, dtype)
+        self._fused_prefill_f32 = self._fused_prefill_f32_fits(block_size, head_size)
         shape = (num_blocks, num_kv_heads, int8_record_bytes(block_size, head_size))
         return zeroed_cache(shape, torch.int8, device), zeroed_cache(shape, torch.int8, device)
 
