@@ -102,13 +102,31 @@ def musa_arch() -> str:
     return f"mp_{major}{minor}"
 
 
+def put_environment_ninja_first() -> None:
+    """Puts the ``ninja`` this environment installs (pyproject's ``ninja`` requirement) first on
+    ``PATH``, where torch looks for it. A process started as ``.venv/bin/python`` without the venv on
+    ``PATH`` (``make run``, ``make test``) otherwise finds no ninja on a machine without a system one
+    (then no kernel is built and the executor runs torch attention), or the system's, whose other
+    version reads the build log as foreign: each switch between the two rebuilt every source (~90 s
+    on 2 vCPUs)."""
+    try:
+        import ninja
+    except ImportError:  # an environment without the requirement: whatever PATH has
+        return
+    entries = [e for e in os.environ.get("PATH", "").split(os.pathsep) if e]
+    if entries[:1] != [ninja.BIN_DIR]:
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR] + [e for e in entries if e != ninja.BIN_DIR])
+
+
 @contextlib.contextmanager
 def exclusive_build(build_dir: Path) -> Iterator[None]:
     """Holds an exclusive ``flock`` on ``build_dir`` while torch builds or loads there, and clears
     torch's ``lock`` file left by a build that was killed. torch marks a build in progress with
     that file and waits, forever, for it to go: a process killed mid-build (a test's timeout, a
     stopped container) leaves it behind and every later start hangs. The kernel releases a flock
-    when its holder dies, so a ``lock`` file found while holding the flock has no live builder."""
+    when its holder dies, so a ``lock`` file found while holding the flock has no live builder.
+    The environment's ninja is put first on ``PATH`` for the build (``put_environment_ninja_first``)."""
+    put_environment_ninja_first()
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "kvserve-build.flock", "a") as guard:
         try:

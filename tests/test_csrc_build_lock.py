@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from executor.attention.csrc_loader import csrc_build_script
 
@@ -51,3 +52,18 @@ def test_live_builders_take_turns(tmp_path):
     for thread in threads:
         thread.join()
     assert overlaps == [1, 1, 1, 1]
+
+
+def test_the_environments_ninja_builds_whatever_path_the_process_got():
+    """A process started as .venv/bin/python without the venv on PATH (``make run``) builds with the
+    environment's ninja, not none and not the system's: alternating ninja versions rebuilt every source."""
+    import ninja
+
+    script = ("import shutil\nfrom executor.attention.csrc_loader import csrc_build_script\n"
+              "csrc_build_script().put_environment_ninja_first()\n"
+              "csrc_build_script().put_environment_ninja_first()\n"
+              "import os\nprint(shutil.which('ninja'))\nprint(os.environ['PATH'])\n")
+    out = subprocess.run([sys.executable, "-c", script], env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == str(Path(ninja.BIN_DIR) / "ninja")
+    assert out[1] == f"{ninja.BIN_DIR}:/usr/bin:/bin"
