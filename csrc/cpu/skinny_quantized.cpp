@@ -96,10 +96,7 @@ bool quantize_group_avx2(const T* src, int8_t* out, float& scale_out, int32_t& s
     magnitude = _mm256_max_ps(magnitude, _mm256_andnot_ps(sign, v[i]));
   }
   if (_mm256_movemask_ps(finite) != 0xFF) return false;
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(magnitude), _mm256_extractf128_ps(magnitude, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float amax = _mm_cvtss_f32(m);
+  const float amax = max_of_lanes8(magnitude);  // NaN-free: the group is finite
   if (!(amax > 0.f)) return false;
   const float scale = amax / 127.f;
   const __m256 scale_v = _mm256_set1_ps(scale), high = _mm256_set1_ps(127.f), low = _mm256_set1_ps(-127.f);
