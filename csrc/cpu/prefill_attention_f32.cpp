@@ -82,15 +82,11 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-// K and V of keys [0, blocks * 16) of one sequence and head, as float32: k [blocks][d][16], v [blocks * 16][d].
+// One block's K tile [d][16] and V tile [16][d] as float32, in the same layouts.
 template <typename T>
-void widen_keys(const SequenceCache<T>& c, int64_t blocks, int64_t d, float* k, float* v) {
-  const int64_t tile = kBlock * d;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
-    widen(c.key_cache + offset, k + b * tile, tile);
-    widen(c.value_cache + offset, v + b * tile, tile);
-  }
+void widen_block(const T* k_tile, const T* v_tile, int64_t d, float* k, float* v) {
+  widen(k_tile, k, kBlock * d);
+  widen(v_tile, v, kBlock * d);
 }
 
 // 8 int8 codes as float32.
@@ -98,30 +94,33 @@ inline __m256 widen_codes8(const int8_t* codes) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
 }
 
-// The int8 records' K and V as code * scale in float32, one rounding: the values the gathered path's
-// codes.float() * scales gives.
-void widen_keys(const SequenceCache<int8_t>& c, int64_t blocks, int64_t d, float* k, float* v) {
+// An int8 block's records (the tile's codes, then its 16 tokens' scales) as code * scale in float32,
+// one rounding: the values the gathered path's codes.float() * scales gives.
+void widen_block(const int8_t* k_codes, const int8_t* v_codes, int64_t d, float* k, float* v) {
+  const int64_t tile = kBlock * d;
+  float k_scales[kBlock], v_scales[kBlock];
+  std::memcpy(k_scales, k_codes + tile, sizeof(k_scales));
+  std::memcpy(v_scales, v_codes + tile, sizeof(v_scales));
+  const __m256 k_scale_lo = _mm256_loadu_ps(k_scales), k_scale_hi = _mm256_loadu_ps(k_scales + 8);
+  for (int64_t i = 0; i < d; ++i) {  // row i: dimension i of the block's 16 keys
+    _mm256_storeu_ps(k + i * kBlock, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock), k_scale_lo));
+    _mm256_storeu_ps(k + i * kBlock + 8, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock + 8), k_scale_hi));
+  }
+  for (int64_t t = 0; t < kBlock; ++t) {
+    const __m256 scale = _mm256_set1_ps(v_scales[t]);
+    for (int64_t x = 0; x < d; x += 8) {
+      _mm256_storeu_ps(v + t * d + x, _mm256_mul_ps(widen_codes8(v_codes + t * d + x), scale));
+    }
+  }
+}
+
+// K and V of keys [0, blocks * 16) of one sequence and head, as float32: k [blocks][d][16], v [blocks * 16][d].
+template <typename T>
+void widen_keys(const SequenceCache<T>& c, int64_t blocks, int64_t d, float* k, float* v) {
   const int64_t tile = kBlock * d;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
-    const int8_t* k_codes = c.key_cache + offset;    // [d][16], then the 16 tokens' scales
-    const int8_t* v_codes = c.value_cache + offset;  // [16][d], then the 16 tokens' scales
-    float k_scales[kBlock], v_scales[kBlock];
-    std::memcpy(k_scales, k_codes + tile, sizeof(k_scales));
-    std::memcpy(v_scales, v_codes + tile, sizeof(v_scales));
-    const __m256 k_scale_lo = _mm256_loadu_ps(k_scales), k_scale_hi = _mm256_loadu_ps(k_scales + 8);
-    float* k_tile = k + b * tile;
-    for (int64_t i = 0; i < d; ++i) {  // row i: dimension i of the block's 16 keys
-      _mm256_storeu_ps(k_tile + i * kBlock, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock), k_scale_lo));
-      _mm256_storeu_ps(k_tile + i * kBlock + 8, _mm256_mul_ps(widen_codes8(k_codes + i * kBlock + 8), k_scale_hi));
-    }
-    float* v_rows = v + b * tile;
-    for (int64_t t = 0; t < kBlock; ++t) {
-      const __m256 scale = _mm256_set1_ps(v_scales[t]);
-      for (int64_t x = 0; x < d; x += 8) {
-        _mm256_storeu_ps(v_rows + t * d + x, _mm256_mul_ps(widen_codes8(v_codes + t * d + x), scale));
-      }
-    }
+    widen_block(c.key_cache + offset, c.value_cache + offset, d, k + b * tile, v + b * tile);
   }
 }
 
