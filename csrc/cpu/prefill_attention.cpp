@@ -544,11 +544,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
   const bool int8 = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && (int8 || key_cache.scalar_type() == at::kBFloat16),
               op, ": the caches must be bfloat16 tiles or int8 records");
-  if (int8) {
-    check_prefill_int8_records(op, q, key_cache, value_cache, kBlock);
-  } else {
-    check_prefill_tile_caches(op, q, key_cache, value_cache, kBlock);
-  }
+  check_prefill_caches(op, q, key_cache, value_cache, kBlock);
   const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
                                                   key_cache.size(0), kBlock);
   at::Tensor out = at::empty(q.sizes(), q.options());

@@ -50,6 +50,16 @@ inline void check_prefill_int8_records(const char* op, const at::Tensor& q, cons
               " KV heads, the caches ", key_cache.size(1));
 }
 
+// The caches' layout for their type: int8 records, else tiles.
+inline void check_prefill_caches(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, int64_t block) {
+  if (key_cache.scalar_type() == at::kChar) {
+    check_prefill_int8_records(op, q, key_cache, value_cache, block);
+  } else {
+    check_prefill_tile_caches(op, q, key_cache, value_cache, block);
+  }
+}
+
 struct PrefillTables {
   at::Tensor tables, first, lens;  // block_tables, first_query_pos, seq_lens: contiguous int32
   int64_t max_blocks;              // the tables' width
