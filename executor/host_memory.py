@@ -2,9 +2,8 @@
 or, in a cgroup with a memory limit (a container, a pod), what the limits of its cgroup and of the
 cgroups above it leave, whichever is less.
 
-The CPU KV cache is a lazily faulted mapping (``zeroed_cache``): a cache larger than this starts
-fine and is killed for memory once traffic has written enough of it. ``check_kv_cache_fits`` refuses
-it at start instead.
+The CPU KV cache is a lazily faulted mapping (``zeroed_cache``): a cache larger than this would start
+fine and be killed for memory once traffic had written enough of it; ``size_kv_cache`` refuses it.
 """
 from __future__ import annotations
 
@@ -67,14 +66,3 @@ def available_bytes(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/f
     known = [b for b in (_mem_available(proc), *_cgroup_rooms(proc, cgroup_root)) if b is not None]
     return min(known) if known else None
 
-
-def check_kv_cache_fits(num_bytes: int, source: str, available: int | None) -> None:
-    """Raises ValueError, naming the flag that sized the cache, when ``num_bytes`` of host KV cache
-    exceed ``available`` (``available_bytes()``, taken after the weights are loaded)."""
-    if available is None or num_bytes <= available:
-        return
-    field = "num_blocks" if source == "num_blocks" else "kv_cache_memory"
-    raise ValueError(f"{field}: a KV cache of {num_bytes / 2**30:.2f} GiB ({source}) does not fit in the "
-                     f"{available / 2**30:.2f} GiB this host has left for this process (MemAvailable, or what "
-                     f"its cgroup's memory limit leaves); it would be killed for memory under load: choose a "
-                     f"smaller --kv-cache-memory or --num-blocks")

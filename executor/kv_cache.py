@@ -49,10 +49,16 @@ def size_kv_cache(
     gpu_memory_utilization: float = 0.9,
     device_memory: tuple[int, int, int] | None = None,
     kv_cache_dtype: str = "auto",
+    host_available: int | None = None,
 ) -> KVSizing:
     """Blocks from the first of: ``num_blocks``, ``kv_cache_memory`` bytes, and on a device
     ``total * gpu_memory_utilization - memory in use - activation peak`` (``device_memory`` =
-    (free, total, activation_peak) bytes measured after loading the weights); on the CPU 1 GiB."""
+    (free, total, activation_peak) bytes measured after loading the weights); on the CPU 1 GiB.
+
+    ``host_available``: the bytes a host cache may take (``host_memory.available_bytes()`` after the
+    weights are loaded); a larger one is refused, naming the flag that sized it. The host cache's pages
+    are faulted in as blocks are first written: such a cache would start, then be killed for memory
+    under load."""
     per_block = kv_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
     if num_blocks is not None:
         blocks, source = num_blocks, "num_blocks"
@@ -71,6 +77,12 @@ def size_kv_cache(
         raise ValueError(
             f"KV cache too small: {blocks} blocks of {per_block} bytes from {source}; need at least {MIN_BLOCKS}"
         )
+    if host_available is not None and blocks * per_block > host_available:
+        field = "num_blocks" if source == "num_blocks" else "kv_cache_memory"
+        raise ValueError(f"{field}: a KV cache of {blocks * per_block / 2**30:.2f} GiB ({source}) does not fit in "
+                         f"the {host_available / 2**30:.2f} GiB this host has left for this process (MemAvailable, "
+                         f"or what its cgroup's memory limit leaves); it would be killed for memory under load: "
+                         f"choose a smaller --kv-cache-memory or --num-blocks")
     return KVSizing(int(blocks), per_block, source)
 
 

@@ -18,7 +18,7 @@ from executor.attention import AttentionMetadata, create_backend
 from executor.draft_verification import accept, check_drafts, logit_rows
 from executor.devices import (device_module, dtype_name, resolve_dtype, resolve_device, resolve_kv_cache_dtype,
                               synchronize)
-from executor.host_memory import available_bytes, check_kv_cache_fits
+from executor.host_memory import available_bytes
 from executor.kv_cache import KVSizing, max_concurrency, size_kv_cache
 from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, store_namespace
 from executor.loader import eos_token_ids, load_model, model_fingerprint
@@ -141,8 +141,6 @@ class ModelRunner:
                  quantization=self.quantization, device=str(self.device), attention_backend=self.backend.name,
                  seconds=round(time.monotonic() - start, 2))
         sizing = self._size_kv_cache(options)
-        if self.device.type == "cpu":
-            check_kv_cache_fits(sizing.total_bytes, sizing.source, available_bytes())
         self.num_blocks = sizing.num_blocks
         self.kv_caches = [
             self.backend.allocate_kv_cache(self.num_blocks, self.block_size, config.num_kv_heads, config.head_dim,
@@ -216,7 +214,8 @@ class ModelRunner:
         return size_kv_cache(self.config, self.block_size, self.kv_dtype, self.device,
                              num_blocks=options.num_blocks, kv_cache_memory=options.kv_cache_memory,
                              gpu_memory_utilization=options.gpu_memory_utilization, device_memory=device_memory,
-                             kv_cache_dtype=self.kv_cache_dtype)
+                             kv_cache_dtype=self.kv_cache_dtype,
+                             host_available=available_bytes() if self.device.type == "cpu" else None)
 
     def _profile_device_memory(self, profile_tokens: int) -> tuple[int, int, int]:
         """(free, total, activation peak) bytes: one forward of the longest step we expect,

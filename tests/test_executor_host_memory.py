@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from executor.host_memory import available_bytes, check_kv_cache_fits
+from executor.host_memory import available_bytes
+from executor.kv_cache import kv_bytes_per_block, size_kv_cache
+from executor.model import ModelConfig
 from tests.conftest import REPO_ROOT, free_port, service_env
+from tests.test_executor_model import LLAMA
 
 GIB = 1 << 30
 
@@ -60,18 +64,26 @@ def test_cgroup_v1_memory_controller(tmp_path):
     assert available_bytes(proc, root) == 20 * GIB
 
 
-def test_a_host_that_says_nothing_gives_none_and_the_check_passes(tmp_path):
+def test_a_host_that_says_nothing_gives_none(tmp_path):
     proc, root = fake_host(tmp_path, None)
     assert available_bytes(proc, root) is None
-    check_kv_cache_fits(1 << 50, "num_blocks", None)
 
 
-def test_the_check_names_the_flag_that_sized_the_cache():
-    check_kv_cache_fits(GIB, "cpu default (1 GiB)", GIB)
-    with pytest.raises(ValueError, match=r"^num_blocks: a KV cache of 2\.00 GiB .* 1\.00 GiB"):
-        check_kv_cache_fits(2 * GIB, "num_blocks", GIB)
-    with pytest.raises(ValueError, match=r"^kv_cache_memory: .*\(cpu default \(1 GiB\)\)"):
-        check_kv_cache_fits(GIB, "cpu default (1 GiB)", GIB // 2)
+def test_sizing_refuses_a_host_cache_past_what_is_left_naming_the_flag():
+    config, cpu = ModelConfig.from_dict(LLAMA), torch.device("cpu")
+    per_block = kv_bytes_per_block(config, 16, torch.bfloat16)
+
+    def size(available, **flags):
+        return size_kv_cache(config, 16, torch.bfloat16, cpu, host_available=available, **flags)
+
+    assert size(10 * per_block, num_blocks=10).num_blocks == 10  # exactly what is left fits
+    assert size(None, num_blocks=1 << 40).num_blocks == 1 << 40  # a host that does not say
+    with pytest.raises(ValueError, match=r"^num_blocks: a KV cache of .* GiB \(num_blocks\) does not fit"):
+        size(10 * per_block - 1, num_blocks=10)
+    with pytest.raises(ValueError, match=rf"^kv_cache_memory: .*\(kv_cache_memory={8 * per_block}\)"):
+        size(per_block, kv_cache_memory=8 * per_block)
+    with pytest.raises(ValueError, match=r"^kv_cache_memory: a KV cache of 1\.00 GiB \(cpu default \(1 GiB\)\)"):
+        size(GIB // 2)
 
 
 @pytest.mark.skipif(available_bytes() is None, reason="the host does not say how much memory it has left")
