@@ -65,4 +65,3 @@ def available_bytes(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/f
     """The bytes this process can still take; None where the host does not say (not Linux)."""
     known = [b for b in (_mem_available(proc), *_cgroup_rooms(proc, cgroup_root)) if b is not None]
     return min(known) if known else None
-

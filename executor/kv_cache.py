@@ -77,13 +77,14 @@ def size_kv_cache(
         raise ValueError(
             f"KV cache too small: {blocks} blocks of {per_block} bytes from {source}; need at least {MIN_BLOCKS}"
         )
-    if host_available is not None and blocks * per_block > host_available:
+    sizing = KVSizing(int(blocks), per_block, source)
+    if host_available is not None and sizing.total_bytes > host_available:
         field = "num_blocks" if source == "num_blocks" else "kv_cache_memory"
-        raise ValueError(f"{field}: a KV cache of {blocks * per_block / 2**30:.2f} GiB ({source}) does not fit in "
+        raise ValueError(f"{field}: a KV cache of {sizing.total_bytes / 2**30:.2f} GiB ({source}) does not fit in "
                          f"the {host_available / 2**30:.2f} GiB this host has left for this process (MemAvailable, "
                          f"or what its cgroup's memory limit leaves); it would be killed for memory under load: "
                          f"choose a smaller --kv-cache-memory or --num-blocks")
-    return KVSizing(int(blocks), per_block, source)
+    return sizing
 
 
 def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> float:
