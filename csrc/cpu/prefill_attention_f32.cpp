@@ -68,11 +68,6 @@ struct SequenceCache {
   int64_t head;
 };
 
-// A K or V vector, loaded once into its register for all kRows rows: without this GCC folds the load
-// into each row's FMA, kRows loads of the same 32 bytes, and the kernel waits on loads, not FMAs
-// (4 rows, one thread: 20-22 GMAC/s against 30-31 so).
-inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
-
 inline void widen(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
@@ -133,7 +128,7 @@ void tile_scores(const float* q, const float* k, int64_t blocks, int64_t d, floa
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; ++i) {
       __m256 k_lo = _mm256_loadu_ps(tile + i * kBlock), k_hi = _mm256_loadu_ps(tile + i * kBlock + 8);
-      in_register(k_lo);
+      in_register(k_lo);  // one load for all R rows (4 rows, one thread: 30-31 GMAC/s, 20-22 with a load each)
       in_register(k_hi);
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_broadcast_ss(q + r * d + i);

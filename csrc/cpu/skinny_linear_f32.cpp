@@ -13,8 +13,8 @@
 // With AVX2 a tile's 16 outputs are two 8-lane halves, taken one after the other; each row of x
 // keeps an accumulator per half, so a chunk of 4 rows (8 accumulators, 2 widened weight registers,
 // 2 broadcasts) fits the 16 registers. The loop over tiles and chunks of rows, and where it
-// prefetches the weights: skinny_tiles.h. From kWidenedMinRows rows, chunks of 6 multiply a tile
-// widened once (below). A row's sums run in the same order whatever the number of rows, so a token
+// prefetches the weights: skinny_tiles.h. From kWidenedMinRows rows, chunks of up to 6, as even as
+// they go, multiply a tile widened once (below). A row's sums run in the same order whatever the number of rows, so a token
 // gets the same result alone or in a batch.
 //
 // Registered as torch.ops.kvserve_cpu.skinny_linear_f32.
@@ -120,7 +120,10 @@ void widened_tile_dot_f32(const float* widened, const uint16_t* w, const float* 
   RowSums r0, r1, r2, r3, r4, r5;
   for (int64_t k = 0; k < 2 * pairs; ++k) {
     if ((k & 1) == 0) prefetch(w + k * kTile);  // the packed line this chunk's share of prefetches keys on
-    const __m256 w_lo = _mm256_loadu_ps(widened + k * kTile), w_hi = _mm256_loadu_ps(widened + k * kTile + 8);
+    // In registers: else, below 5 rows, GCC loads them again for each row's FMA (4 rows ran slower than 5).
+    __m256 w_lo = _mm256_loadu_ps(widened + k * kTile), w_hi = _mm256_loadu_ps(widened + k * kTile + 8);
+    in_register(w_lo);
+    in_register(w_hi);
     const float* xk = x + k;
     r0.add(w_lo, w_hi, xk);
     if constexpr (ROWS > 1) r1.add(w_lo, w_hi, xk + x_stride);
@@ -163,7 +166,7 @@ at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, cons
   const int64_t x_stride = xc.stride(0), tile_elems = pairs * 2 * kTile;
 #if defined(__AVX2__) && defined(__FMA__)
   if (xc.size(0) >= kWidenedMinRows && pairs > 0) {
-    return run_tiles<kWidenedChunkRows>(
+    return run_tiles<kWidenedChunkRows, 1, PrefetchPolicy::kNextBlockShare, ChunkSplit::kEven>(
         "skinny_linear_f32", xc, w, tiles, tile_elems * 2, bias, out_features,
         [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
           thread_local std::vector<float> widened;  // this thread's current tile, widened by its first chunk

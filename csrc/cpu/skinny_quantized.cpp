@@ -420,11 +420,6 @@ void int4_tile_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
 // row's activation codes, for up to 4 rows of x at a time (kQuantizedAvx2Rows, as int8's).
 constexpr int kQuantizedAvx2Rows = 4;
 
-// An accumulator's value, kept in its register as it is: without it GCC regroups a row's integer
-// additions into trees over all of a group's products, which it then keeps on the stack (a store for
-// each VPMADDUBSW in the int4 kernel; 10 % of its time).
-inline void register_barrier(__m256i& v) { __asm__("" : "+x"(v)); }
-
 // piece(std::integral_constant<int, R>{}, std::integral_constant<int, M0>{}) for rows [M0, M0 + R) of a
 // chunk of ROWS rows, in pieces of kQuantizedAvx2Rows: the tile's weights stay in L1 between them, so
 // only the first piece prefetches (the Prefetcher's address arithmetic, five times a group, was an
@@ -462,8 +457,8 @@ void int4_rows_dot(const uint8_t* w, const int8_t* a, int64_t k, const float* sx
         pair_sums[m][1] = _mm256_add_epi16(pair_sums[m][1], _mm256_maddubs_epi16(low1, codes_low));
         pair_sums[m][0] = _mm256_add_epi16(pair_sums[m][0], _mm256_maddubs_epi16(high0, codes_high));
         pair_sums[m][1] = _mm256_add_epi16(pair_sums[m][1], _mm256_maddubs_epi16(high1, codes_high));
-        register_barrier(pair_sums[m][0]);
-        register_barrier(pair_sums[m][1]);
+        in_register(pair_sums[m][0]);  // else kept on the stack: a store for each VPMADDUBSW, 10 % of the int4 kernel
+        in_register(pair_sums[m][1]);
       }
     }
     const Vec16 scale = load_bf16_16(record + kInt4CodeBytes), zero = load_bf16_16(record + kInt4CodeBytes + 32);

@@ -89,6 +89,13 @@ struct NoThreadSetup {
 // shares on the Zen 4 box, and the AMX ones, not measured with them).
 enum class PrefetchPolicy { kNextBlockShare, kAhead };
 
+// How rows fall into chunks: ChunkRows each and the rest last (32 rows of 6: five of 6, one of 2), or
+// as evenly as that many chunks allow (6, 6, 5, 5, 5, 5: kEven). A chunk keeps one FMA chain per
+// accumulator, so one of few rows waits on its chains' latency: in the AVX2 float32 kernel a chunk
+// of 2 rows took 0.7x the time of one of 6. The AMX paths rely on full tiles first (their tail takes
+// the VNNI kernel).
+enum class ChunkSplit { kFullFirst, kEven };
+
 // Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
 // dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
 // j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
@@ -97,7 +104,7 @@ enum class PrefetchPolicy { kNextBlockShare, kAhead };
 // the packed tiles, `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before
 // its first chunk.
 template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
-          typename TileChunk, typename ThreadSetup = NoThreadSetup>
+          ChunkSplit Split = ChunkSplit::kFullFirst, typename TileChunk, typename ThreadSetup = NoThreadSetup>
 at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, int64_t tiles, int64_t tile_bytes,
                      const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
                      const ThreadSetup& thread_setup = {}) {
@@ -107,6 +114,14 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
   if (rows == 0) return out;
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
+  const int64_t chunks = (rows + ChunkRows - 1) / ChunkRows;
+  const auto chunk_rows = [&](int64_t m0) {
+    if constexpr (Split == ChunkSplit::kEven) {
+      const int64_t larger = rows % chunks;  // the first `larger` chunks take one row more
+      return rows / chunks + (m0 < larger * (rows / chunks + 1) ? 1 : 0);
+    }
+    return std::min<int64_t>(ChunkRows, rows - m0);
+  };
   const auto store_all = [&](auto* y) {
     using Out = std::remove_pointer_t<decltype(y)>;
     // A thread's share: enough blocks to be worth the wake-up (~64 KiB of weights).
@@ -118,8 +133,8 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
       for (int64_t block = begin; block < end; ++block) {
         const int64_t t0 = block * BlockTiles, count = std::min<int64_t>(BlockTiles, tiles - t0);
         const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
-        for (int64_t m0 = 0; m0 < rows; m0 += ChunkRows) {
-          const int64_t chunk = std::min<int64_t>(ChunkRows, rows - m0);
+        for (int64_t m0 = 0, chunk = 0; m0 < rows; m0 += chunk) {
+          chunk = chunk_rows(m0);
           const Prefetcher prefetch =
               share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m0, chunk, rows)
                     : Prefetcher::ahead(block_weights);

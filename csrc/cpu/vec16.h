@@ -27,6 +27,14 @@ typedef uint16_t Half16Bits __attribute__((vector_size(kLanes * sizeof(uint16_t)
 
 inline Vec16 splat(float x) { return Vec16{} + x; }
 
+#if defined(__AVX2__)
+// A value kept in its register as it is. Without it GCC folds a load that several FMAs share into
+// each of them (one load of the same 32 bytes an FMA: the kernel waits on loads, not FMAs), and
+// regroups integer sums into trees it then keeps on the stack.
+inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
+inline void in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+#endif
+
 // Calls f with a value of the C++ type of `type` (float32, bfloat16 or float16); `op` names the
 // kernel in the error for any other type.
 template <typename F>
