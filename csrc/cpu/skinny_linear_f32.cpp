@@ -10,12 +10,13 @@
 //
 //   x: [rows, K] float32    packed: [ceil(N / 16), K / 2, 16, 2] bf16    y: [rows, N] float32
 //
-// With AVX2 a tile's 16 outputs are two 8-lane halves, taken one after the other; each row of x
-// keeps an accumulator per half, so a chunk of 4 rows (8 accumulators, 2 widened weight registers,
-// 2 broadcasts) fits the 16 registers. The loop over tiles and chunks of rows, and where it
-// prefetches the weights: skinny_tiles.h. From kWidenedMinRows rows, chunks of up to 6, as even as
-// they go, multiply a tile widened once (below). A row's sums run in the same order whatever the number of rows, so a token
-// gets the same result alone or in a batch.
+// With AVX2 a tile's 16 outputs are two 8-lane halves; each row of x keeps an accumulator per half.
+// Up to 3 rows, one chunk widens each weight pair in registers and multiplies (8 accumulators, 2
+// widened weight registers, 2 broadcasts fit the 16 registers). From kWidenedMinRows rows, the
+// tile's first chunk also stores what it widens, and the others, up to 6 rows each and as even as
+// they go, multiply from there (below). The loop over tiles and chunks of rows, and where it
+// prefetches the weights: skinny_tiles.h. A row's sums run in the same order whatever the number
+// of rows, so a token gets the same result alone or in a batch.
 //
 // Registered as torch.ops.kvserve_cpu.skinny_linear_f32.
 
@@ -79,24 +80,12 @@ void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t p
 
 // With more rows than one chunk, each chunk widening the tile again (and broadcasting each input
 // for both halves) leaves the loads, not the FMAs, the bound: per pair 18 loads and 6 shifts for
-// 16 FMAs. The first chunk of a tile instead widens it once into `widened` ([2 * pairs, 16] float32,
-// in L1/L2), and every chunk of 6 rows multiplies from there: per input 2 loads and 6 broadcasts for
-// 12 FMAs (12 accumulators, 2 weights, a broadcast: 15 registers). Each row's sums run in the same
-// order as tile_dot_f32's, so the bits are the same.
+// 16 FMAs. Instead the first chunk of a tile widens it once, as it multiplies, into `widened`
+// ([2 * pairs, 16] float32, in L1/L2), and every other chunk of up to 6 rows multiplies from there:
+// per input 2 loads and 6 broadcasts for 12 FMAs (12 accumulators, 2 weights, a broadcast: 15
+// registers). Each row's sums run in the same order as tile_dot_f32's, so the bits are the same.
 constexpr int kWidenedChunkRows = 6;
-constexpr int64_t kWidenedMinRows = 9;  // below, widening once costs more than it saves (AVX2 EPYC, 2 threads)
-
-void widen_tile(const uint16_t* w, int64_t pairs, float* widened) {
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const uint16_t* pair = w + kp * 2 * kTile;
-    const HalfPair first(pair), second(pair + kTile);
-    float* even = widened + 2 * kp * kTile;
-    _mm256_storeu_ps(even, first.even);
-    _mm256_storeu_ps(even + 8, second.even);
-    _mm256_storeu_ps(even + kTile, first.odd);
-    _mm256_storeu_ps(even + kTile + 8, second.odd);
-  }
-}
+constexpr int64_t kWidenedMinRows = 4;  // 1-3 rows, one chunk either way: storing the widened tile gains nothing
 
 // Accumulators as named variables (a pair per row): held in arrays, GCC stores every one of them to
 // the stack at each step (12 stores to 12 FMAs: half the speed).
@@ -114,17 +103,15 @@ struct RowSums {
 };
 
 template <int ROWS>
-void widened_tile_dot_f32(const float* widened, const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs,
-                          float* acc, Prefetcher prefetch) {
+struct ChunkSums {
   static_assert(ROWS >= 1 && ROWS <= 6, "six rows: 12 accumulators, 2 weights and a broadcast in 16 registers");
   RowSums r0, r1, r2, r3, r4, r5;
-  for (int64_t k = 0; k < 2 * pairs; ++k) {
-    if ((k & 1) == 0) prefetch(w + k * kTile);  // the packed line this chunk's share of prefetches keys on
+
+  // Input k's weights (the tile's 16 output rows as two halves) times x[m, k] for each row m.
+  void add(__m256 w_lo, __m256 w_hi, const float* xk, int64_t x_stride) {
     // In registers: else, below 5 rows, GCC loads them again for each row's FMA (4 rows ran slower than 5).
-    __m256 w_lo = _mm256_loadu_ps(widened + k * kTile), w_hi = _mm256_loadu_ps(widened + k * kTile + 8);
     in_register(w_lo);
     in_register(w_hi);
-    const float* xk = x + k;
     r0.add(w_lo, w_hi, xk);
     if constexpr (ROWS > 1) r1.add(w_lo, w_hi, xk + x_stride);
     if constexpr (ROWS > 2) r2.add(w_lo, w_hi, xk + 2 * x_stride);
@@ -132,16 +119,59 @@ void widened_tile_dot_f32(const float* widened, const uint16_t* w, const float* 
     if constexpr (ROWS > 4) r4.add(w_lo, w_hi, xk + 4 * x_stride);
     if constexpr (ROWS > 5) r5.add(w_lo, w_hi, xk + 5 * x_stride);
   }
-  r0.store(acc);
-  if constexpr (ROWS > 1) r1.store(acc + kTile);
-  if constexpr (ROWS > 2) r2.store(acc + 2 * kTile);
-  if constexpr (ROWS > 3) r3.store(acc + 3 * kTile);
-  if constexpr (ROWS > 4) r4.store(acc + 4 * kTile);
-  if constexpr (ROWS > 5) r5.store(acc + 5 * kTile);
+  void store(float* acc) const {
+    r0.store(acc);
+    if constexpr (ROWS > 1) r1.store(acc + kTile);
+    if constexpr (ROWS > 2) r2.store(acc + 2 * kTile);
+    if constexpr (ROWS > 3) r3.store(acc + 3 * kTile);
+    if constexpr (ROWS > 4) r4.store(acc + 4 * kTile);
+    if constexpr (ROWS > 5) r5.store(acc + 5 * kTile);
+  }
+};
+
+// One half of a packed pair's weights widened: input k's (the low 16 bits of each lane) or k + 1's.
+inline __m256 widen_even(const uint16_t* half) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)), 16));
+}
+inline __m256 widen_odd(const uint16_t* half) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)), high));
 }
 
+// kWidens: the tile's first chunk, which widens the packed tile `w` and stores it into `widened` as
+// it goes; else a chunk reading `widened` back. Either way `prefetch` keys on the packed lines.
+template <int ROWS, bool kWidens>
+void widened_tile_dot_f32(float* widened, const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs,
+                          float* acc, Prefetcher prefetch) {
+  ChunkSums<ROWS> sums;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const uint16_t* pair = w + kp * 2 * kTile;
+    prefetch(pair);
+    float* even = widened + 2 * kp * kTile;  // input 2kp's 16 weights, then 2kp + 1's
+    const float* xk = x + 2 * kp;
+    if constexpr (kWidens) {
+      // The odd input's halves are loaded again (from L1) rather than kept: 17 registers otherwise.
+      __m256 lo = widen_even(pair), hi = widen_even(pair + kTile);
+      _mm256_storeu_ps(even, lo);
+      _mm256_storeu_ps(even + 8, hi);
+      sums.add(lo, hi, xk, x_stride);
+      lo = widen_odd(pair);
+      hi = widen_odd(pair + kTile);
+      _mm256_storeu_ps(even + kTile, lo);
+      _mm256_storeu_ps(even + kTile + 8, hi);
+      sums.add(lo, hi, xk + 1, x_stride);
+    } else {
+      sums.add(_mm256_loadu_ps(even), _mm256_loadu_ps(even + 8), xk, x_stride);
+      sums.add(_mm256_loadu_ps(even + kTile), _mm256_loadu_ps(even + kTile + 8), xk + 1, x_stride);
+    }
+  }
+  sums.store(acc);
+}
+
+constexpr auto kWideningTileDots =
+    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows, true>; });
 constexpr auto kWidenedTileDots =
-    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows>; });
+    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows, false>; });
 #else
 template <int ROWS>
 void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc,
@@ -169,13 +199,13 @@ at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, cons
     return run_tiles<kWidenedChunkRows, 1, PrefetchPolicy::kNextBlockShare, ChunkSplit::kEven>(
         "skinny_linear_f32", xc, w, tiles, tile_elems * 2, bias, out_features,
         [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
-          thread_local std::vector<float> widened;  // this thread's current tile, widened by its first chunk
-          if (m0 == 0) {
-            widened.resize(static_cast<size_t>(tile_elems));
-            widen_tile(w + t * tile_elems, pairs, widened.data());
-          }
-          kWidenedTileDots[chunk - 1](widened.data(), w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs, acc,
-                                      prefetch);
+          // This thread's current tile, widened by its first chunk, on a cache line's boundary: a
+          // buffer 16 bytes off one split every other load across two lines.
+          thread_local std::vector<float> widened_storage;
+          if (m0 == 0) widened_storage.resize(static_cast<size_t>(tile_elems + kTile));
+          float* widened = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(widened_storage.data()) + 63) & ~uintptr_t{63});
+          const auto& dots = m0 == 0 ? kWideningTileDots : kWidenedTileDots;
+          dots[chunk - 1](widened, w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs, acc, prefetch);
         });
   }
 #endif

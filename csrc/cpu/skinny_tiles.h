@@ -114,12 +114,11 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
   if (rows == 0) return out;
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
   const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
-  const int64_t chunks = (rows + ChunkRows - 1) / ChunkRows;
-  const auto chunk_rows = [&](int64_t m0) {
-    if constexpr (Split == ChunkSplit::kEven) {
-      const int64_t larger = rows % chunks;  // the first `larger` chunks take one row more
-      return rows / chunks + (m0 < larger * (rows / chunks + 1) ? 1 : 0);
-    }
+  // kEven: the chunks below row larger_end take one row more than the others.
+  const int64_t chunks = (rows + ChunkRows - 1) / ChunkRows, even_rows = rows / chunks;
+  const int64_t larger_end = rows % chunks * (even_rows + 1);
+  const auto chunk_rows = [&](int64_t m0) -> int64_t {
+    if constexpr (Split == ChunkSplit::kEven) return even_rows + (m0 < larger_end ? 1 : 0);
     return std::min<int64_t>(ChunkRows, rows - m0);
   };
   const auto store_all = [&](auto* y) {
