@@ -19,7 +19,8 @@ gate_up projection's sums (``prompt_silu_and_mul_*``). G multiply-adds/s of the 
 
 ``--layer-ops``: a step's elementwise ops between the matmuls — per layer two ``add_rms_norm``,
 ``rotary_embedding_`` on q and k, ``silu_and_mul`` — compiled (csrc/cpu/layer_ops.cpp) and in
-torch (``TorchLayerOps``, the reference), each op's own time summed over the layers.
+torch (``TorchLayerOps``, the reference), each op's own time summed over the layers, in the dtype
+the executor's ``--dtype auto`` picks on this CPU (bf16 where it runs natively, else float32).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 
 from bench.timing import timed_interleaved
 from executor.attention.csrc_loader import csrc_build_script
+from executor.devices import dtype_name, resolve_dtype
 from executor.layer_ops import CpuLayerOps, TorchLayerOps
 from executor.model import ModelConfig, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, quantize_int4, quantize_int8
@@ -151,16 +153,18 @@ def run_prompt(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> N
 def run_layer_ops(config: ModelConfig, ops, rows_list: list[int], rounds: int) -> None:
     implementations = {"compiled": CpuLayerOps(ops), "torch": TorchLayerOps()}
     c, layers = config, config.num_layers
-    print(f"a step's elementwise ops, {layers} layers, best of {rounds}: ms a step (ns an element)")
+    dtype = resolve_dtype("auto", config, torch.device("cpu"))  # what the executor computes in on this CPU
+    print(f"a step's elementwise ops in {dtype_name(dtype)}, {layers} layers, best of {rounds}: "
+          "ms a step (ns an element)")
     names = ["add_rms_norm x2", "rotary q+k", "silu_and_mul"]
     print("| rows | " + " | ".join(f"{name} {impl}" for name in names for impl in implementations) + " |")
     print("|---:|" + "---:|" * (len(names) * len(implementations)))
-    weight = torch.randn(c.hidden_size).to(torch.bfloat16)
+    weight = torch.randn(c.hidden_size).to(dtype)
     for rows in rows_list:
-        x, residual = (torch.randn(rows, c.hidden_size).to(torch.bfloat16) for _ in range(2))
-        qk = torch.randn(rows, c.num_heads + c.num_kv_heads, c.head_dim).to(torch.bfloat16)
-        cos_sin = torch.randn(rows, 2, c.head_dim).to(torch.bfloat16)
-        gate_up = torch.randn(rows, 2 * c.intermediate_size).to(torch.bfloat16)
+        x, residual = (torch.randn(rows, c.hidden_size).to(dtype) for _ in range(2))
+        qk = torch.randn(rows, c.num_heads + c.num_kv_heads, c.head_dim).to(dtype)
+        cos_sin = torch.randn(rows, 2, c.head_dim).to(dtype)
+        gate_up = torch.randn(rows, 2 * c.intermediate_size).to(dtype)
         elements = {"add_rms_norm x2": 2 * x.numel(), "rotary q+k": qk.numel(), "silu_and_mul": gate_up.numel() // 2}
 
         def repeat(fn, *args):

@@ -421,6 +421,21 @@ def test_matmul_bench_prompt_mode_times_every_kernel_on_a_tiny_model(tiny_model_
     assert len(rows) == 2 and all(row.count(" ms (") == 5 for row in rows), printed
 
 
+def test_matmul_bench_layer_ops_times_both_implementations_in_the_executors_dtype(tiny_model_dir, cpu_ops,
+                                                                                   capsys):
+    """``python -m bench.matmul_bench --layer-ops``: a row per row count, compiled beside torch for each
+    op, in the dtype ``--dtype auto`` gives the executor on this CPU (float32 where bf16 is emulated:
+    timing bf16 there measured a path the executor does not run)."""
+    from bench.matmul_bench import main
+    from executor.devices import cpu_packs_bf16
+
+    assert main(["--model", str(tiny_model_dir), "--layer-ops", "--rows", "1,3", "--rounds", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"in {'bfloat16' if cpu_packs_bf16() else 'float32'}," in lines[0]
+    rows = [line for line in lines if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(rows) == 2 and all(row.count(" (") == 6 for row in rows), lines
+
+
 def test_every_row_runs_once_per_thread_count_and_the_peers_too(tmp_path, monkeypatch):
     """``--executor-threads 1,2,auto``: the seed table once per count, each row named after its count
     and started with it; ``--peer-threads 1,2``: each peer row once per count; each count's rows are
