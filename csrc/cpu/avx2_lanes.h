@@ -73,6 +73,15 @@ inline Lanes16 fma_lanes(float a, Lanes16 v, Lanes16 acc) {
 
 inline Lanes16 add_lanes(Lanes16 a, Lanes16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 
+// Lanes 0 to 15 added in turn, as reduce_sum adds a Vec16's (vec16.h): the same bits.
+inline float sum_in_lane_order(Lanes16 v) {
+  alignas(32) float lanes[16];
+  store_lanes(lanes, v);
+  float sum = 0.f;
+  for (float lane : lanes) sum += lane;
+  return sum;
+}
+
 }  // namespace kvserve_cpu
 
 #endif

@@ -57,10 +57,7 @@ std::pair<int64_t, float> greedy_row(const T* row, int64_t vocab) {
     const Lanes16 x = load_lanes(row + i);
     vsum = add_lanes(vsum, {exp_nonpositive8(_mm256_sub_ps(x.lo, m)), exp_nonpositive8(_mm256_sub_ps(x.hi, m))});
   }
-  alignas(32) float lanes[kLanes];
-  store_lanes(lanes, vsum);
-  float sum = 0.f;
-  for (float lane : lanes) sum += lane;
+  float sum = sum_in_lane_order(vsum);
   for (int64_t i = vector_end; i < vocab; ++i) sum += std::exp(static_cast<float>(row[i]) - best);
   return {index, -std::log(sum)};
 }

@@ -75,10 +75,7 @@ inline bool normalize_row_lanes(const float* x, const float* weight, float eps, 
     const Lanes16 v = load_lanes(x + i);
     squares = {_mm256_fmadd_ps(v.lo, v.lo, squares.lo), _mm256_fmadd_ps(v.hi, v.hi, squares.hi)};
   }
-  alignas(32) float lanes[kLanes];
-  store_lanes(lanes, squares);
-  float sum = 0.f;
-  for (float lane : lanes) sum += lane;
+  const float sum = sum_in_lane_order(squares);
   const __m256 inv_rms = _mm256_set1_ps(1.f / std::sqrt(sum / static_cast<float>(width) + eps));
   for (int64_t i = 0; i < width; i += 8) {
     const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv_rms);
