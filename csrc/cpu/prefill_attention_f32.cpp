@@ -10,8 +10,8 @@
 //
 // Here one unit of work is (sequence, KV head, up to kUnitTokens query tokens): the keys its last
 // token sees are widened once into per-thread float32 buffers (K as the cache's transposed tiles
-// [blocks][d][16], V as rows [keys][d]), then every query head of the KV head takes its tokens kRows
-// at a time:
+// [blocks][d][16], V in slices of 16 dimensions [d / 16][keys][16]), then every query head of the KV
+// head takes its tokens kRows at a time:
 //
 //   scores  S [kRows, keys] = (q * scale) . K^T   per 16-key block, broadcast-FMAs over d
 //   softmax per row over its own keys (the rest masked to exactly 0), in a buffer of kRows rows
@@ -77,11 +77,14 @@ inline void widen(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-// One block's K tile [d][16] and V tile [16][d] as float32, in the same layouts.
+// One block's K tile [d][16] as float32 in the same layout, and its V tile [16][d] as float32 in
+// slices of 16 dimensions: dimensions [16c, 16c + 16) of its token t at v[c * slice_stride + 16 t].
 template <typename T>
-void widen_block(const T* k_tile, const T* v_tile, int64_t d, float* k, float* v) {
+void widen_block(const T* k_tile, const T* v_tile, int64_t d, float* k, float* v, int64_t slice_stride) {
   widen(k_tile, k, kBlock * d);
-  widen(v_tile, v, kBlock * d);
+  for (int64_t t = 0; t < kBlock; ++t) {
+    for (int64_t c = 0; c < d / 16; ++c) widen(v_tile + t * d + c * 16, v + c * slice_stride + t * 16, 16);
+  }
 }
 
 // 8 int8 codes as float32.
@@ -90,8 +93,8 @@ inline __m256 widen_codes8(const int8_t* codes) {
 }
 
 // An int8 block's records (the tile's codes, then its 16 tokens' scales) as code * scale in float32,
-// one rounding: the values the gathered path's codes.float() * scales gives.
-void widen_block(const int8_t* k_codes, const int8_t* v_codes, int64_t d, float* k, float* v) {
+// one rounding: the values the gathered path's codes.float() * scales gives. Layouts as above.
+void widen_block(const int8_t* k_codes, const int8_t* v_codes, int64_t d, float* k, float* v, int64_t slice_stride) {
   const int64_t tile = kBlock * d;
   float k_scales[kBlock], v_scales[kBlock];
   std::memcpy(k_scales, k_codes + tile, sizeof(k_scales));
@@ -104,18 +107,20 @@ void widen_block(const int8_t* k_codes, const int8_t* v_codes, int64_t d, float*
   for (int64_t t = 0; t < kBlock; ++t) {
     const __m256 scale = _mm256_set1_ps(v_scales[t]);
     for (int64_t x = 0; x < d; x += 8) {
-      _mm256_storeu_ps(v + t * d + x, _mm256_mul_ps(widen_codes8(v_codes + t * d + x), scale));
+      _mm256_storeu_ps(v + x / 16 * slice_stride + t * 16 + x % 16,
+                       _mm256_mul_ps(widen_codes8(v_codes + t * d + x), scale));
     }
   }
 }
 
-// K and V of keys [0, blocks * 16) of one sequence and head, as float32: k [blocks][d][16], v [blocks * 16][d].
+// K and V of keys [0, blocks * 16) of one sequence and head, as float32: k [blocks][d][16], v [d / 16][blocks * 16][16].
+// V in slices of 16 dimensions: the values pass over a slice reads whole cache lines, one after the other.
 template <typename T>
 void widen_keys(const SequenceCache<T>& c, int64_t blocks, int64_t d, float* k, float* v) {
-  const int64_t tile = kBlock * d;
+  const int64_t tile = kBlock * d, slice_stride = blocks * kBlock * 16;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t offset = c.table[b] * c.block_stride + c.head * c.head_stride;
-    widen_block(c.key_cache + offset, c.value_cache + offset, d, k + b * tile, v + b * tile);
+    widen_block(c.key_cache + offset, c.value_cache + offset, d, k + b * tile, v + b * kBlock * 16, slice_stride);
   }
 }
 
@@ -176,15 +181,17 @@ float softmax_row(float* s, int64_t keys, int64_t padded) {
   return 1.f / _mm_cvtss_f32(s4);
 }
 
-// out[r] = sum over t < keys of p[r][t] * V[t] * inv[r]; p is 0 past each row's own keys.
+// out[r] = sum over t < keys of p[r][t] * V[t] * inv[r]; p is 0 past each row's own keys. V in
+// slices of 16 dimensions, slice_stride apart.
 template <int R>
-void tile_values(const float* p, int64_t p_stride, const float* v, int64_t keys, int64_t d, const float* inv,
-                 float* out, int64_t out_stride) {
+void tile_values(const float* p, int64_t p_stride, const float* v, int64_t slice_stride, int64_t keys, int64_t d,
+                 const float* inv, float* out, int64_t out_stride) {
   for (int64_t c = 0; c < d; c += 16) {
+    const float* slice = v + c / 16 * slice_stride;
     __m256 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t t = 0; t < keys; ++t) {
-      __m256 v_lo = _mm256_loadu_ps(v + t * d + c), v_hi = _mm256_loadu_ps(v + t * d + c + 8);
+      __m256 v_lo = _mm256_loadu_ps(slice + t * 16), v_hi = _mm256_loadu_ps(slice + t * 16 + 8);
       in_register(v_lo);
       in_register(v_hi);
       for (int r = 0; r < R; ++r) {
@@ -202,10 +209,10 @@ void tile_values(const float* p, int64_t p_stride, const float* v, int64_t keys,
 }
 
 // Query tokens [i, i + R) of one query head: rows q_rows (d apart) into out_rows; token i + j sees
-// keys [0, min(first + i + j + 1, seq_len)).
+// keys [0, min(first + i + j + 1, seq_len)). V's slices are v_slice_stride apart.
 template <int R>
 void attend_tokens(const float* q_rows, float* out_rows, int64_t i, int64_t first, int64_t seq_len, int64_t d,
-                   float scale, const float* k, const float* v, std::vector<float>& scratch) {
+                   float scale, const float* k, const float* v, int64_t v_slice_stride, std::vector<float>& scratch) {
   const int64_t last_keys = std::min(first + i + R, seq_len);
   const int64_t blocks = (last_keys + kBlock - 1) / kBlock, padded = blocks * kBlock;
   scratch.resize(R * d + R * padded);
@@ -215,7 +222,7 @@ void attend_tokens(const float* q_rows, float* out_rows, int64_t i, int64_t firs
   tile_scores<R>(q, k, blocks, d, s, padded);
   float inv[R];
   for (int r = 0; r < R; ++r) inv[r] = softmax_row(s + r * padded, std::min(first + i + r + 1, seq_len), padded);
-  tile_values<R>(s, padded, v, last_keys, d, inv, out_rows, d);
+  tile_values<R>(s, padded, v, v_slice_stride, last_keys, d, inv, out_rows, d);
 }
 
 constexpr auto kAttendTokens = per_row_count<kRows>([](auto rows) { return &attend_tokens<rows>; });
@@ -261,7 +268,7 @@ void attend_all(const at::Tensor& q, const T* key_cache, const T* value_cache, i
         for (int64_t i = i0; i < i1; i += kRows) {
           const int64_t n = std::min<int64_t>(kRows, i1 - i), row = base + (g * query_len + i) * d;
           kAttendTokens[n - 1](qp + row, op + row, i, first[s], lens[s], d, scale, buffers.k.data(),
-                               buffers.v.data(), buffers.scratch);
+                               buffers.v.data(), blocks * kBlock * 16, buffers.scratch);
         }
       }
     }
