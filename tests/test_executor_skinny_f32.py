@@ -60,6 +60,19 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops):
         assert torch.equal(cpu_ops.skinny_linear_f32(batch[:rows], packed, None, 100), alone[:rows]), rows
 
 
+def test_a_prompt_step_too_large_for_the_cache_gets_the_same_bits_in_panels_of_rows(cpu_ops):
+    """Beyond 2 MiB of x (a long prompt's step) the tiles pass over panels of rows in turn, each
+    panel's first chunk widening the tile again: every row keeps the bits it gets in a small batch,
+    the bias and a ragged last tile included."""
+    weight, bias = randn(40, 1536, scale=0.05), randn(40).float()
+    packed = cpu_ops.pack_skinny_weight(weight)
+    x = torch.randn(400, 1536)  # 2.4 MiB: panels of 31 rows
+    out = cpu_ops.skinny_linear_f32(x, packed, bias, 40)
+    torch.testing.assert_close(out, reference(x, weight, bias), **F32_SUMS)
+    small = torch.cat([cpu_ops.skinny_linear_f32(x[i:i + 25], packed, bias, 40) for i in range(0, 400, 25)])
+    assert torch.equal(out, small)
+
+
 def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
     packed = cpu_ops.pack_skinny_weight(randn(32, 64))
     assert cpu_ops.skinny_linear_f32(torch.zeros(0, 64), packed, None, 32).shape == (0, 32)

@@ -96,62 +96,79 @@ enum class PrefetchPolicy { kNextBlockShare, kAhead };
 // the VNNI kernel).
 enum class ChunkSplit { kFullFirst, kEven };
 
+// How a panel of `rows` rows of x falls into chunks of at most ChunkRows.
+template <int ChunkRows, ChunkSplit Split>
+struct PanelChunks {
+  int64_t rows, even_rows, larger_end;  // kEven: the chunks below row larger_end take one row more
+  explicit PanelChunks(int64_t panel_rows) : rows(panel_rows) {
+    const int64_t chunks = (rows + ChunkRows - 1) / ChunkRows;
+    even_rows = rows / chunks;
+    larger_end = rows % chunks * (even_rows + 1);
+  }
+  // The rows of the chunk that starts m rows into the panel.
+  int64_t chunk_at(int64_t m) const {
+    if constexpr (Split == ChunkSplit::kEven) return even_rows + (m < larger_end ? 1 : 0);
+    return std::min<int64_t>(ChunkRows, rows - m);
+  }
+};
 // Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
 // dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
 // j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
 // every block of tiles and chunk of rows, then adds the bias and stores in x's dtype (bfloat16, or
 // float32: skinny_linear_f32, and the quantized kernels on a CPU without native bf16). `weights`:
 // the packed tiles, `tile_bytes` apart (a multiple of 64); `thread_setup` runs on each thread before
-// its first chunk.
+// its first chunk. `panel_rows` > 0: a thread takes its blocks over rows [0, panel_rows) first, then
+// the next panel of rows (each panel's rows split into chunks as above), so that a panel of x stays
+// in cache while every tile passes over it; a chunk at a multiple of panel_rows is its tile's first
+// in the panel.
 template <int ChunkRows = kMaxChunkRows, int BlockTiles = 1, PrefetchPolicy Policy = PrefetchPolicy::kNextBlockShare,
           ChunkSplit Split = ChunkSplit::kFullFirst, typename TileChunk, typename ThreadSetup = NoThreadSetup>
 at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, int64_t tiles, int64_t tile_bytes,
                      const c10::optional<at::Tensor>& bias, int64_t out_features, const TileChunk& tile_chunk,
-                     const ThreadSetup& thread_setup = {}) {
+                     const ThreadSetup& thread_setup = {}, int64_t panel_rows = 0) {
   const at::Tensor bias_f32 = checked_bias_f32(op, tiles, kTile, out_features, bias);
   const int64_t rows = x.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows == 0) return out;
   const float* b = bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr;
-  const bool share = Policy == PrefetchPolicy::kNextBlockShare && rows > ChunkRows;
-  // kEven: the chunks below row larger_end take one row more than the others.
-  const int64_t chunks = (rows + ChunkRows - 1) / ChunkRows, even_rows = rows / chunks;
-  const int64_t larger_end = rows % chunks * (even_rows + 1);
-  const auto chunk_rows = [&](int64_t m0) -> int64_t {
-    if constexpr (Split == ChunkSplit::kEven) return even_rows + (m0 < larger_end ? 1 : 0);
-    return std::min<int64_t>(ChunkRows, rows - m0);
-  };
+  if (panel_rows <= 0) panel_rows = rows;
   const auto store_all = [&](auto* y) {
     using Out = std::remove_pointer_t<decltype(y)>;
+    // acc's rows [0, chunk) of the tiles t0 .. t0 + count as rows m0.. of y, with the bias.
+    const auto store_chunk = [&](const float* acc, int64_t t0, int64_t count, int64_t m0, int64_t chunk) {
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t col0 = (t0 + j) * kTile, cols = std::min(kTile, out_features - col0);
+        const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
+        const float* tile_acc = acc + j * chunk * kTile;
+        for (int64_t m = 0; m < chunk; ++m) {
+          Out* dst = y + (m0 + m) * out_features + col0;
+          if (cols == kTile) {
+            store16(dst, load16(tile_acc + m * kTile) + bias_v);
+          } else {
+            for (int64_t i = 0; i < cols; ++i) dst[i] = static_cast<Out>(tile_acc[m * kTile + i] + (b ? b[col0 + i] : 0.f));
+          }
+        }
+      }
+    };
     // A thread's share: enough blocks to be worth the wake-up (~64 KiB of weights).
     const int64_t blocks = (tiles + BlockTiles - 1) / BlockTiles;
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(tile_bytes * BlockTiles, 1));
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       thread_setup();
       alignas(64) float acc[BlockTiles * ChunkRows * kTile];
-      for (int64_t block = begin; block < end; ++block) {
-        const int64_t t0 = block * BlockTiles, count = std::min<int64_t>(BlockTiles, tiles - t0);
-        const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
-        for (int64_t m0 = 0, chunk = 0; m0 < rows; m0 += chunk) {
-          chunk = chunk_rows(m0);
-          const Prefetcher prefetch =
-              share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m0, chunk, rows)
-                    : Prefetcher::ahead(block_weights);
-          tile_chunk(t0, count, m0, chunk, acc, prefetch);
-          for (int64_t j = 0; j < count; ++j) {
-            const int64_t col0 = (t0 + j) * kTile, cols = std::min(kTile, out_features - col0);
-            const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};
-            const float* tile_acc = acc + j * chunk * kTile;
-            for (int64_t m = 0; m < chunk; ++m) {
-              Out* dst = y + (m0 + m) * out_features + col0;
-              if (cols == kTile) {
-                store16(dst, load16(tile_acc + m * kTile) + bias_v);
-              } else {
-                for (int64_t i = 0; i < cols; ++i) {
-                  dst[i] = static_cast<Out>(tile_acc[m * kTile + i] + (b ? b[col0 + i] : 0.f));
-                }
-              }
-            }
+      for (int64_t p0 = 0; p0 < rows; p0 += panel_rows) {
+        const PanelChunks<ChunkRows, Split> panel(std::min(panel_rows, rows - p0));
+        const bool share = Policy == PrefetchPolicy::kNextBlockShare && panel.rows > ChunkRows;
+        for (int64_t block = begin; block < end; ++block) {
+          const int64_t t0 = block * BlockTiles, count = std::min<int64_t>(BlockTiles, tiles - t0);
+          const char* block_weights = static_cast<const char*>(weights) + t0 * tile_bytes;
+          for (int64_t m = 0, chunk = 0; m < panel.rows; m += chunk) {
+            chunk = panel.chunk_at(m);
+            const Prefetcher prefetch =
+                share ? Prefetcher::next_block_share(block_weights, count * tile_bytes, m, chunk, panel.rows)
+                      : Prefetcher::ahead(block_weights);
+            tile_chunk(t0, count, p0 + m, chunk, acc, prefetch);
+            store_chunk(acc, t0, count, p0 + m, chunk);
           }
         }
       }
