@@ -99,6 +99,20 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
         assert torch.equal(op(batch[:rows], packed, None, 100), alone[:rows]), rows
 
 
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_prompt_step_beyond_the_cache_gets_each_rows_bits_in_panels(cpu_ops, kind):
+    """From 512 KiB of int8 activation codes (~900 rows at K = 576) the tiles pass over panels of rows
+    in turn: every row keeps the bits it gets in a batch of 40, the bias and a ragged tile included."""
+    weight, bias = randn(40, 576, scale=0.05), randn(40).float()
+    if kind == "int8":
+        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
+    else:
+        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    x = randn(1000, 576).float()  # 563 KiB of codes: panels of 167 rows
+    out = op(x, packed, bias, 40)
+    assert torch.equal(out, torch.cat([op(x[i:i + 40], packed, bias, 40) for i in range(0, 1000, 40)]))
+
 def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
     weight = randn(32, 64)
     packed = cpu_ops.pack_skinny_weight(weight)

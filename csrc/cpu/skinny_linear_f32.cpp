@@ -85,24 +85,16 @@ void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t p
 // per input 2 loads and 6 broadcasts for 12 FMAs (12 accumulators, 2 weights, a broadcast: 15
 // registers). Each row's sums run in the same order as tile_dot_f32's, so the bits are the same.
 constexpr int kWidenedChunkRows = 6;
-constexpr int64_t kWidenedMinRows = 4;
+constexpr int64_t kWidenedMinRows = 4;  // 1-3 rows, one chunk either way: storing the widened tile gains nothing
 // Where x outgrows the caches, a thread's tiles pass over panels of its rows in turn (run_tiles'
 // panel_rows). With all rows at once, each 6-row chunk's inputs of a 2,048-row prompt step (4.5 MiB
 // at K = 576) came in from L3 for every tile; in panels of at most 192 KiB (85 rows at K = 576, 32 at
 // K = 1,536) they stay in L2. A layer's four projections, 2 threads on the AVX2 EPYC: 0.96-0.97x the
 // time at 2,048 rows, 0.99x at 1,024; at 512 rows and below, within 1 % either way, so panels start
-// at 2 MiB of x.
+// at 2 MiB of x. (The quantized kernels' 96 KiB panels from 512 KiB took 1.01-1.02x the time at
+// 100-512 rows here: each panel widens every tile again.)
 constexpr int64_t kPanelBytes = 192 << 10;
 constexpr int64_t kPanelsFrom = 2 << 20;
-
-// run_tiles' panel_rows for `rows` rows of K inputs: all rows in one below kPanelsFrom bytes of x,
-// else panels of at most kPanelBytes, as even as they go.
-int64_t rows_per_panel(int64_t rows, int64_t k) {
-  const int64_t bytes = rows * k * static_cast<int64_t>(sizeof(float));
-  if (bytes < kPanelsFrom) return rows;
-  const int64_t panels = (bytes + kPanelBytes - 1) / kPanelBytes;
-  return std::max<int64_t>(kWidenedChunkRows, (rows + panels - 1) / panels);
-}  // 1-3 rows, one chunk either way: storing the widened tile gains nothing
 
 // Accumulators as named variables (a pair per row): held in arrays, GCC stores every one of them to
 // the stack at each step (12 stores to 12 FMAs: half the speed).
@@ -221,7 +213,7 @@ at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, cons
   const int64_t x_stride = xc.stride(0), tile_elems = pairs * 2 * kTile;
 #if defined(__AVX2__) && defined(__FMA__)
   if (xc.size(0) >= kWidenedMinRows && pairs > 0) {
-    const int64_t panel_rows = rows_per_panel(xc.size(0), k);
+    const int64_t panel_rows = rows_per_panel(xc.size(0), k * sizeof(float), kPanelBytes, kPanelsFrom, kWidenedChunkRows);
     return run_tiles<kWidenedChunkRows, 1, PrefetchPolicy::kNextBlockShare, ChunkSplit::kEven>(
         "skinny_linear_f32", xc, w, tiles, tile_elems * 2, bias, out_features,
         [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {

@@ -111,6 +111,15 @@ struct PanelChunks {
     return std::min<int64_t>(ChunkRows, rows - m);
   }
 };
+// run_tiles' panel_rows for `rows` rows of x of `row_bytes` each: all rows in one panel below
+// `from_bytes` of x, else panels of at most `panel_bytes`, as even as they go, of at least `min_rows`.
+inline int64_t rows_per_panel(int64_t rows, int64_t row_bytes, int64_t panel_bytes, int64_t from_bytes,
+                              int64_t min_rows) {
+  const int64_t bytes = rows * row_bytes;
+  if (bytes < from_bytes) return rows;
+  const int64_t panels = (bytes + panel_bytes - 1) / panel_bytes;
+  return std::max(min_rows, (rows + panels - 1) / panels);
+}
 // Checks x and bias, and runs `tile_chunk(t, count, m0, chunk, acc, prefetch)` — acc[j][m][16] = the
 // dot products of rows m0..m0+chunk (chunk <= ChunkRows) of x with the 16 weight rows of tile t + j,
 // j < count (BlockTiles, fewer in the last block), `prefetch` told of each weight line read — over
