@@ -59,15 +59,21 @@ def test_bias_strided_rows_and_threads_give_the_same_result(cpu_ops):
     torch.testing.assert_close(one, reference(x.contiguous(), weight, bias), **BF16_STEP)
 
 
+def packed_kernel(cpu_ops, kind: str, weight: torch.Tensor):
+    """(the packed weight, the few-row kernel that reads it) for bf16, int8 or int4 weights."""
+    if kind == "bf16":
+        return cpu_ops.pack_skinny_weight(weight), cpu_ops.skinny_linear
+    if kind == "int8":
+        return cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
+    return cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_quantized_kernels_give_the_same_bits_on_one_thread_and_two(cpu_ops, kind):
     """64 rows of 1536 inputs: enough for the activations' quantization to be split between two
     threads by rows, as the output tiles are; neither split changes a bit."""
     weight = randn(48, 1536, scale=0.05)
-    if kind == "int8":
-        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
-    else:
-        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    packed, op = packed_kernel(cpu_ops, kind, weight)
     x = randn(64, 1536)
     x[37, 700] = float("nan")  # a group with NaN in the second thread's rows: its row only
     threads = torch.get_num_threads()
@@ -87,17 +93,11 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
     """A token's projection does not depend on what else is in its step: each row is summed in
     the same order whatever the number of rows (the chunks of 8 share weight loads, not sums)."""
     weight = randn(100, 576, scale=0.05)
-    if kind == "bf16":
-        packed, op = cpu_ops.pack_skinny_weight(weight), cpu_ops.skinny_linear
-    elif kind == "int8":
-        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
-    else:
-        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    packed, op = packed_kernel(cpu_ops, kind, weight)
     batch = randn(40, 576)
     alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(40)])
     for rows in (2, 5, 8, 9, 17, 20, 31, 40):  # from 9 rows AMX tiles of 16 rows (where there is AMX), a tail of <= 4 VNNI
         assert torch.equal(op(batch[:rows], packed, None, 100), alone[:rows]), rows
-
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
@@ -105,13 +105,11 @@ def test_a_prompt_step_beyond_the_cache_gets_each_rows_bits_in_panels(cpu_ops, k
     """From 512 KiB of int8 activation codes (~900 rows at K = 576) the tiles pass over panels of rows
     in turn: every row keeps the bits it gets in a batch of 40, the bias and a ragged tile included."""
     weight, bias = randn(40, 576, scale=0.05), randn(40).float()
-    if kind == "int8":
-        packed, op = cpu_ops.pack_skinny_int8(*quantize_int8(weight, torch.bfloat16)), cpu_ops.skinny_linear_int8
-    else:
-        packed, op = cpu_ops.pack_skinny_int4(*quantize_int4(weight, torch.bfloat16)), cpu_ops.skinny_linear_int4
+    packed, op = packed_kernel(cpu_ops, kind, weight)
     x = randn(1000, 576).float()  # 563 KiB of codes: panels of 167 rows
     out = op(x, packed, bias, 40)
     assert torch.equal(out, torch.cat([op(x[i:i + 40], packed, bias, 40) for i in range(0, 1000, 40)]))
+
 
 def test_zero_rows_and_bad_arguments_are_refused_clearly(cpu_ops):
     weight = randn(32, 64)
