@@ -56,7 +56,7 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops):
     packed = cpu_ops.pack_skinny_weight(randn(100, 576, scale=0.05))
     batch = torch.randn(40, 576)
     alone = torch.cat([cpu_ops.skinny_linear_f32(batch[i:i + 1], packed, None, 100) for i in range(40)])
-    for rows in (2, 3, 4, 5, 8, 17, 40):
+    for rows in (2, 3, 4, 5, 8, 17, 32, 33, 40):
         assert torch.equal(cpu_ops.skinny_linear_f32(batch[:rows], packed, None, 100), alone[:rows]), rows
 
 

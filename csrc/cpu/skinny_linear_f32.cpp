@@ -12,9 +12,10 @@
 //
 // With AVX2 a tile's 16 outputs are two 8-lane halves; each row of x keeps an accumulator per half.
 // Up to 3 rows, one chunk widens each weight pair in registers and multiplies (8 accumulators, 2
-// widened weight registers, 2 broadcasts fit the 16 registers). From kWidenedMinRows rows, the
-// tile's first chunk also stores what it widens, and the others, up to 6 rows each and as even as
-// they go, multiply from there (below). The loop over tiles and chunks of rows, and where it
+// widened weight registers, 2 broadcasts fit the 16 registers). From kWidenedMinRows rows, chunks of
+// up to 6 rows, as even as they go: up to kWidenOnlyMaxRows rows each chunk widens the tile in
+// registers again; beyond, the tile's first chunk also stores what it widens and the others multiply
+// from there (below). The loop over tiles and chunks of rows, and where it
 // prefetches the weights: skinny_tiles.h. A row's sums run in the same order whatever the number
 // of rows, so a token gets the same result alone or in a batch.
 //
@@ -78,14 +79,22 @@ void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t p
   }
 }
 
-// With more rows than one chunk, each chunk widening the tile again (and broadcasting each input
-// for both halves) leaves the loads, not the FMAs, the bound: per pair 18 loads and 6 shifts for
-// 16 FMAs. Instead the first chunk of a tile widens it once, as it multiplies, into `widened`
-// ([2 * pairs, 16] float32, in L1/L2), and every other chunk of up to 6 rows multiplies from there:
-// per input 2 loads and 6 broadcasts for 12 FMAs (12 accumulators, 2 weights, a broadcast: 15
-// registers). Each row's sums run in the same order as tile_dot_f32's, so the bits are the same.
+// With more rows than one chunk, tile_dot_f32's chunks of 4 (broadcasting each input for both
+// halves) leave the loads, not the FMAs, the bound: per pair 18 loads and 6 shifts for 16 FMAs.
+// widened_tile_dot_f32 takes chunks of up to 6 rows, both halves at once: per input 2 weight
+// registers and 6 broadcasts for 12 FMAs (12 accumulators, 2 weights, a broadcast: 15 registers).
+// Each chunk widens the packed tile (K * 32 bytes, in L1/L2) in registers again (Widen::kOnly), or,
+// beyond kWidenOnlyMaxRows rows, the tile's first chunk stores what it widens into `widened`
+// ([2 * pairs, 16] float32, twice the bytes) as it multiplies (kStore) and the others read it back
+// (kRead). The 121 matmuls of a 135M model's step with distinct weights (from DRAM), 2 threads on the
+// AVX2 EPYC, the two builds taking turns in one process: re-widening in every chunk takes 0.91-0.95x
+// the time at 4-12 rows, 0.96-0.98x at 16-32, 1.00x at 40-64, 1.01-1.02x at 128-512 (1 thread: 0.89x
+// at 6 rows, 0.98x at 32). Each row's sums run in the same order as tile_dot_f32's, so the bits are
+// the same in every mode.
 constexpr int kWidenedChunkRows = 6;
-constexpr int64_t kWidenedMinRows = 4;  // 1-3 rows, one chunk either way: storing the widened tile gains nothing
+constexpr int64_t kWidenedMinRows = 4;  // at 2-3 rows widened_tile_dot_f32 took 1.01-1.09x tile_dot_f32's time
+constexpr int64_t kWidenOnlyMaxRows = 32;
+enum class Widen { kOnly, kStore, kRead };
 // Where x outgrows the caches, a thread's tiles pass over panels of its rows in turn (run_tiles'
 // panel_rows). With all rows at once, each 6-row chunk's inputs of a 2,048-row prompt step (4.5 MiB
 // at K = 576) came in from L3 for every tile; in panels of at most 192 KiB (85 rows at K = 576, 32 at
@@ -147,9 +156,9 @@ inline __m256 widen_odd(const uint16_t* half) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(half)), high));
 }
 
-// kWidens: the tile's first chunk, which widens the packed tile `w` and stores it into `widened` as
-// it goes; else a chunk reading `widened` back. Either way `prefetch` keys on the packed lines.
-template <int ROWS, bool kWidens>
+// kMode: widen the packed tile `w` in registers (kOnly), and store it into `widened` as it goes
+// (kStore), or read `widened` back (kRead). Either way `prefetch` keys on the packed lines.
+template <int ROWS, Widen kMode>
 void widened_tile_dot_f32(float* widened, const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs,
                           float* acc, Prefetcher prefetch) {
   ChunkSums<ROWS> sums;
@@ -158,16 +167,20 @@ void widened_tile_dot_f32(float* widened, const uint16_t* w, const float* x, int
     prefetch(pair);
     float* even = widened + 2 * kp * kTile;  // input 2kp's 16 weights, then 2kp + 1's
     const float* xk = x + 2 * kp;
-    if constexpr (kWidens) {
+    if constexpr (kMode != Widen::kRead) {
       // The odd input's halves are loaded again (from L1) rather than kept: 17 registers otherwise.
       __m256 lo = widen_even(pair), hi = widen_even(pair + kTile);
-      _mm256_storeu_ps(even, lo);
-      _mm256_storeu_ps(even + 8, hi);
+      if constexpr (kMode == Widen::kStore) {
+        _mm256_storeu_ps(even, lo);
+        _mm256_storeu_ps(even + 8, hi);
+      }
       sums.add(lo, hi, xk, x_stride);
       lo = widen_odd(pair);
       hi = widen_odd(pair + kTile);
-      _mm256_storeu_ps(even + kTile, lo);
-      _mm256_storeu_ps(even + kTile + 8, hi);
+      if constexpr (kMode == Widen::kStore) {
+        _mm256_storeu_ps(even + kTile, lo);
+        _mm256_storeu_ps(even + kTile + 8, hi);
+      }
       sums.add(lo, hi, xk + 1, x_stride);
     } else {
       sums.add(_mm256_loadu_ps(even), _mm256_loadu_ps(even + 8), xk, x_stride);
@@ -185,10 +198,9 @@ float* widened_tile_buffer(int64_t elems) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
 }
 
-constexpr auto kWideningTileDots =
-    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows, true>; });
+template <Widen kMode>
 constexpr auto kWidenedTileDots =
-    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows, false>; });
+    per_row_count<kWidenedChunkRows>([](auto rows) { return &widened_tile_dot_f32<rows, kMode>; });
 #else
 template <int ROWS>
 void tile_dot_f32(const uint16_t* w, const float* x, int64_t x_stride, int64_t pairs, float* acc,
@@ -217,7 +229,9 @@ at::Tensor skinny_linear_f32(const at::Tensor& x, const at::Tensor& packed, cons
     return run_tiles<kWidenedChunkRows, 1, PrefetchPolicy::kNextBlockShare, ChunkSplit::kEven>(
         "skinny_linear_f32", xc, w, tiles, tile_elems * 2, bias, out_features,
         [&](int64_t t, int64_t, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
-          const auto& dots = m0 % panel_rows == 0 ? kWideningTileDots : kWidenedTileDots;
+          const auto& dots = xc.size(0) <= kWidenOnlyMaxRows ? kWidenedTileDots<Widen::kOnly>
+                             : m0 % panel_rows == 0         ? kWidenedTileDots<Widen::kStore>
+                                                            : kWidenedTileDots<Widen::kRead>;
           dots[chunk - 1](widened_tile_buffer(tile_elems), w + t * tile_elems, xp + m0 * x_stride, x_stride, pairs,
                           acc, prefetch);
         },
