@@ -96,11 +96,10 @@ class SkinnyF32Matmul:
     without native bf16) in ``skinny_linear``'s layout, for ``skinny_linear_f32``: float32
     activations times the weights widened in registers, exactly the float32 matmul's products at
     half its weight bytes. It takes every step, prompts too, and the float32 weight is released: on
-    an AVX2-only EPYC (python -m bench.matmul_bench --float32, a 135M model's 121 matmuls, two threads)
-    it is ahead of torch's float32 matmul (MKL) from 1 row to 1024 (16.7 vs 38.6 ms at 1 row, 58 vs
-    108-111 at 32, 197 vs 266 at 128, 405 vs 471 at 256, 814 vs 867 at 512, 1683 vs 1725 at 1024; from
-    9 rows each tile is widened once and multiplied 6 rows at a time) and 2.5 % behind at 2048. One
-    kernel for every row also keeps a prompt's rounding independent of how it was cut into steps."""
+    an AVX2-only EPYC (python -m bench.matmul_bench --float32, a 135M model's 121 matmuls) it is ahead
+    of torch's float32 matmul (MKL) at every size measured, 1 to 2,048 rows, on 1 thread and 2 (the
+    table in docs/executor.md). One kernel for every row also keeps a prompt's rounding independent
+    of how it was cut into steps."""
 
     max_rows = None  # any step (FusedDecodeLayers reads it)
 
