@@ -48,10 +48,13 @@ class Prefetcher {
     return Prefetcher(start, start + bytes + bytes / 64 * m0 / rows * 64, (chunk << 16) / rows);
   }
 
-  void operator()(const void* read) const {
+  // The line that reading `read` asks for.
+  const char* target_of(const void* read) const {
     const int64_t line = (static_cast<const char*>(read) - block_) >> 6;
-    __builtin_prefetch(target_ + (((line * scale_) >> 16) << 6), 0, 3);
+    return target_ + (((line * scale_) >> 16) << 6);
   }
+
+  void operator()(const void* read) const { __builtin_prefetch(target_of(read), 0, 3); }
 
  private:
   Prefetcher(const char* block, const char* target, int64_t scale) : block_(block), target_(target), scale_(scale) {}
