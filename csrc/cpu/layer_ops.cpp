@@ -110,13 +110,14 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, float eps, at:
   const T* w_ptr = weight.data_ptr<T>();
   T* o_ptr = out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(width);
+    std::vector<float> row;  // sized where a row takes the generic form: the 8-lane form needs none
     for (int64_t r = begin; r < end; ++r) {
 #if defined(KVSERVE_AVX2_LANES)
       if constexpr (std::is_same_v<T, float>) {
         if (normalize_row_lanes(x_ptr + r * stride, w_ptr, eps, width, o_ptr + r * width)) continue;
       }
 #endif
+      row.resize(width);
       for (int64_t i = 0; i < width; i += kLanes) {
         const int64_t n = std::min(kLanes, width - i);
         store_n(row.data() + i, load_n(x_ptr + r * stride + i, n), n);
@@ -138,7 +139,7 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at
   T* n_ptr = normed.data_ptr<T>();
   T* s_ptr = residual_out.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(width);
+    std::vector<float> row;  // as in rms_norm_impl
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x_ptr + r * x_stride;
       const T* rr = r_ptr + r * r_stride;
@@ -148,6 +149,7 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at
         if (add_rms_norm_row_lanes(xr, rr, w_ptr, eps, width, n_ptr + r * width, sr)) continue;
       }
 #endif
+      row.resize(width);
       for (int64_t i = 0; i < width; i += kLanes) {
         const int64_t n = std::min(kLanes, width - i);
         const Vec16 sum = round16(load_n(xr + i, n) + load_n(rr + i, n), sr);
