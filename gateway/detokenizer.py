@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 from gateway.sequence import TextDecoder
 from kvserve.errors import InvalidArgument, StartupError
@@ -94,6 +94,21 @@ class IncrementalDetokenizer(TextDecoder):
             self._read_offset -= drop
 
 
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character that stands for each byte
+    in a token's vocabulary entry, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
 def _common_prefix_len(a: str, b: str) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -130,6 +145,17 @@ class ModelTokenizer:
             token_id = self.tokenizer.token_to_id(self.eos_token)
             if token_id is not None:
                 self.eos_token_ids.add(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token_id stands for (OpenAI's logprobs ``bytes``). A byte-level BPE token can be
+        part of a UTF-8 character, whose decoded text is U+FFFD: its vocabulary entry spells the
+        bytes themselves. Other tokenizers: the UTF-8 of the token's decoded text."""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+            piece = self.tokenizer.id_to_token(token_id) or ""
+            alphabet = _byte_level_alphabet()
+            if all(char in alphabet for char in piece):
+                return bytes(alphabet[char] for char in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
     @property
     def vocab_size(self) -> int:

@@ -355,6 +355,15 @@ class ChoiceAccumulator:
             self.stop_reason = delta.stop_reason
 
 
+# The lowest log-probability a response reports, as OpenAI's API and vLLM do: a token that a
+# structured-output mask forbids has probability 0, whose log (-inf) JSON cannot carry.
+MIN_REPORTED_LOGPROB = -9999.0
+
+
+def reported_logprob(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, MIN_REPORTED_LOGPROB)
+
+
 class ResponseFormatter:
     """Builds completion / chat.completion objects and their streamed chunks."""
 
@@ -380,26 +389,24 @@ class ResponseFormatter:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _chat_logprob(self, token_id: int, logprob: float | None) -> dict:
+        return {"token": self._token_text(token_id), "logprob": reported_logprob(logprob),
+                "bytes": list(self.tokenizer.token_bytes(token_id))}
+
     def _logprobs(self, token_ids, logprobs, top_logprobs, text_offset: int = 0):
         if not self.logprobs or not token_ids:
             return None
         if self.kind == "chat":
-            content = []
-            for token_id, lp, top in zip(token_ids, logprobs, top_logprobs):
-                text = self._token_text(token_id)
-                content.append({
-                    "token": text, "logprob": lp, "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": self._token_text(t), "logprob": p,
-                                      "bytes": list(self._token_text(t).encode())} for t, p in top],
-                })
-            return {"content": content}
+            return {"content": [
+                {**self._chat_logprob(token_id, lp), "top_logprobs": [self._chat_logprob(t, p) for t, p in top]}
+                for token_id, lp, top in zip(token_ids, logprobs, top_logprobs)]}
         tokens = [self._token_text(t) for t in token_ids]
         offsets, offset = [], text_offset
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": list(logprobs),
-                "top_logprobs": [{self._token_text(t): p for t, p in top} for top in top_logprobs],
+        return {"tokens": tokens, "token_logprobs": [reported_logprob(lp) for lp in logprobs],
+                "top_logprobs": [{self._token_text(t): reported_logprob(p) for t, p in top} for top in top_logprobs],
                 "text_offset": offsets}
 
     # --- streaming -----------------------------------------------------------------

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.detokenizer import ModelTokenizer
 from kvserve.v1 import gateway_pb2, gateway_pb2_grpc, kvmanager_pb2, kvmanager_pb2_grpc
 from conftest import free_port, wait_for
 
@@ -243,6 +244,20 @@ def test_chat_logprobs(client, model_name):
     content = reply.choices[0].logprobs.content
     assert len(content) == 5 and all(len(item.top_logprobs) == 2 for item in content)
     assert all(item.logprob <= 0 for item in content)
+
+
+def test_logprobs_bytes_of_a_token_that_is_part_of_a_character(client, model_name, tiny_model_dir):
+    # The emoji's last token is bytes that are no character on their own: its text is U+FFFD, and
+    # only `bytes` tells a client what to join to rebuild the text.
+    tokenizer = ModelTokenizer(tiny_model_dir)
+    byte_token = tokenizer.encode("🎉")[-1]
+    expected = list(tokenizer.token_bytes(byte_token))
+    assert expected != list("\ufffd".encode())
+    reply = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, temperature=0,
+        logprobs=True, top_logprobs=1, logit_bias={str(byte_token): 100})
+    item = reply.choices[0].logprobs.content[0]
+    assert item.bytes == expected and item.top_logprobs[0].bytes == expected
 
 
 def test_grpc_generate_model_info_and_abort(stack):

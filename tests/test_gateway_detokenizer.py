@@ -39,6 +39,18 @@ def test_byte_tokens_of_one_character_wait_for_the_character(tokenizer):
     assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🎉"
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_texts_utf8(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_a_token_that_is_part_of_a_character_has_its_own_bytes(tokenizer):
+    pieces = [tokenizer.token_bytes(t) for t in tokenizer.encode("🎉")]
+    assert len(pieces) > 1 and b"".join(pieces) == "🎉".encode()
+    assert all(tokenizer.decode([t]) == "\ufffd" for t in tokenizer.encode("🎉")[1:])  # its text says nothing
+
+
 def test_invalid_bytes_are_eventually_emitted_not_held_forever(tokenizer):
     lone_continuation = tokenizer.encode("é")[-1:]  # a continuation byte without its lead byte
     decoder = tokenizer.detokenizer([])

@@ -254,3 +254,37 @@ def test_a_bad_constraint_costs_only_its_sender(stack, client):
             "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
         assert bad.status_code == 400 and "response_format" in bad.json()["error"]["message"]
         assert_valid(good.result(), schema, name)
+
+
+def strict_json(text: str):
+    """json.loads that refuses what Python writes but JSON has not (Infinity, NaN), as a browser's or
+    Go's parser would."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_alternatives_the_mask_forbids_are_reported_at_the_floor_in_valid_json(stack):
+    # Two choices allow fewer tokens at each step than the 20 alternatives asked for: the rest have
+    # probability 0, reported as -9999 (OpenAI's and vLLM's floor), never -Infinity.
+    chat = {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 5, "temperature": 0,
+            "guided_choice": ["yes", "no"], "logprobs": True, "top_logprobs": 20}
+    url = stack.http_url + "/v1/chat/completions"
+    reply = httpx.post(url, timeout=120, json=chat)
+    assert reply.status_code == 200, reply.text
+    items = strict_json(reply.text)["choices"][0]["logprobs"]["content"]
+    alternatives = [alt["logprob"] for item in items for alt in item["top_logprobs"]]
+    assert -9999.0 in alternatives and min(alternatives) == -9999.0
+    assert all(-9999.0 < item["logprob"] <= 0 for item in items)  # what was sampled was allowed
+    with httpx.stream("POST", url, timeout=120, json={**chat, "stream": True}) as streamed:
+        events = [line[len("data: "):] for line in streamed.iter_lines() if line.startswith("data: ")]
+    chunks = [strict_json(event) for event in events[:-1]]
+    assert events[-1] == "[DONE]" and any(
+        alt["logprob"] == -9999.0 for chunk in chunks for choice in chunk["choices"] if choice.get("logprobs")
+        for item in choice["logprobs"]["content"] for alt in item["top_logprobs"])
+    completion = httpx.post(stack.http_url + "/v1/completions", timeout=120, json={
+        "prompt": "Is the sky blue? Answer:", "max_tokens": 5, "temperature": 0,
+        "guided_choice": ["yes", "no"], "logprobs": 20})
+    assert completion.status_code == 200, completion.text
+    logprobs = strict_json(completion.text)["choices"][0]["logprobs"]
+    assert min(p for top in logprobs["top_logprobs"] for p in top.values()) == -9999.0
