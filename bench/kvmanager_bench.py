@@ -256,9 +256,12 @@ def tiered_lookup(quick: bool) -> None:
     index = manager.pools["tiers"].store
     hashes = prefix_block_hashes("bench", BLOCK_SIZE, prompt)
     parents = [root_hash("bench"), *hashes]
+    # The store holds the prompt's whole chain (a chain is found from its first block: an index
+    # keeps no entry whose parent it lacks) and one-block chains of other prompts.
     entries = [(hashes[i], block_key(parents[i], extra_keys("", ""), prompt[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]))
-               for i in range(128, 256)]
-    entries += [(rng.randbytes(16), rng.randbytes(84)) for _ in range(half - 128)]
+               for i in range(256)]
+    entries += [(rng.randbytes(16), block_key(parents[0], extra_keys("", ""), [rng.randrange(1, 49_000)] * BLOCK_SIZE))
+                for _ in range(half - 256)]
     index.rebuild(entries)
     del entries
     gc.collect()

@@ -262,6 +262,7 @@ class KVManager:
                      capacity_blocks=store.capacity_blocks, medium=store.medium)
         elif store.capacity_blocks:
             index.capacity_blocks = store.capacity_blocks
+        index.roots.add(pool.root_hash)
         if pool.store is not None and pool.store is not index:
             pool.release_saves()
         pool.store = index

@@ -265,6 +265,8 @@ class KVPool:
                 seq.owner.queries += len(request.token_ids)
                 seq.owner.hits += len(hit_blocks) * bs
             result.num_cached_tokens = len(hit_blocks) * bs
+            if hit_blocks and self.store is not None:  # a use of the prefix, in the store's recency too
+                self.store.touch(seq.block_hashes[:len(hit_blocks)])
             if store_hashes:
                 self._order_loads(seq, len(hit_blocks), store_hashes, result)
         return result
@@ -525,10 +527,8 @@ class KVPool:
         for hashes, ok in ((saved, True), (failed, False)):
             for block_hash in hashes:
                 order = pending.pop(block_hash, None)
-                if order is not None:
-                    self._release_save(order, ok)
-                    if ok:
-                        stored.append(order)
+                if order is not None and self._release_save(order, ok):
+                    stored.append(order)
         if not pending:
             del self.pending_saves[session_id]
         return stored
@@ -560,11 +560,14 @@ class KVPool:
                 self._release_save(order, False)
             self.pending_saves.pop("", None)
 
-    def _release_save(self, order: SaveOrder, saved: bool) -> None:
+    def _release_save(self, order: SaveOrder, saved: bool) -> bool:
+        """Ends a pending save; returns whether its entry became findable (a save written whole
+        whose parent is no longer in the store is not: the index queues it for deletion)."""
         store = self.store
+        findable = False
         if store is not None:
             if saved:
-                store.add(order.block_hash, order.block_key)
+                findable = store.add(order.block_hash, order.block_key)
             else:
                 store.saving.discard(order.block_hash)
         if saved:
@@ -572,6 +575,7 @@ class KVPool:
         else:
             self.num_store_save_failures += 1
         self.block_pool.free_blocks((order.block,))
+        return findable
 
     def invalidate_prefix_cache(self) -> int:
         """Nothing in the pool is findable any more, used blocks included, and no live

@@ -181,12 +181,15 @@ class ShadowExecutor:
         for block_id, h in zip(block_ids, hashes):
             self.store[h] = list(self.slots[block_id])
 
-    def check_store(self, index) -> None:
+    def check_store(self, index, root_hash: bytes) -> None:
         """An entry findable in the store (a ``StoreIndex``) holds, written with a valid context,
-        the tokens it is found by."""
+        the tokens it is found by; and its parent is findable too (or is the chain's root), since
+        a chain is looked up from its first block: an entry below a missing one is unreachable."""
         for h, key in index.entries.items():
             expected = [(t, True) for t in key_tokens(key, self.block_size)]
             assert self.store.get(h) == expected, f"store entry {h.hex()} is findable but holds {self.store.get(h)}"
+            parent = key[:len(root_hash)]
+            assert parent == root_hash or parent in index.entries, f"store entry {h.hex()} outlived its parent"
 
     def step(self, new_tokens: dict[int, list[int]], results: list[StepAllocation]) -> list[tuple[int, int]]:
         self.allocated(new_tokens, results)

@@ -332,6 +332,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
         fingerprint = tokenizer_fingerprint(self.tokenizer.model_dir)
         refused: set[str] = set()
         self.store = {} if store_capacity else None  # the store tier, shared by the executors
+        self.lost_store_hashes: set[bytes] = set()  # entries removed behind kvmanager's back
         self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused,
                                                             self.store, store_capacity, self.model,
                                                             verifies_drafts=bool(speculative))
@@ -464,6 +465,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
         """Entries vanish behind kvmanager's back (a wiped volume, Redis's own eviction, a corrupt file)."""
         for h in data.draw(st.lists(st.sampled_from(sorted(self.store)), min_size=1, unique=True)):
             del self.store[h]
+            self.lost_store_hashes.add(h)
 
     @precondition(lambda self: self.store is not None)
     @rule(fail=st.booleans())
@@ -487,6 +489,19 @@ class GatewayKVMachine(RuleBasedStateMachine):
                 if h in self.store:  # one lost behind kvmanager's back is a miss when loaded
                     expected = [(t, True) for t in key_tokens(key, self.executor.block_size)]
                     assert self.store[h] == expected, f"findable store entry {h.hex()} holds other KV"
+
+    @invariant()
+    def evictions_never_cut_a_stored_chain(self):
+        """A findable entry's parent is findable too, or is the chain's root: a chain is looked up
+        from its first block, so evicting a parent before its children leaves them unreachable. Only
+        an entry lost behind kvmanager's back (then missed by a load) may leave children behind."""
+        manager = getattr(self, "manager", SimpleNamespace(stores={}, pools={}))
+        roots = {pool.root_hash for pool in manager.pools.values()}
+        for index in manager.stores.values():
+            for h, key in index.entries.items():
+                parent = key[:16]
+                assert parent in roots or parent in index.entries or parent in self.lost_store_hashes, \
+                    f"store entry {h.hex()} outlived its parent {parent.hex()}"
 
     @invariant()
     def findable_blocks_hold_their_tokens(self):

@@ -205,3 +205,37 @@ def test_a_stopped_store_server_costs_misses_never_a_failed_request(start_servic
     again_text, again_logprobs, _ = ask(url)
     assert again_text == text
     assert max(abs(a - b) for a, b in zip(again_logprobs, logprobs)) < LOGPROB_TOLERANCE
+
+
+def test_a_full_store_keeps_the_head_every_prompt_shares_across_restarts(start_service, service_stack,
+                                                                          tiny_model_dir, tmp_path):
+    # Every prompt starts with the same block (as every chat starts with its template's), hit in the
+    # device tier after the first; the store holds 12 blocks and takes 20 younger ones. A restart of
+    # both kvmanager and the executor must still find the newest prompt whole: the shared head stays.
+    from executor.kv_cache import kv_bytes_per_block
+    from executor.model import ModelConfig
+    import torch
+
+    capacity = 12 * kv_bytes_per_block(ModelConfig.from_dir(tiny_model_dir), 16, torch.float32)
+    store = str(tmp_path / "kv-store")
+    args = (*FP32, "--kv-store", store, "--kv-store-capacity", str(capacity))
+    stack = service_stack(tiny_model_dir, "--unavailable-timeout", "120", executor_args=args)
+    kvmanager, executor, url = stack.kvmanager, stack.executor, stack.url
+    head = list(range(3000, 3016))
+
+    def ask_prompt(i: int) -> int:
+        reply = httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": head + list(range(4000 + 100 * i, 4032 + 100 * i)) + [5], "max_tokens": 1,
+            "temperature": 0, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    for i in range(10):
+        assert ask_prompt(i) == (16 if i else 0)
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_saves >= 21, 30)
+    assert store_stats(kvmanager.address, executor.address).num_store_blocks == 12
+    kvmanager = restart(start_service, kvmanager)
+    executor = restart(start_service, executor, "--model", str(tiny_model_dir), *args)
+    assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, 60)
+    assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_blocks >= 3, 30)
+    assert ask_prompt(9) == 48  # the head and the newest prompt's two blocks, loaded from the store

@@ -98,7 +98,7 @@ class Executor:
         check_invariants(self.pool)
         self.shadow.check(self.pool)
         if self.pool.store is not None:
-            self.shadow.check_store(self.pool.store)
+            self.shadow.check_store(self.pool.store, self.pool.root_hash)
 
 
 def prompt(n_blocks: int, base: int = 100) -> list[int]:
@@ -169,7 +169,7 @@ def test_a_load_that_misses_drops_the_sequence_and_the_entry_then_recomputes():
     assert result.num_store_tokens == 0 and result.start_position == 0 and not dropped
 
 
-def test_capacity_evicts_the_least_recently_used_and_orders_deletes():
+def test_capacity_evicts_the_least_recently_used_leaf_and_orders_deletes():
     manager, store = KVManager(), {}
     small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=3, medium="DISK")
     a = Executor(manager, "a", store, 20, store_config=small)
@@ -179,7 +179,78 @@ def test_capacity_evicts_the_least_recently_used_and_orders_deletes():
     a.finish(2)
     assert len(a.pool.store) == 3 and len(store) == 3 and manager.stats("a").num_store_evictions == 1
     first, second = prefix_block_hashes("model-a", BS, prompt(2, base=100))
-    assert first not in a.pool.store.entries and second in a.pool.store.entries  # least recently used went
+    # The oldest chain lost its tail, not its head: what is left of it is still found.
+    assert first in a.pool.store.entries and second not in a.pool.store.entries
+
+
+def test_a_prefix_served_from_the_device_tier_outlives_its_continuations_in_the_store():
+    # One head block every prompt shares (a chat template's), saved once and then always hit in
+    # the device tier, under a flood of younger continuations: it must stay in the store, or a
+    # restarted kvmanager finds none of the continuations it heads.
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=6, medium="DISK")
+    a = Executor(manager, "a", store, 24, store_config=small)
+    head = list(range(10, 10 + BS))
+    for i in range(12):
+        tokens = head + list(range(1000 + 100 * i, 1000 + 100 * i + 2 * BS)) + [7]
+        result, _ = a.run(i + 1, tokens)
+        assert i == 0 or result.num_cached_tokens >= BS  # the head: a device-tier hit
+        a.finish(i + 1)
+    assert len(a.pool.store) == 6 and prefix_block_hashes("model-a", BS, head + [7])[0] in a.pool.store.entries
+    fresh = KVManager()
+    b = Executor(fresh, "b", store, 24, store_config=small)
+    (index,) = fresh.take_new_stores()
+    fresh.rebuild_store(index, list(a.pool.store.entries.items()))
+    result, _ = b.run(99, tokens)
+    assert result.num_store_tokens == 3 * BS  # the head and the newest continuation, loaded
+
+
+def test_a_prompt_hit_in_the_device_tier_stays_recent_in_the_store():
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=4, medium="DISK")
+    a = Executor(manager, "a", store, 24, store_config=small)
+    popular = prompt(2, base=100)
+    for i in range(6):
+        result, _ = a.run(2 * i + 1, popular)
+        assert i == 0 or result.num_cached_tokens == 2 * BS
+        a.finish(2 * i + 1)
+        a.run(2 * i + 2, prompt(1, base=500 + 10 * i))  # a one-off, younger than the popular prompt's save
+        a.finish(2 * i + 2)
+    assert all(h in a.pool.store.entries for h in prefix_block_hashes("model-a", BS, popular))
+
+
+def test_a_chain_longer_than_the_store_keeps_its_head_and_no_unreachable_entry():
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=2, medium="DISK")
+    a = Executor(manager, "a", store, 20, store_config=small)
+    tokens = prompt(4, base=100)
+    a.run(1, tokens)
+    a.finish(1)
+    chain = prefix_block_hashes("model-a", BS, tokens)
+    assert [h in a.pool.store.entries for h in chain] == [True, True, False, False]
+    assert set(store) == set(chain[:2])  # the saves below the store's last block were deleted, not kept
+    fresh = KVManager()
+    b = Executor(fresh, "b", store, 20, store_config=small)
+    (index,) = fresh.take_new_stores()
+    orphan = prefix_block_hashes("model-a", BS, prompt(2, base=900))[1]  # a file whose parent is gone
+    assert fresh.rebuild_store(index, [*a.pool.store.entries.items(), (orphan, b"\0" * 16 + b"\0" * 8)]) == 2
+    assert orphan not in index.entries and orphan in index.take_deletes()
+    result, _ = b.run(2, tokens)
+    assert result.num_store_tokens == 2 * BS
+
+
+def test_a_long_chain_leaves_the_store_from_its_tail():
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=8, medium="DISK")
+    a = Executor(manager, "a", store, 40, store_config=small)
+    long = prompt(8, base=100)
+    a.run(1, long)
+    a.finish(1)
+    chain = prefix_block_hashes("model-a", BS, long)
+    for i in range(5):  # each a 1-block prompt: one eviction each
+        a.run(10 + i, prompt(1, base=500 + 10 * i))
+        a.finish(10 + i)
+        assert [h in a.pool.store.entries for h in chain] == [True] * (7 - i) + [False] * (i + 1)
 
 
 def test_a_closed_session_releases_the_blocks_its_saves_held():
@@ -264,6 +335,6 @@ def test_kv_events_say_which_tier_holds_a_block():
     assert list(store_blocks[1].token_ids) == list(pool_chain.token_ids[BS:])
     a.finish(1)
     batches.clear()
-    a.run(2, prompt(1, base=300))  # a third block: the least recently used entry is evicted
+    a.run(2, prompt(1, base=300))  # a third block: the least recently used leaf, the chain's tail, is evicted
     removed = [(b.medium, e) for b in batches for e in b.events if type(e).__name__ == "BlockRemoved"]
-    assert [(m, e.block_hashes) for m, e in removed] == [("DISK", [pool_chain.block_hashes[0]])]
+    assert [(m, e.block_hashes) for m, e in removed] == [("DISK", [pool_chain.block_hashes[1]])]

@@ -279,7 +279,7 @@ def entry(tenant: str, tokens: list[int], parent: bytes = b"\0" * 16) -> tuple[b
 def test_the_store_keeps_quotas_per_tenant_and_evicts_fairly_for_capacity():
     policies = TenantPolicies()
     policies.set("acme", 1.0, 0, 3)
-    index = StoreIndex("file:///x", "ns", "DISK", capacity_blocks=8, policies=policies)
+    index = StoreIndex("file:///x", "ns", "DISK", capacity_blocks=8, policies=policies, roots=[b"\0" * 16])
     for i in range(5):
         index.add(*entry("acme", [i] * 4))
     assert index.num_entries_of("acme") == 3 and index.quota_evictions["acme"] == 2
@@ -289,7 +289,7 @@ def test_the_store_keeps_quotas_per_tenant_and_evicts_fairly_for_capacity():
     assert len(index) == 8 and index.num_entries_of("acme") == 3 and index.num_entries_of("noisy") == 5
     deleted = set(index.take_deletes())
     assert entry("acme", [0] * 4)[0] in deleted and entry("noisy", [100] * 4)[0] in deleted
-    rebuilt = StoreIndex("file:///x", "ns", "DISK", capacity_blocks=8, policies=policies)
+    rebuilt = StoreIndex("file:///x", "ns", "DISK", capacity_blocks=8, policies=policies, roots=[b"\0" * 16])
     assert rebuilt.rebuild([entry("acme", [i] * 4) for i in range(6)]) == 6
     assert rebuilt.num_entries_of("acme") == 3  # the quota holds for what a restart finds too
 
