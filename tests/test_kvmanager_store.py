@@ -105,6 +105,24 @@ def prompt(n_blocks: int, base: int = 100) -> list[int]:
     return list(range(base, base + n_blocks * BS)) + [7]
 
 
+def with_small_store(capacity_blocks: int, num_blocks: int) -> tuple[KVManager, dict, Executor]:
+    """A manager, its shadow store and one executor whose store holds ``capacity_blocks``."""
+    manager, store = KVManager(), {}
+    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=capacity_blocks, medium="DISK")
+    return manager, store, Executor(manager, "a", store, num_blocks, store_config=small)
+
+
+def restarted(old: Executor, store: dict, listed=None) -> tuple[Executor, object]:
+    """A restarted kvmanager (its index rebuilt from ``listed``, by default what ``old``'s index
+    holds) and an executor on the same store; with the rebuilt index."""
+    fresh = KVManager()
+    config = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=old.pool.store.capacity_blocks, medium="DISK")
+    new = Executor(fresh, "b", store, old.pool.block_pool.num_blocks, store_config=config)
+    (index,) = fresh.take_new_stores()
+    fresh.rebuild_store(index, list(old.pool.store.entries.items()) if listed is None else listed)
+    return new, index
+
+
 def test_a_prefix_saved_by_one_executor_is_loaded_by_another_and_is_never_findable_before_its_save():
     manager, store = KVManager(), {}
     a = Executor(manager, "a", store, 12)
@@ -170,9 +188,7 @@ def test_a_load_that_misses_drops_the_sequence_and_the_entry_then_recomputes():
 
 
 def test_capacity_evicts_the_least_recently_used_leaf_and_orders_deletes():
-    manager, store = KVManager(), {}
-    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=3, medium="DISK")
-    a = Executor(manager, "a", store, 20, store_config=small)
+    manager, store, a = with_small_store(3, 20)
     a.run(1, prompt(2, base=100))
     a.finish(1)
     a.run(2, prompt(2, base=200))
@@ -187,9 +203,7 @@ def test_a_prefix_served_from_the_device_tier_outlives_its_continuations_in_the_
     # One head block every prompt shares (a chat template's), saved once and then always hit in
     # the device tier, under a flood of younger continuations: it must stay in the store, or a
     # restarted kvmanager finds none of the continuations it heads.
-    manager, store = KVManager(), {}
-    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=6, medium="DISK")
-    a = Executor(manager, "a", store, 24, store_config=small)
+    manager, store, a = with_small_store(6, 24)
     head = list(range(10, 10 + BS))
     for i in range(12):
         tokens = head + list(range(1000 + 100 * i, 1000 + 100 * i + 2 * BS)) + [7]
@@ -197,18 +211,13 @@ def test_a_prefix_served_from_the_device_tier_outlives_its_continuations_in_the_
         assert i == 0 or result.num_cached_tokens >= BS  # the head: a device-tier hit
         a.finish(i + 1)
     assert len(a.pool.store) == 6 and prefix_block_hashes("model-a", BS, head + [7])[0] in a.pool.store.entries
-    fresh = KVManager()
-    b = Executor(fresh, "b", store, 24, store_config=small)
-    (index,) = fresh.take_new_stores()
-    fresh.rebuild_store(index, list(a.pool.store.entries.items()))
+    b, _ = restarted(a, store)
     result, _ = b.run(99, tokens)
     assert result.num_store_tokens == 3 * BS  # the head and the newest continuation, loaded
 
 
 def test_a_prompt_hit_in_the_device_tier_stays_recent_in_the_store():
-    manager, store = KVManager(), {}
-    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=4, medium="DISK")
-    a = Executor(manager, "a", store, 24, store_config=small)
+    _, _, a = with_small_store(4, 24)
     popular = prompt(2, base=100)
     for i in range(6):
         result, _ = a.run(2 * i + 1, popular)
@@ -220,29 +229,22 @@ def test_a_prompt_hit_in_the_device_tier_stays_recent_in_the_store():
 
 
 def test_a_chain_longer_than_the_store_keeps_its_head_and_no_unreachable_entry():
-    manager, store = KVManager(), {}
-    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=2, medium="DISK")
-    a = Executor(manager, "a", store, 20, store_config=small)
+    _, store, a = with_small_store(2, 20)
     tokens = prompt(4, base=100)
     a.run(1, tokens)
     a.finish(1)
     chain = prefix_block_hashes("model-a", BS, tokens)
     assert [h in a.pool.store.entries for h in chain] == [True, True, False, False]
     assert set(store) == set(chain[:2])  # the saves below the store's last block were deleted, not kept
-    fresh = KVManager()
-    b = Executor(fresh, "b", store, 20, store_config=small)
-    (index,) = fresh.take_new_stores()
     orphan = prefix_block_hashes("model-a", BS, prompt(2, base=900))[1]  # a file whose parent is gone
-    assert fresh.rebuild_store(index, [*a.pool.store.entries.items(), (orphan, b"\0" * 16 + b"\0" * 8)]) == 2
-    assert orphan not in index.entries and orphan in index.take_deletes()
+    b, index = restarted(a, store, [*a.pool.store.entries.items(), (orphan, b"\0" * 16 + b"\0" * 8)])
+    assert len(index) == 2 and orphan not in index.entries and orphan in index.take_deletes()
     result, _ = b.run(2, tokens)
     assert result.num_store_tokens == 2 * BS
 
 
 def test_a_long_chain_leaves_the_store_from_its_tail():
-    manager, store = KVManager(), {}
-    small = StoreConfig(STORE.url, STORE.namespace, capacity_blocks=8, medium="DISK")
-    a = Executor(manager, "a", store, 40, store_config=small)
+    _, _, a = with_small_store(8, 40)
     long = prompt(8, base=100)
     a.run(1, long)
     a.finish(1)
