@@ -126,6 +126,7 @@ class ModelTokenizer:
         if not path.exists():
             raise StartupError(f"no tokenizer.json in model directory {model_dir}")
         self.tokenizer = Tokenizer.from_file(str(path))
+        self._byte_level = isinstance(self.tokenizer.decoder, decoders.ByteLevel)  # token_bytes' rule
         self.model_dir = model_dir
         self._pool: ThreadPoolExecutor | None = None
         self._workers_lock = threading.Lock()
@@ -150,7 +151,7 @@ class ModelTokenizer:
         """The bytes token_id stands for (OpenAI's logprobs ``bytes``). A byte-level BPE token can be
         part of a UTF-8 character, whose decoded text is U+FFFD: its vocabulary entry spells the
         bytes themselves. Other tokenizers: the UTF-8 of the token's decoded text."""
-        if isinstance(self.tokenizer.decoder, decoders.ByteLevel):
+        if self._byte_level:
             piece = self.tokenizer.id_to_token(token_id) or ""
             alphabet = _byte_level_alphabet()
             if all(char in alphabet for char in piece):
