@@ -361,13 +361,15 @@ class Backend:
                 t0 = time.perf_counter()
                 results, usage = await self._allocate(pool_id, session_id, plan)
                 kv_s += time.perf_counter() - t0
-                verdict = scheduler.apply_allocation(plan, results)
+                verdict = scheduler.apply_allocation(plan, results, saves_in_transit=self.store.holds_blocks())
                 ready = scheduler.prune(ready + verdict.ready)
                 plan = verdict.retry
             if ready:
                 t0 = time.perf_counter()
                 ready, result = await self._execute(ready)
                 executor_s = time.perf_counter() - t0
+            elif self.store.orders:  # the waiting may wait for the blocks these saves hold
+                await self._carry_store_orders()
         forward_s = total_s = 0.0
         if result is not None:
             self.deadline.observe(executor_s, sum(e.num_tokens for e in ready))
@@ -555,12 +557,20 @@ class Backend:
             if not self.store.orders:
                 return
             try:
-                await self._execute_once([])
+                await self._carry_store_orders()
             except Unavailable as exc:
-                if not (isinstance(exc, DependencyError) and exc.refused):
-                    self.connection_lost(f"a step of store operations failed: {exc}")
-                    return
-                log.error("store_step_refused", executor=self.address, reason=str(exc))
+                self.connection_lost(f"a step of store operations failed: {exc}")
+                return
+
+    async def _carry_store_orders(self) -> None:
+        """An Execute of no entries for store orders no step of work will carry (their saves hold
+        blocks until they are reported). A refusal reports the saves failed, which frees them too."""
+        try:
+            await self._execute_once([])
+        except DependencyError as exc:
+            if not exc.refused:
+                raise
+            log.error("store_step_refused", executor=self.address, reason=str(exc))
 
 
 def refusal(service: str, exc: DependencyError) -> StepRefused:

@@ -399,8 +399,11 @@ class Scheduler:
             r.ok and r.start_position == start and r.num_tokens == 1 and r.block_table_offset == held
             and not r.copy_src for r, (start, held) in zip(results, predicted))
 
-    def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult]) -> AllocationVerdict:
-        """Records kvmanager's answers; handles NO_ROOM by preemption or failure."""
+    def apply_allocation(self, plan: list[ScheduledSeq], results: list[AllocationResult],
+                         saves_in_transit: bool = False) -> AllocationVerdict:
+        """Records kvmanager's answers; handles NO_ROOM by preemption or failure. ``saves_in_transit``:
+        kvmanager holds blocks for store saves not yet reported; they come back within two steps, so
+        a sequence that lacks room only for them waits instead of failing as too large."""
         if len(plan) != len(results):
             raise ValueError(f"{len(results)} allocation results for {len(plan)} sequences")
         ready: list[ScheduledSeq] = []
@@ -433,7 +436,7 @@ class Scheduler:
             seq = entry.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue  # already preempted as a victim this round
-            others_hold = any(s.known_to_kvmanager for s in self.running if s is not seq)
+            others_hold = saves_in_transit or any(s.known_to_kvmanager for s in self.running if s is not seq)
             if not seq.known_to_kvmanager:
                 if others_hold or self._pending_frees:  # wait for blocks held or being freed
                     self.running.remove(seq)

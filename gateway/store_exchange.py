@@ -40,6 +40,11 @@ class StoreExchange:
         self.num_loads_missed = 0  # cumulative, for the metrics
         self.num_saves_failed = 0
 
+    def holds_blocks(self) -> bool:
+        """Whether kvmanager holds blocks for saves still in transit here: they come back once an
+        Execute has carried the orders and the next Allocate or Free has reported the outcomes."""
+        return bool(self.orders.save_hashes or self.report.saved_hashes or self.report.failed_hashes)
+
     def take_orders(self) -> StoreOrders:
         orders, self.orders = self.orders, StoreOrders()
         return orders

@@ -271,6 +271,38 @@ def test_request_that_cannot_fit_alone_fails_instead_of_looping():
     assert pool.used() == 0
 
 
+def test_a_sequence_short_only_of_blocks_held_for_saves_waits_for_them():
+    # kvmanager holds blocks for store saves in transit and frees them within two steps: a sequence
+    # that fits once they are back waits (a new one in the queue, a running one preempted), not fails.
+    scheduler, pool, model = new_scheduler(), FakePool(4), FakeModel()  # 3 blocks = 12 tokens
+    new = add(scheduler, make_request("new", [1] * 6, max_tokens=6))
+    held = [pool.free.pop(), pool.free.pop()]
+    plan = scheduler.schedule()
+    verdict = scheduler.apply_allocation(plan, pool.allocate([], plan), saves_in_transit=True)
+    assert not verdict.ready and new.sequences[0].status is SeqStatus.WAITING and not new.finished
+    pool.free += held
+    outputs, _, _, errors = run_to_completion(scheduler, pool, model)
+    assert not errors and outputs["new"][0] == reference_output([1] * 6, 6)
+
+    grows = add(scheduler, make_request("grows", [2] * 6, max_tokens=6))
+    plan = scheduler.schedule()
+    verdict = scheduler.apply_allocation(plan, pool.allocate([], plan))
+    scheduler.apply_samples(verdict.ready, model.execute(verdict.ready))
+    held = list(pool.free)  # all but the two blocks it holds; it needs a third at position 8
+    pool.free.clear()
+    for _ in range(4):
+        plan = scheduler.schedule()
+        verdict = scheduler.apply_allocation(plan, pool.allocate(scheduler.take_pending_frees(), plan),
+                                             saves_in_transit=True)
+        if verdict.ready:
+            scheduler.apply_samples(verdict.ready, model.execute(verdict.ready))
+    assert grows.sequences[0].status is SeqStatus.WAITING and not grows.finished
+    pool.free += held
+    outputs, _, _, errors = run_to_completion(scheduler, pool, model)
+    assert not errors and outputs["grows"][0] == reference_output([2] * 6, 6)
+    assert pool.used() == 0
+
+
 def test_static_batching_admits_next_batch_only_after_completion():
     scheduler, pool, model = new_scheduler(max_num_seqs=2, batching="static"), FakePool(200), FakeModel()
     add(scheduler, make_request("a", [1, 2, 3], max_tokens=3))

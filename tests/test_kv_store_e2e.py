@@ -5,15 +5,18 @@ or a real ``redis-server``), tiny fp32 model: KV moves instead of being recomput
 * kvmanager and executor both restarted (every index gone) still do: kvmanager rebuilds its
   index from the store itself;
 * entries corrupted or wiped behind everyone's back cost a miss and a recompute, never a wrong
-  token: every answer equals the first one, token for token and logprob for logprob.
+  token: every answer equals the first one, token for token and logprob for logprob;
+* a request that needs the blocks kvmanager holds for saves in transit waits for them.
 """
 from __future__ import annotations
+
+import concurrent.futures
 
 import grpc
 import httpx
 import pytest
 
-from conftest import wait_for
+from conftest import free_port, wait_for
 from kvserve.v1 import kvmanager_pb2, kvmanager_pb2_grpc
 from tests.redis_support import redis_server, redis_url  # noqa: F401 — fixtures
 
@@ -239,3 +242,38 @@ def test_a_full_store_keeps_the_head_every_prompt_shares_across_restarts(start_s
     assert wait_for(lambda: httpx.get(url + "/health").status_code == 200, 60)
     assert wait_for(lambda: store_stats(kvmanager.address, executor.address).num_store_blocks >= 3, 30)
     assert ask_prompt(9) == 48  # the head and the newest prompt's two blocks, loaded from the store
+
+
+@pytest.mark.parametrize("save_policy", ["free", "all"])
+def test_a_request_that_needs_blocks_held_for_saves_waits_for_them(start_service, tiny_model_dir, tmp_path,
+                                                                    save_policy):
+    # A pool of 9 blocks (and the null block). The first request ends with 9 and its last block full;
+    # the second needs all 9, so it waits. When the first ends, kvmanager frees its blocks in the
+    # Allocate that tries the second again, but holds those whose saves it orders then (``free``: all
+    # of them; ``all``: the block filled last) until the executor has written them. They come back:
+    # the second request must wait for them, not fail as too large for the pool.
+    kvmanager = start_service("kvmanager", "--kv-store-save", save_policy)
+    executor = start_service("executor", "--model", str(tiny_model_dir), *FP32, "--num-blocks", "10",
+                             "--kv-store", str(tmp_path / "kv-store"), timeout=300)
+    http_port = free_port()
+    start_service("gateway", "--http-port", str(http_port), "--kvmanager-address", kvmanager.address,
+                  "--executor-address", executor.address, "--model", str(tiny_model_dir))
+    url = f"http://127.0.0.1:{http_port}"
+
+    def complete(prompt: list[int], max_tokens: int) -> httpx.Response:
+        return httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for round_ in range(3):
+            first = {"prompt": list(range(6000 + 1000 * round_, 6064 + 1000 * round_)), "max_tokens": 65,
+                     "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=first, timeout=120) as stream:
+                assert stream.status_code == 200
+                chunks = stream.iter_lines()
+                next(chunks)  # the first request runs: the second waits behind it
+                second = pool.submit(complete, list(range(6500 + 1000 * round_, 6636 + 1000 * round_)), 4)
+                assert any(line == "data: [DONE]" for line in chunks)
+            assert second.result().status_code == 200, second.result().text
+    assert wait_for(lambda: metric(url, "vllm:num_requests_running") == 0
+                    and metric(url, "vllm:num_requests_waiting") == 0, 30)
