@@ -229,3 +229,19 @@ def test_a_file_system_without_locks_costs_only_the_lock(tmp_path, monkeypatch):
     calls = []
     assert ThreadProbeCache(tmp_path / "thread-probes.json").chosen_or_probe(key(), counting_probe(2, calls)) == (2, True)
     assert ThreadProbeCache(tmp_path / "thread-probes.json").chosen_or_probe(key(), counting_probe(1, calls)) == (2, False)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_probe_command_answers_for_quantized_weights(tiny_model_dir, quantization):
+    # What the benchmarks record beside their rows. Its one-thread steps of 16 rows take the AMX
+    # tiles where the CPU has them; a bad tile configuration there once killed it with SIGSEGV.
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "executor.threads", "--model", str(tiny_model_dir),
+                           "--quantization", quantization], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    assert answer["chosen"] in thread_counts_to_try(usable_cpus())
+    assert set(answer["decode_step_ms_by_threads"]) == {str(n) for n in thread_counts_to_try(usable_cpus())}

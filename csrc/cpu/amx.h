@@ -29,6 +29,12 @@ struct AmxConfig {
   uint8_t rows[16] = {};
 };
 
+// LDTILECFG with the whole 64 bytes as its operand. GCC's _tile_loadconfig names only the first 8
+// ("m" (*(const void **)p)), so the compiler may drop or sink the stores of the rest: in the call a
+// one-thread parallel_for inlines, the int8 and int4 kernels loaded a configuration of stack garbage
+// and LDTILECFG faulted (SIGSEGV, an executor with quantized weights on one thread).
+inline void load_tile_config(const AmxConfig& config) { asm volatile("ldtilecfg %0" ::"m"(config)); }
+
 }  // namespace kvserve_cpu
 #endif
 

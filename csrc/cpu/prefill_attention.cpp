@@ -76,7 +76,7 @@ inline void barrier() { asm volatile("" ::: "memory"); }
 void load_tile_config() {
   AmxConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
+  kvserve_cpu::load_tile_config(config);
 }
 
 // GCC's tile intrinsics take the tile's number as a literal: hence the switches.

@@ -54,7 +54,7 @@ constexpr int64_t kPassBytes = 768 * 1024;         // rows of x per pass over th
 void load_tile_config() {
   AmxConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
-  _tile_loadconfig(&config);
+  kvserve_cpu::load_tile_config(config);
 }
 
 // The zero-masked form: GCC 12 warns that the unmasked one reads an uninitialized register.

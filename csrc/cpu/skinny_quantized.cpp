@@ -241,7 +241,7 @@ struct LoadAmxConfig {
     for (int t : {0, 1, 6, 7}) config.rows[t] = kAmxRows, config.colsb[t] = kTile * 4;
     for (int t : {2, 3}) config.rows[t] = kAmxRows, config.colsb[t] = kGroup;
     for (int t : {4, 5}) config.rows[t] = kGroup / 4, config.colsb[t] = kQuadBytes;
-    _tile_loadconfig(&config);
+    load_tile_config(config);
   }
 };
 
