@@ -516,10 +516,11 @@ class KVPool:
                 pending[order.block_hash] = order
         return orders
 
-    def report_saves(self, session_id: str, saved: Sequence[bytes], failed: Sequence[bytes]) -> list[SaveOrder]:
+    def report_saves(self, session_id: str, saved: Sequence[bytes], failed: Sequence[bytes],
+                     ) -> list[tuple[bytes, bytes]]:
         """The session's executor wrote these saves whole (findable from now on) or did not.
-        Hashes the session has no pending save for (released since) are ignored. Returns the
-        orders that became findable."""
+        Hashes the session has no pending save for (released since) are ignored. Returns (hash,
+        key) of the entries that became findable (with any parked below them: ``StoreIndex.add``)."""
         pending = self.pending_saves.get(session_id)
         if not pending:
             return []
@@ -527,24 +528,24 @@ class KVPool:
         for hashes, ok in ((saved, True), (failed, False)):
             for block_hash in hashes:
                 order = pending.pop(block_hash, None)
-                if order is not None and self._release_save(order, ok):
-                    stored.append(order)
+                if order is not None:
+                    stored += self._release_save(order, ok)
         if not pending:
             del self.pending_saves[session_id]
         return stored
 
-    def store_events(self, stored: list[SaveOrder]) -> list[KVEvent]:
+    def store_events(self, stored: list[tuple[bytes, bytes]]) -> list[KVEvent]:
         """``BlockStored`` of entries that became findable in the store, one per block (the
         entries of a chain may come from several sequences and reports)."""
         events: list[KVEvent] = []
         swap = sys.byteorder != "little"
-        for order in stored:
-            parent, extra, tokens = split_key(order.block_key)
+        for block_hash, block_key in stored:
+            parent, extra, tokens = split_key(block_key)
             token_ids = array("i")
             token_ids.frombytes(tokens)
             if swap:
                 token_ids.byteswap()
-            events.append(BlockStored([order.block_hash], b"" if parent == self.root_hash else parent, token_ids,
+            events.append(BlockStored([block_hash], b"" if parent == self.root_hash else parent, token_ids,
                                       self.block_size, adapter_of_extra(extra)))
         return events
 
@@ -560,16 +561,16 @@ class KVPool:
                 self._release_save(order, False)
             self.pending_saves.pop("", None)
 
-    def _release_save(self, order: SaveOrder, saved: bool) -> bool:
-        """Ends a pending save; returns whether its entry became findable (a save written whole
-        whose parent is no longer in the store is not: the index queues it for deletion)."""
+    def _release_save(self, order: SaveOrder, saved: bool) -> list[tuple[bytes, bytes]]:
+        """Ends a pending save; returns the entries that became findable: its own (unless its
+        parent is no longer in the store, or still on its way) and any parked below it."""
         store = self.store
-        findable = False
+        findable = []
         if store is not None:
             if saved:
                 findable = store.add(order.block_hash, order.block_key)
             else:
-                store.saving.discard(order.block_hash)
+                store.save_failed(order.block_hash)
         if saved:
             self.num_store_saves += 1
         else:

@@ -8,8 +8,9 @@ saved by one executor is a hit for all of them, and survives any executor's rest
 
 The rule that makes the device tier trustworthy holds here too: **an entry is findable
 only once its save is reported written whole** (``add`` is called from the client's
-``StoreReport``, never when the save is ordered), and a load that missed (absent, torn or
-corrupt entry) is reported and removes it (``remove``). A hit is verified against the
+``StoreReport``, never when the save is ordered), and its parent's too (a save reported first
+waits for its parent's, parked), and a load that missed (absent, torn or corrupt entry) is
+reported and removes it (``remove``). A hit is verified against the
 entry's block key (parent hash, extra keys, tokens), as the pool's prefix cache does,
 so a hash collision costs a miss, never another prompt's KV.
 
@@ -58,6 +59,10 @@ class StoreIndex:
         self.capacity_blocks = capacity_blocks  # 0: no limit
         self.entries: OrderedDict[bytes, bytes] = OrderedDict()
         self.saving: set[bytes] = set()  # saves ordered, not yet reported
+        # Saves reported written whose parent's save was still in transit (ordered to another
+        # executor or gateway, whose report comes later): per parent hash, (hash, key) of each.
+        self._parked: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        self._parked_hashes: set[bytes] = set()
         self._deletes: list[bytes] = []
         self.num_evictions = 0
         self.policies = policies if policies is not None else TenantPolicies()
@@ -94,17 +99,55 @@ class StoreIndex:
 
     def wants(self, block_hash: bytes) -> bool:
         """Whether a save of this block is worth ordering (not held, not being saved)."""
-        return block_hash not in self.entries and block_hash not in self.saving
+        return block_hash not in self.entries and block_hash not in self.saving and block_hash not in self._parked_hashes
 
-    def add(self, block_hash: bytes, block_key: bytes) -> bool:
+    def add(self, block_hash: bytes, block_key: bytes) -> list[tuple[bytes, bytes]]:
         """A save was reported written whole: the entry is findable from now on, unless its parent
-        is not (evicted meanwhile, or its own save failed): nothing could reach it then, and it is
-        queued for deletion instead. Returns whether it was added."""
+        is not. A parent whose own save is still in transit (two executors saving one chain, each
+        reporting through its own steps) parks it until that save is reported; a parent gone
+        (evicted, or its save failed) leaves nothing that could reach it, and it is queued for
+        deletion. Returns (hash, key) of each entry that became findable: this one, then those
+        parked below it."""
         self.saving.discard(block_hash)
         self.remove(block_hash)
         if not self._reachable(block_key):
-            self._queue_delete(block_hash)
-            return False
+            parent = block_key[:HASH_BYTES]
+            if parent in self.saving or parent in self._parked_hashes:
+                self._parked.setdefault(parent, []).append((block_hash, block_key))
+                self._parked_hashes.add(block_hash)
+            else:
+                self._queue_delete(block_hash)
+            return []
+        added = []
+        pending = [(block_hash, block_key)]
+        while pending:
+            entry_hash, key = pending.pop()
+            if not self._reachable(key):  # its parent, parked with it, was evicted on the way
+                self._queue_delete(entry_hash)
+                self._drop_parked_below(entry_hash)
+                continue
+            self._insert(entry_hash, key)
+            added.append((entry_hash, key))
+            for child in self._parked.pop(entry_hash, ()):
+                self._parked_hashes.discard(child[0])
+                pending.append(child)
+        return added
+
+    def save_failed(self, block_hash: bytes) -> None:
+        """A save ended unwritten (it failed, or its session ended first): the entries parked below
+        it can never be reached, and are queued for deletion."""
+        self.saving.discard(block_hash)
+        self._drop_parked_below(block_hash)
+
+    def _drop_parked_below(self, block_hash: bytes) -> None:
+        below = [block_hash]
+        while below:
+            for child, _ in self._parked.pop(below.pop(), ()):
+                self._parked_hashes.discard(child)
+                self._queue_delete(child)
+                below.append(child)
+
+    def _insert(self, block_hash: bytes, block_key: bytes) -> None:
         tenant = _tenant_of(block_key)
         self._count_child(block_key, 1)  # before any eviction: its parent is in use from now on
         quota = self.policies.get(tenant).store_quota_blocks
@@ -115,7 +158,6 @@ class StoreIndex:
         self.by_tenant.setdefault(tenant, OrderedDict())[block_hash] = None
         self._used(block_hash, tenant)
         self._evict_over_capacity()
-        return True
 
     def remove(self, block_hash: bytes) -> bool:
         """A load missed: the entry is not findable any more. False when it was not."""

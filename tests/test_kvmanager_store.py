@@ -172,6 +172,51 @@ def test_a_failed_save_is_never_findable_and_releases_its_block():
     assert manager.stats("a").num_used_blocks == 0
 
 
+def two_executors_save_one_chain(parent_saved: bool):
+    """Executor a computes a prompt's first block and is ordered its save; b, before a reports it,
+    computes that block and the next and reports the next one's save (the first is a's to save).
+    Then a reports its save (written whole, or failed). Returns the manager, a, b, the chain's
+    hashes and the DISK ``BlockStored`` events."""
+    manager, store = KVManager(), {}
+    a = Executor(manager, "a", store, 12)
+    b = Executor(manager, "b", store, 12, instance="i1")
+    batches = []
+    manager.subscribe("a", batches.append)
+    manager.subscribe("b", batches.append)
+    head, chain = prompt(1), prefix_block_hashes("model-a", BS, prompt(2))
+    a.call([Req(1, head, len(head))])
+    done, _ = a.execute()
+    manager.free("a", a.session, [], [s for s, _ in done], [n for _, n in done])
+    orders = manager.take_store_orders("a", a.session)
+    assert list(orders.save_hashes) == chain[:1]
+    b.run(2, prompt(2))
+    b.finish(2)
+    assert chain[1] not in b.pool.store.entries  # its parent is on its way: not findable yet
+    if parent_saved:
+        a.carry(orders)
+    else:
+        a.report = Report(failed=orders.save_hashes)
+    a.finish(1)
+    stored = [e.block_hashes[0] for batch in batches if batch.medium == "DISK" for e in batch.events
+              if type(e).__name__ == "BlockStored"]
+    return manager, a, b, chain, stored
+
+
+def test_a_save_reported_before_its_parent_s_waits_for_it():
+    manager, a, b, chain, stored = two_executors_save_one_chain(parent_saved=True)
+    assert set(chain) <= set(a.pool.store.entries) and stored == chain  # parent first, then the child
+    c = Executor(manager, "c", a.shadow.store, 12, instance="i2")
+    result, dropped = c.run(3, prompt(2))
+    assert result.num_store_tokens == 8 and not dropped  # the whole chain loads
+
+
+def test_a_save_whose_parent_s_save_fails_is_deleted():
+    manager, a, b, chain, stored = two_executors_save_one_chain(parent_saved=False)
+    assert not a.pool.store.entries and stored == []
+    assert chain[1] not in a.shadow.store  # its delete was ordered and carried out
+    assert manager.stats("a").num_used_blocks == 0 and manager.stats("b").num_used_blocks == 0
+
+
 def test_a_load_that_misses_drops_the_sequence_and_the_entry_then_recomputes():
     manager, store = KVManager(), {}
     a = Executor(manager, "a", store, 12)
