@@ -120,7 +120,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _attend_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
-        if g.query_len != 1 and self._fused_prefill:
+        # A float32 model over a bf16 cache (--dtype float32 where the CPU has bf16) is not rounded to
+        # bf16 queries: its prompt attends in float32 over the widened K/V, as over a float32 cache.
+        if g.query_len != 1 and self._fused_prefill and query.dtype == torch.bfloat16:
             return self._fused_prefill_group(query, kv_cache, g, scale)
         if g.query_len != 1 and self._fused_prefill_f32 and query.dtype == torch.float32:
             return self._fused_prefill_f32_group(query, kv_cache, g, scale)
