@@ -52,7 +52,7 @@ class FusedDecodeLayers:
     def step_inputs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
                     backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(block_tables, seq_lens, slot_mapping) when this step takes ``decode_layer``, else None."""
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
+        if self.max_rows is not None and x.shape[0] > self.max_rows and not meta.verify_rows:
             return None
         attention = backend.decode_kernel_inputs(meta, kv_cache, x.dtype)
         return None if attention is None else (*attention, meta.slot_mapping)

@@ -236,7 +236,7 @@ class Attention(nn.Module):
         ops = backend.layer_ops
         num_tokens = x.shape[0]
         heads = c.num_heads + 2 * c.num_kv_heads
-        decode_step = meta.max_query_len == 1
+        decode_step = meta.step_kind
         qkv = self.qkv_proj(x, decode_step).view(num_tokens, heads, c.head_dim)  # [num_tokens, q heads + k heads + v heads, head_dim]
         if c.qk_norm:
             q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
@@ -283,7 +283,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, ops, residual)
         x = self.self_attn(x, cos_sin, kv_cache, meta, backend)
         x, residual = self.post_attention_layernorm(x, ops, residual)
-        return self.mlp(x, ops, meta.max_query_len == 1), residual
+        return self.mlp(x, ops, meta.step_kind), residual
 
 
 class Transformer(nn.Module):

@@ -403,7 +403,7 @@ class ModelRunner:
         rows = logit_rows(ends, sample_rows, [s.num_draft_tokens for s in sequences])
         index = torch.tensor(rows.token_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index),
-                                           decode_step=meta.is_decode_only)  # [rows, vocab]
+                                           decode_step=meta.step_kind)  # [rows, vocab]
         params, positions = [], []
         for i, count in zip(sample_rows, rows.counts):
             params += [sequences[i].sampling] * count
@@ -426,7 +426,7 @@ class ModelRunner:
         # hidden: [num_tokens, hidden] → logits [len(rows), vocab] (the head's dtype) at each row's last token
         ends = list(itertools.accumulate(len(s.token_ids) for s in sequences))
         last_tokens = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.is_decode_only)
+        return self.model.compute_logits(hidden.index_select(0, last_tokens), decode_step=meta.step_kind)
 
     @torch.inference_mode()
     def forward_logits(self, sequences: list[SequenceInput]) -> torch.Tensor:
@@ -440,7 +440,8 @@ class ModelRunner:
     def _prepare(self, sequences: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flattened token ids and positions, and the attention metadata (slot mapping from block tables)
         of the step's attention rows (``attention_rows``)."""
-        sequences = attention_rows(sequences)
+        rows = attention_rows(sequences)
+        verify_rows, sequences = rows is not sequences, rows
         bs = self.block_size
         query_lens = [len(s.token_ids) for s in sequences]
         seq_lens = [sequence_end(s) for s in sequences]
@@ -474,6 +475,7 @@ class ModelRunner:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             block_size=bs,
+            verify_rows=verify_rows,
         )
         return token_ids.to(device), positions.to(device), meta
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from executor.attention.base import StepKind
+
 # Up to this many rows (tokens of a step) the bf16 skinny kernel beats oneDNN's bf16 GEMM;
 # measured on AVX512-BF16 (Zen 4, two threads, a decode step's matmuls, two runs): 10.2 vs 14.8 ms at
 # 8 rows, 13.7 vs 19.5 at 16, 22.5 vs 29.1 at 32, 42.1-42.2 vs 49.3-52.0 at 64, 82.0-83.6 vs
@@ -80,7 +82,8 @@ class SkinnyMatmul(_PackedMatmul):
         self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster (bf16_skinny_max_rows)
 
     def takes(self, x: torch.Tensor, decode_step: bool) -> bool:
-        return decode_step and x.shape[0] <= self.max_rows
+        # decode_step: a StepKind, or a bool; a verify step's rows take it however many
+        return bool(decode_step) and (x.shape[0] <= self.max_rows or decode_step == StepKind.VERIFY)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ V ``[num_blocks, num_kv_heads, head_size, block_size]``.
 """
 from __future__ import annotations
 
+import enum
 import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -48,6 +49,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    verify_rows: bool = False  # a verify step's rows (executor.runner.attention_rows)
 
     @property
     def num_seqs(self) -> int:
@@ -56,6 +58,23 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def step_kind(self) -> StepKind:
+        if self.verify_rows:
+            return StepKind.VERIFY
+        return StepKind.DECODE if self.max_query_len == 1 else StepKind.PROMPT
+
+
+class StepKind(enum.IntEnum):
+    """What the matmuls of a step may choose by (false only for PROMPT, as the bool ``decode_step``
+    it replaces): VERIFY rows must each compute the bits a one-row decode step gives, so they take
+    the few-row kernels however many there are, where a plain decode step of many rows may take a
+    faster GEMM that sums in another order (oneDNN on AMX CPUs from 3 rows)."""
+
+    PROMPT = 0
+    DECODE = 1
+    VERIFY = 2
 
 
 class AttentionBackend(ABC):
