@@ -39,10 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("executor", parents=[common], help="check a kvserve.v1.Executor",
                         description="Check a kvserve.v1.Executor (health, Describe, layout and batching "
                                     "independence, sampling, bad batches).")
-    ex.add_argument("--atol", type=float, default=0.05,
-                    help="absolute tolerance on log-probabilities (0.05: bf16-safe; 1e-3 suits float32)")
-    ex.add_argument("--rtol", type=float, default=0.01,
-                    help="relative tolerance on log-probabilities, times |reference| (0.01)")
+    ex.add_argument("--atol", type=float, default=None,
+                    help="absolute tolerance on log-probabilities (default by Describe's dtype: 1e-3 for "
+                         "float32, 0.25 otherwise)")
+    ex.add_argument("--rtol", type=float, default=None,
+                    help="relative tolerance on log-probabilities, times |reference| (default 0 for float32, "
+                         "0.02 otherwise)")
     sub.add_parser("kvmanager", parents=[common], help="check a kvserve.v1.KVManager",
                    description="Check a kvserve.v1.KVManager (publication of written KV, invalidation, "
                                "stats invariants, bad input).")
@@ -72,9 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         from kvserve.conformance.comparison import Tolerance
         from kvserve.conformance.executor_context import ExecutorContext
 
-        context = ExecutorContext(args.address, Tolerance(args.atol, args.rtol), timeout=args.timeout or 120.0,
+        given = args.atol is not None or args.rtol is not None
+        tolerance = Tolerance(args.atol if args.atol is not None else Tolerance.atol,
+                              args.rtol if args.rtol is not None else Tolerance.rtol) if given else None
+        context = ExecutorContext(args.address, tolerance, timeout=args.timeout or 120.0,
                                   seed=args.seed, connect_timeout=args.connect_timeout)
-        reporter.line(f"checking executor {args.address} (atol {args.atol}, rtol {args.rtol})")
+        told = f"atol {tolerance.atol:g}, rtol {tolerance.rtol:g}" if given else "tolerance by Describe's dtype"
+        reporter.line(f"checking executor {args.address} ({told})")
     else:
         context = checks.KVManagerContext(args.address, timeout=args.timeout or 30.0, seed=args.seed,
                                           connect_timeout=args.connect_timeout)

@@ -10,8 +10,17 @@ from kvserve.v1 import executor_pb2 as pb
 
 @dataclass(frozen=True)
 class Tolerance:
-    atol: float = 0.05
-    rtol: float = 0.01
+    atol: float = 0.25
+    rtol: float = 0.02
+
+    @classmethod
+    def for_dtype(cls, dtype: str) -> "Tolerance":
+        """The default for an executor computing in ``dtype`` (Describe's, free-form): float32 runs agree
+        to ~1e-6, so every comparison counts at 1e-3; anything else gets the 16-bit default. kvserve's
+        bf16 executor (SmolLM2-135M, AMX) moves log-probabilities by up to 0.16 between a prompt in
+        one chunk and in two, or a row decoded alone and in a mixed batch: rounding in bf16 hidden
+        states over 30 layers, not the LM head's output (float32 logits move them as much)."""
+        return cls(1e-3, 0.0) if dtype.strip().lower() in ("float32", "fp32", "torch.float32") else cls()
 
     def bound(self, reference: float) -> float:
         return self.atol + self.rtol * abs(reference) if math.isfinite(reference) else 0.0

@@ -14,7 +14,8 @@ with ``top_logprobs = 5``. Two results of the same position agree when
   two correct executors running in bfloat16);
 * the sampled log-probability (when the tokens agree) and the log-probability of
   every token in both top-5 lists differ by at most ``atol + rtol * |reference|``
-  (``--atol``, default 0.05, ``--rtol``, default 0.01: loose enough for bf16);
+  (``--atol`` and ``--rtol``; by default 1e-3 and 0 for an executor whose Describe says
+  float32, 0.25 and 0.02 for any other: ``Tolerance.for_dtype``);
 * the top-5 lists agree as sets: a token one list ranks above the other list's
   last entry by more than the tolerance is in the other list too (so a near tie
   at the top cannot make a comparison vacuous).
@@ -74,9 +75,11 @@ def describe_answers(ctx: ExecutorContext) -> str:
         raise Fail(f"Describe failed: {rpc_error_text(error)}") from None
     elapsed = time.monotonic() - t0
     ctx.set_info(info)
+    tolerance = ctx.tolerance
     return (f"{elapsed * 1e3:.0f} ms: model {info.model_name!r} ({info.architecture}), dtype {info.dtype!r}, "
             f"device {info.device!r}, attention {info.attention_backend!r}, block_size {info.block_size}, "
-            f"num_blocks {info.num_blocks}, max_model_len {info.max_model_len}, vocab_size {info.vocab_size}")
+            f"num_blocks {info.num_blocks}, max_model_len {info.max_model_len}, vocab_size {info.vocab_size}; "
+            f"comparing with atol {tolerance.atol:g}, rtol {tolerance.rtol:g}")
 
 
 HEX64 = re.compile(r"[0-9a-f]{64}")

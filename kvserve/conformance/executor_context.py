@@ -57,11 +57,11 @@ class Reference:
 
 
 class ExecutorContext:
-    def __init__(self, address: str, tolerance: Tolerance, timeout: float = 120.0, seed: int = 20240601,
+    def __init__(self, address: str, tolerance: Tolerance | None, timeout: float = 120.0, seed: int = 20240601,
                  connect_timeout: float = 30.0) -> None:
         self.address = address
         self.connect_timeout = connect_timeout
-        self.tolerance = tolerance
+        self._tolerance = tolerance  # None: by Describe's dtype (Tolerance.for_dtype)
         self.timeout = timeout
         self.seed = seed
         options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -82,6 +82,10 @@ class ExecutorContext:
 
     def close(self) -> None:
         self.channel.close()
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return self._tolerance or Tolerance.for_dtype(self.info.dtype)
 
     # -- per rule --
     def begin_rule(self, name: str) -> None:
