@@ -24,6 +24,7 @@ from executor.kv_tier import DEFAULT_STORE_CAPACITY_BYTES, BlockMover, store_nam
 from executor.loader import eos_token_ids, load_model, model_fingerprint
 from kvserve.identity import new_instance_id, tokenizer_fingerprint
 from executor.model import ModelConfig
+from executor.prompt_logprobs import PromptLogprobs, check_prompt_logprobs, score_rows
 from executor.sampling import SampleResult, SamplingParams, sample
 from kvserve.errors import InvalidArgument
 from kvserve.kv_store import StoreError, describe_url, open_store
@@ -64,6 +65,9 @@ class SequenceInput:
     store_load_block_ids: list[int] = field(default_factory=list)
     store_load_hashes: list[bytes] = field(default_factory=list)
     num_draft_tokens: int = 0  # the last n of token_ids are speculative drafts (executor.draft_verification)
+    # The tokens after this step's first rows, whose log-probabilities to return (executor.prompt_logprobs).
+    prompt_logprob_token_ids: list[int] = field(default_factory=list)
+    prompt_top_logprobs: int = 0
 
 
 @dataclass
@@ -83,6 +87,8 @@ class StepOutput:
     # Per sampled sequence, when any carried drafts: drafts accepted (sampled_token_ids then holds
     # that many + 1 tokens for it); empty otherwise.
     num_accepted_draft_tokens: list[int] = field(default_factory=list)
+    # One per sequence with prompt_logprob_token_ids, in step order.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class RunnerDescription:
     kv_store_capacity_blocks: int = 0
     verifies_draft_tokens: bool = True
     verifies_drafts_with_suppressed_tokens: bool = True
+    returns_prompt_logprobs: bool = True
 
 
 class ModelRunner:
@@ -283,6 +290,8 @@ class ModelRunner:
             if seq.sample:
                 seq.sampling.validate(f"{where}.sampling", vocab)
             check_drafts(where, seq.num_draft_tokens, len(seq.token_ids), seq.sample, seq.sampling)
+            check_prompt_logprobs(where, seq.prompt_logprob_token_ids, len(seq.token_ids), seq.num_draft_tokens,
+                                  seq.prompt_top_logprobs, vocab)
             if seq.store_load_block_ids or seq.store_load_hashes:
                 self._validate_loads(where, seq)
 
@@ -381,6 +390,7 @@ class ModelRunner:
             params = [sequences[i].sampling for i in sample_rows]
             next_positions = [sequence_end(sequences[i]) for i in sample_rows]
             result = sample(logits, params, next_positions, self.generator, self.backend.greedy_sample)
+        prompt_logprobs = self._prompt_logprobs(hidden, meta, sequences)
         end = time.perf_counter()
         return StepOutput(
             sampled_token_ids=result.token_ids if result else [],
@@ -392,6 +402,7 @@ class ModelRunner:
             sample_ms=(end - t_sample) * 1e3,
             total_ms=(end - start) * 1e3,
             num_accepted_draft_tokens=accepted,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _verify_drafts(self, hidden: torch.Tensor, meta: AttentionMetadata, sequences: list[SequenceInput],
@@ -420,6 +431,16 @@ class ModelRunner:
                 top += picked.top_logprobs[offset:offset + a + 1]
                 offset += count
         return SampleResult(tokens, logprobs, top), accepted
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                         sequences: list[SequenceInput]) -> list[PromptLogprobs]:
+        asking = [i for i, s in enumerate(sequences) if s.prompt_logprob_token_ids]
+        if not asking:
+            return []
+        starts = [0, *itertools.accumulate(len(s.token_ids) for s in sequences)]
+        return score_rows(hidden, [starts[i] for i in asking], [sequences[i].prompt_logprob_token_ids for i in asking],
+                          [sequences[i].prompt_top_logprobs for i in asking],
+                          lambda rows: self.model.compute_logits(rows, decode_step=meta.step_kind))
 
     def _last_token_logits(self, hidden: torch.Tensor, meta: AttentionMetadata, sequences: list[SequenceInput],
                            rows: list[int]) -> torch.Tensor:

@@ -49,6 +49,8 @@ def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
         store_load_block_ids=list(seq.store_load_block_ids),
         store_load_hashes=list(seq.store_load_hashes),
         num_draft_tokens=seq.num_draft_tokens,
+        prompt_logprob_token_ids=list(seq.prompt_logprob_token_ids),
+        prompt_top_logprobs=seq.prompt_top_logprobs,
     )
 
 
@@ -74,6 +76,9 @@ def response_from_step(out: StepOutput, total_ms: float, instance_id: str) -> ex
     )
     if out.top_logprobs is not None and any(ids for ids, _ in out.top_logprobs):
         reply.top_logprobs.extend(executor_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in out.top_logprobs)
+    for scores in out.prompt_logprobs:
+        reply.prompt_logprobs.add(logprobs=scores.logprobs, top_logprobs=[
+            executor_pb2.TopLogprobs(token_ids=ids, logprobs=lps) for ids, lps in scores.top_logprobs])
     return reply
 
 

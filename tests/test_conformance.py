@@ -72,7 +72,8 @@ def test_real_executor_conforms(start_service, tiny_model_dir, tmp_path):
     names = verdicts(proc)
     assert {"health.during_execute", "layout.block_copy", "layout.prefix_from_earlier_step", "batching.mixed",
             "sampling.seeded", "invalid.mixed_batch", "execute.instance_id", "drafts.verified", "store.save_then_load",
-            "store.load_miss_drops_the_sequence", "store.stale_instance_refused", "store.delete"} <= set(names)
+            "store.load_miss_drops_the_sequence", "store.stale_instance_refused", "store.delete",
+            "prompt_logprobs.scored"} <= set(names)
     assert "NOTE layout.same_step_visibility" in proc.stdout
 
 
@@ -156,7 +157,7 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
             attention_backend="lists", block_size=self.BLOCK_SIZE, num_blocks=self.NUM_BLOCKS,
             max_model_len=self.MAX_MODEL_LEN, vocab_size=self.VOCAB, eos_token_ids=[2], num_layers=1,
             instance_id=instance, tokenizer_fingerprint=hashlib.sha256(b"toy").hexdigest(),
-            verifies_draft_tokens=True, verifies_drafts_with_suppressed_tokens=True)
+            verifies_draft_tokens=True, verifies_drafts_with_suppressed_tokens=True, returns_prompt_logprobs=True)
 
     # -- validation: the whole batch before anything is touched --
     def validate_sequence(self, i: int, seq) -> None:
@@ -181,6 +182,8 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
                 raise ValueError(f"sequences[{i}].sampling.allowed_token_bitmask: {len(mask)} bytes")
             if all(t in seq.sampling.suppressed_token_ids for t in self.allowed(mask)):
                 raise ValueError(f"sequences[{i}].sampling.allowed_token_bitmask: no allowed token left unsuppressed")
+        if len(seq.prompt_logprob_token_ids) > len(seq.token_ids):
+            raise ValueError(f"sequences[{i}].prompt_logprob_token_ids: more than token_ids")
 
     def validate_copies(self, request) -> None:
         if len(request.copy_src) != len(request.copy_dst):
@@ -236,10 +239,29 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
             if count > 0:
                 logits[t] -= params.frequency_penalty * count + params.presence_penalty
 
-    def sample(self, seq, history: tuple) -> tuple[int, float, list[tuple[int, float]]]:
+    def logits(self, history: tuple) -> list[float]:
         digest = hashlib.blake2b(repr(history).encode(), digest_size=8).digest()
         gen = random.Random(int.from_bytes(digest, "little"))
-        logits = [4.0 * gen.gauss(0.0, 1.0) for _ in range(self.VOCAB)]
+        return [4.0 * gen.gauss(0.0, 1.0) for _ in range(self.VOCAB)]
+
+    def score_prompt(self, seq, history: tuple) -> pb.PromptLogprobs:
+        """The named tokens' logprobs, each under the unedited distribution after its row."""
+        scores = pb.PromptLogprobs()
+        shift = 1 if self.flaw == "prompt_logprobs_off_by_one" else 0
+        for row, token in enumerate(seq.prompt_logprob_token_ids):
+            params = pb.SamplingParams(top_logprobs=seq.prompt_top_logprobs)
+            end = min(seq.start_position + row + 1 + shift, len(history))
+            _, _, top = self.sample(types.SimpleNamespace(sampling=params), history[:end])
+            logits = self.logits(history[:end])
+            peak = max(logits)
+            log_z = peak + math.log(sum(math.exp(x - peak) for x in logits))
+            scores.logprobs.append(logits[token] - log_z)
+            if seq.prompt_top_logprobs:
+                scores.top_logprobs.add(token_ids=[t for t, _ in top], logprobs=[lp for _, lp in top])
+        return scores
+
+    def sample(self, seq, history: tuple) -> tuple[int, float, list[tuple[int, float]]]:
+        logits = self.logits(history)
         params = seq.sampling
         for token in params.suppressed_token_ids:
             logits[token] = -math.inf
@@ -313,6 +335,9 @@ class ToyExecutor(executor_pb2_grpc.ExecutorServicer):
             any_top = any(s.sample and s.sampling.top_logprobs for s in request.sequences)
             any_drafts = any(s.num_draft_tokens for s in request.sequences)
             for seq, history in zip(request.sequences, histories):
+                if seq.prompt_logprob_token_ids:
+                    reply.prompt_logprobs.append(self.score_prompt(seq, history))
+            for seq, history in zip(request.sequences, histories):
                 if not seq.sample:
                     continue
                 if any_drafts:
@@ -380,6 +405,7 @@ FLAWS = {
                             "sampling.penalties"},
     "drafts_accepted_unchecked": {"drafts.verified", "drafts.suppressed"},
     "drafts_ignore_suppression": {"drafts.suppressed"},
+    "prompt_logprobs_off_by_one": {"prompt_logprobs.scored"},
 }
 
 

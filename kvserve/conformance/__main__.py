@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.service == "executor":
         from kvserve.conformance import executor_checks as checks
         from kvserve.conformance import draft_checks  # noqa: F401 — registers the drafts.* rules
+        from kvserve.conformance import prompt_logprob_checks  # noqa: F401 — registers prompt_logprobs.*
         from kvserve.conformance import store_checks  # noqa: F401 — registers the store.* rules
     else:
         from kvserve.conformance import kvmanager_checks as checks

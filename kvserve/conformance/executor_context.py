@@ -1,7 +1,8 @@
 """The executor conformance kit's context: its connection to the executor, the blocks each rule
 takes, the reference run, and sequence A with the bad requests of the ``invalid.*`` rules.
 
-The rules themselves are in ``executor_checks`` (and ``draft_checks``, ``store_checks``).
+The rules themselves are in ``executor_checks`` (and ``draft_checks``, ``prompt_logprob_checks``,
+``store_checks``).
 """
 from __future__ import annotations
 
