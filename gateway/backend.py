@@ -376,7 +376,7 @@ class Backend:
             if scheduler.drafts_enabled and all(e.num_tokens == 1 for e in ready):  # decodes: comparable
                 scheduler.draft_cost.observe(len(ready), any(e.draft_token_ids for e in ready), executor_s)
             forward_s, total_s = result.forward_s, result.total_s
-            scheduler.apply_samples(ready, result.sampled)
+            scheduler.apply_samples(ready, result.sampled, result.prompt_logprobs)
         self.num_steps += 1
         self._publish_after_next_write(scheduler.take_outputs(), dict(
             step_s=time.perf_counter() - started, kvmanager_s=kv_s, executor_s=executor_s, forward_s=forward_s,
@@ -495,7 +495,7 @@ class Backend:
         for entry in ready:
             by_request.setdefault(id(entry.seq.request), []).append(entry)
         ran: list[ScheduledSeq] = []
-        sampled, forward_s, total_s = [], 0.0, 0.0
+        sampled, forward_s, total_s, prompt_logprobs = [], 0.0, 0.0, {}
         for entries in by_request.values():
             try:
                 output = await self._execute_once(entries)
@@ -509,7 +509,8 @@ class Backend:
             sampled += output.sampled
             forward_s += output.forward_s
             total_s += output.total_s
-        return ran, ExecuteOutput(sampled, forward_s, total_s)
+            prompt_logprobs |= output.prompt_logprobs
+        return ran, ExecuteOutput(sampled, forward_s, total_s, prompt_logprobs=prompt_logprobs)
 
     def _without_dropped(self, entries: list[ScheduledSeq], output: ExecuteOutput,
                          ) -> tuple[list[ScheduledSeq], ExecuteOutput]:

@@ -13,7 +13,8 @@ its config to both clients.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, fields
+import itertools
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import SampledToken, ScheduledSeq
+from gateway.sequence import PromptTokenLogprob
 from gateway.step_socket import StepSocket, StepSocketRefused
 from kvserve.aio import wait_within
 from kvserve.store_orders import StoreOrders
@@ -95,6 +97,7 @@ class ExecutorInfo:
     kv_store_capacity_blocks: int = 0
     verifies_draft_tokens: bool = False
     verifies_drafts_with_suppressed_tokens: bool = False
+    returns_prompt_logprobs: bool = False
 
     @classmethod
     def from_proto(cls, reply: executor_pb2.DescribeResponse) -> ExecutorInfo:
@@ -112,6 +115,8 @@ class ExecuteOutput:
     dropped_seq_ids: frozenset[int] = frozenset()  # a store load missed: not run
     store_missing_hashes: tuple[bytes, ...] = ()
     store_saves_ok: tuple[bool, ...] = ()
+    # seq_id → the scores of the prompt tokens its entry named (ScheduledSeq.prompt_logprob_token_ids).
+    prompt_logprobs: dict[int, list[PromptTokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,7 @@ class ExecutorClient(_Client):
         sequences = []
         block_size = self.block_size
         want_top = False
+        scored: list[int] = []  # seq_ids whose prompt tokens this step scores
         for entry in ready:
             for src, dst in entry.copies:
                 copy_src.append(src)
@@ -228,6 +234,11 @@ class ExecutorClient(_Client):
             if entry.store_load_block_ids:
                 sequence.store_load_block_ids.extend(entry.store_load_block_ids)
                 sequence.store_load_hashes.extend(entry.store_load_hashes)
+            prompt_targets = entry.prompt_logprob_token_ids()
+            if prompt_targets:
+                sequence.prompt_logprob_token_ids.extend(prompt_targets)
+                sequence.prompt_top_logprobs = entry.seq.request.options.prompt_logprobs
+                scored.append(entry.seq_id)
             sequences.append(sequence)
         request = executor_pb2.ExecuteRequest(copy_src=copy_src, copy_dst=copy_dst, sequences=sequences)
         if store_orders:
@@ -248,9 +259,14 @@ class ExecutorClient(_Client):
         if reply.num_accepted_draft_tokens:
             sampled = group_accepted_drafts(sampled, list(reply.num_accepted_draft_tokens))
         timings = reply.timings
+        dropped = frozenset(reply.dropped_seq_ids)
+        scored = [seq_id for seq_id in scored if seq_id not in dropped]
+        prompt_logprobs = {seq_id: [PromptTokenLogprob(lp, list(zip(top.token_ids, top.logprobs)) if top else [])
+                                    for lp, top in itertools.zip_longest(scores.logprobs, scores.top_logprobs)]
+                           for seq_id, scores in zip(scored, reply.prompt_logprobs)}
         return ExecuteOutput(sampled, timings.forward_ms / 1000.0, timings.total_ms / 1000.0, reply.instance_id,
-                             frozenset(reply.dropped_seq_ids), tuple(reply.store_missing_hashes),
-                             tuple(reply.store_saves_ok))
+                             dropped, tuple(reply.store_missing_hashes), tuple(reply.store_saves_ok),
+                             prompt_logprobs)
 
     async def _step(self, request: executor_pb2.ExecuteRequest, timeout: float) -> executor_pb2.ExecuteResponse:
         """One step: on the executor's step socket where it offers one this gateway can open, else

@@ -64,7 +64,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or None, top_k=p.top_k,
             seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
             ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, n=p.n or 1,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            logprobs=p.logprobs if p.HasField("logprobs") else None, prompt_logprobs=0 if p.prompt_logprobs else None,
             enable_prefix_caching=not p.disable_prefix_cache, cache_salt=p.cache_salt,
             default_temperature=0.0, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty or None, logit_bias=dict(p.logit_bias), min_p=p.min_p,
@@ -137,6 +137,7 @@ def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:
         messages.append(gateway_pb2.GenerateResponse(
             request_id=output.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text,
             finish_reason=FINISH[delta.finish_reason], logprobs=delta.logprobs, stop_reason=stop_reason,
+            prompt_logprobs=[score.logprob for score in delta.prompt_logprobs or ()],
         ))
     if output.finished:
         if not messages:

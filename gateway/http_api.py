@@ -30,7 +30,7 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.model_name import check_model_name
 from gateway.openai_protocol import (
-    ChatCompletionBody, ChoiceAccumulator, CompletionBody, ResponseFormatter, message_dicts,
+    ChatCompletionBody, ChoiceAccumulator, CompletionBody, EchoedPrompt, ResponseFormatter, message_dicts,
 )
 from gateway.params import build_options
 from gateway.scheduler import RequestTooLarge
@@ -288,8 +288,6 @@ async def metrics(request: Request):
 async def completions(body: CompletionBody, request: Request):
     engine, tokenizer = _engine(request), _tokenizer(request)
     check_model_name(body.model, engine.model_name)
-    if body.echo:
-        raise InvalidArgument("echo: not supported")
     prompts = body.prompt
     if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
         prompts = [prompts]
@@ -298,8 +296,12 @@ async def completions(body: CompletionBody, request: Request):
     tenant = _tenant(request)
     prompt_ids = [await tokenizer.encode_async(p, True, engine.max_model_len) if isinstance(p, str)
                   else list(p) for p in prompts]
+    echo = None
+    if body.echo:  # the prompt in front of each choice; with logprobs, each prompt token's as well
+        echo = [EchoedPrompt(p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids)
+                for p, ids in zip(prompts, prompt_ids)]
     return await _generate("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec(),
-                           tenant=tenant)
+                           tenant=tenant, echo=echo)
 
 
 @router.post("/v1/chat/completions")
@@ -356,7 +358,8 @@ async def system_prompt_tokens(tokenizer: ModelTokenizer, messages: list[dict], 
 
 
 async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request,
-                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None, tenant: str = ""):
+                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None, tenant: str = "",
+                    echo: list[EchoedPrompt] | None = None):
     engine = _engine(request)
     unsupported = body.unsupported()
     if unsupported:
@@ -366,6 +369,7 @@ async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | N
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
+        prompt_logprobs=logprobs if echo is not None else None,
         skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled, tenant=tenant,
@@ -387,7 +391,7 @@ async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | N
             raise
     num_choices = options.n * len(prompts)
     formatter = ResponseFormatter(kind, request_id, engine.model_name, _tokenizer(request), logprobs is not None,
-                                  num_choices, tools)
+                                  num_choices, tools, echo)
     if body.stream:
         return StreamingResponse(_sse(engine, stream, formatter, body.include_usage), media_type="text/event-stream")
     return await _collect(engine, stream, formatter, num_choices, request)

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, fie
 
 from gateway.constraints import ConstraintSpec
 from gateway.detokenizer import ModelTokenizer
-from gateway.sequence import ChoiceDelta, FinishReason, RequestOutput
+from gateway.sequence import ChoiceDelta, FinishReason, PromptTokenLogprob, RequestOutput
 from gateway.tool_calls import ToolCalling
 from kvserve.errors import InvalidArgument
 
@@ -344,8 +344,11 @@ class ChoiceAccumulator:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # echo's, from the choice's first delta
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -353,6 +356,15 @@ class ChoiceAccumulator:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason.value
             self.stop_reason = delta.stop_reason
+
+
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """What completions' ``echo`` puts in front of each choice of one prompt: the prompt as the
+    client sent it (its token ids decoded when it sent ids), and its token ids."""
+
+    text: str
+    token_ids: list[int]
 
 
 # The lowest log-probability a response reports, as OpenAI's API and vLLM do: a token that a
@@ -368,8 +380,13 @@ class ResponseFormatter:
     """Builds completion / chat.completion objects and their streamed chunks."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer: ModelTokenizer,
-                 logprobs: bool, n: int, tools: ToolCalling | None = None):
+                 logprobs: bool, n: int, tools: ToolCalling | None = None,
+                 echo: list[EchoedPrompt] | None = None):
         self.kind = kind  # "completion" or "chat"
+        # Completions' echo: per prompt (choice index // choices per prompt), what each choice starts with.
+        self.echo = echo
+        self._choices_per_prompt = n // len(echo) if echo else n
+        self._echo_sent = [False] * n
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -406,15 +423,31 @@ class ResponseFormatter:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [reported_logprob(lp) for lp in logprobs],
-                "top_logprobs": [{self._token_text(t): reported_logprob(p) for t, p in top} for top in top_logprobs],
+                "top_logprobs": [None if top is None else {self._token_text(t): reported_logprob(p) for t, p in top}
+                                 for top in top_logprobs],
                 "text_offset": offsets}
+
+    def _echoed(self, index: int, text: str, token_ids: list[int], logprobs: list, top_logprobs: list,
+                prompt_logprobs: list[PromptTokenLogprob | None] | None):
+        """A choice's first text and logprobs with the prompt in front (echo); unchanged otherwise."""
+        if self.echo is None or self._echo_sent[index]:
+            return text, token_ids, logprobs, top_logprobs
+        self._echo_sent[index] = True
+        prompt = self.echo[index // self._choices_per_prompt]
+        scores = list(prompt_logprobs or [])
+        scores += [None] * (len(prompt.token_ids) - 1 - len(scores))
+        return (prompt.text + text, prompt.token_ids + token_ids,
+                [None] + [s.logprob if s else None for s in scores] + logprobs,
+                [None] + [s.top_logprobs if s else None for s in scores] + top_logprobs)
 
     # --- streaming -----------------------------------------------------------------
 
     def chunks(self, output: RequestOutput) -> list[dict]:
         out = []
         for delta in output.choices:
-            lp = self._logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs)
+            text, token_ids, logprobs, top = self._echoed(delta.index, delta.text, delta.token_ids, delta.logprobs,
+                                                          delta.top_logprobs, delta.prompt_logprobs)
+            lp = self._logprobs(token_ids, logprobs, top)
             if self.kind == "chat":
                 message: dict = {}
                 if not self._role_sent[delta.index]:
@@ -431,8 +464,7 @@ class ResponseFormatter:
                 choice = {"index": delta.index, "delta": message, "logprobs": lp, "finish_reason": finish}
                 header = self._header("chat.completion.chunk")
             else:
-                choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
-                          "finish_reason": _finish(delta)}
+                choice = {"index": delta.index, "text": text, "logprobs": lp, "finish_reason": _finish(delta)}
                 header = self._header("text_completion")
             if delta.finish_reason:
                 choice["stop_reason"] = delta.stop_reason
@@ -461,7 +493,9 @@ class ResponseFormatter:
     def response(self, choices: list[ChoiceAccumulator], last: RequestOutput) -> dict:
         body = []
         for index, choice in enumerate(choices):
-            lp = self._logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs)
+            text, token_ids, logprobs, top = self._echoed(index, choice.text, choice.token_ids, choice.logprobs,
+                                                          choice.top_logprobs, choice.prompt_logprobs)
+            lp = self._logprobs(token_ids, logprobs, top)
             if self.kind == "chat":
                 message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
                 calls = self.tools.parse_calls(choice.text) if self.tools and finish == "stop" else None
@@ -470,7 +504,7 @@ class ResponseFormatter:
                 body.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": choice.stop_reason})
             else:
-                body.append({"index": index, "text": choice.text, "logprobs": lp,
+                body.append({"index": index, "text": text, "logprobs": lp,
                              "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
         name = "chat.completion" if self.kind == "chat" else "text_completion"
         return {**self._header(name), "choices": body, "usage": usage_dict(last)}

@@ -76,6 +76,7 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
                   top_k: int | None, seed: int | None, stop: str | Iterable[str] | None,
                   stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                   min_tokens: int | None = 0, n: int | None = 1, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None,
                   enable_prefix_caching: bool = True, cache_salt: str = "",
                   skip_special_tokens: bool = True, default_temperature: float = 1.0,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
@@ -88,6 +89,8 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
     ``top_p`` None means 1 (off); the gRPC front end passes None for its proto default 0.
     ``logit_bias``: token id (an int or its decimal string, as OpenAI's JSON keys) → bias.
     ``constraint``: a compiled structured-output constraint (gateway.constraints).
+    ``prompt_logprobs``: report the prompt's log-probabilities with this many top alternatives;
+    such a request computes its whole prompt, so it neither hits nor publishes cached blocks.
     ``tenant``: already resolved and checked (gateway.tenants); the ``kv_*`` cache terms are
     checked here (``kv_shared_prefix_tokens`` against the prompt in ``validate_request``).
     """
@@ -137,6 +140,11 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
         logprobs = _integer("logprobs", logprobs)
         if not 0 <= logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if prompt_logprobs is not None:
+        prompt_logprobs = _integer("prompt_logprobs", prompt_logprobs)
+        if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
+        enable_prefix_caching = False
     cache_salt = cache_salt or ""
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidArgument(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}")
@@ -152,6 +160,7 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
         logit_bias=_logit_bias(logit_bias), min_p=min_p, constraint=constraint,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stops,
         stop_token_ids=stop_ids, ignore_eos=bool(ignore_eos), min_tokens=min_tokens, n=n, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         skip_special_tokens=skip_special_tokens,
     )
@@ -250,6 +259,9 @@ def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_n
                               f"{length} tokens")
     if options.n > max_num_seqs:
         raise InvalidArgument(f"n: {options.n} exceeds max_num_seqs {max_num_seqs}")
+    if options.prompt_logprobs is not None and not info.returns_prompt_logprobs:
+        raise InvalidArgument("prompt_logprobs: the executor does not return prompt log-probabilities "
+                              "(its Describe lacks returns_prompt_logprobs)")
     usable = (info.num_blocks - 1) * info.block_size
     needed = limit if kv_allocation == "reserve" else length + 1
     if needed > usable:

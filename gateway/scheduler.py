@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from gateway.prompt_lookup import DraftCost, cap_drafts, plan_drafts
 from gateway.sequence import (
-    FinishReason, GenerationRequest, RequestOutput, Sequence, SeqStatus,
+    FinishReason, GenerationRequest, PromptTokenLogprob, RequestOutput, Sequence, SeqStatus,
 )
 from gateway.stopping import append_token, finish_with, take_delta
 from kvserve.errors import InvalidArgument, ResourceExhausted
@@ -127,6 +127,16 @@ class ScheduledSeq:
 
     def compute_token_ids(self) -> list[int]:
         return self.seq.token_ids[self.start_position:self.start_position + self.num_tokens]
+
+    def prompt_logprob_token_ids(self) -> list[int]:
+        """When the request wants its prompt scored and is not yet: the prompt tokens that follow
+        this entry's rows (the last prompt token follows none of its prompt's rows)."""
+        request = self.seq.request
+        if request.options.prompt_logprobs is None or request.prompt_logprobs_complete():
+            return []
+        start = self.start_position
+        end = min(start + self.num_tokens, request.num_prompt_tokens - 1)
+        return self.seq.token_ids[start + 1:end + 1] if end > start else []
 
 
 @dataclass
@@ -466,8 +476,10 @@ class Scheduler:
         """Drops entries whose sequence was preempted or finished since they were allocated."""
         return [e for e in entries if e.seq.status is SeqStatus.RUNNING and e.seq.seq_id == e.seq_id]
 
-    def apply_samples(self, ready: list[ScheduledSeq], sampled: list[SampledToken]) -> None:
-        """Records computed KV and appends sampled tokens; outputs go to ``take_outputs()``."""
+    def apply_samples(self, ready: list[ScheduledSeq], sampled: list[SampledToken],
+                      prompt_logprobs: dict[int, list[PromptTokenLogprob]] | None = None) -> None:
+        """Records computed KV, prompt scores (by seq_id) and appends sampled tokens; outputs go to
+        ``take_outputs()``."""
         touched: dict[str, GenerationRequest] = {}
         samples = iter(sampled)
         for entry in ready:
@@ -475,6 +487,8 @@ class Scheduler:
             sample = next(samples) if entry.sample else None
             if seq.status is not SeqStatus.RUNNING:
                 continue
+            if prompt_logprobs and entry.seq_id in prompt_logprobs:
+                seq.request.record_prompt_logprobs(entry.start_position, prompt_logprobs[entry.seq_id])
             seq.num_computed = entry.start_position + entry.num_tokens
             if entry.start_position < seq.num_prompt_tokens <= seq.num_computed:
                 self._prompt_computed(seq)

@@ -41,6 +41,9 @@ class SamplingOptions:
     min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None
+    # Prompt log-probabilities (completions' echo with logprobs): None, or how many top alternatives
+    # each prompt position reports. Such a request computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     # Cache terms, read by kvmanager when a sequence is created (SequenceAllocation): the tenant
@@ -88,6 +91,17 @@ class ChoiceDelta:
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    # On a choice's first delta when the request asked for them: the prompt's log-probabilities,
+    # positions 1.. (the first prompt token has none).
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
+
+
+@dataclass
+class PromptTokenLogprob:
+    """How likely the model found one prompt token after the ones before it."""
+
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
 
 
 @dataclass
@@ -135,6 +149,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     finish_reported: bool = False
+    prompt_logprobs_reported: bool = False
     # The choice's structured-output state (gateway.constraints.GrammarState) when constrained.
     grammar: object | None = None
     # Prompt-lookup drafting (gateway.prompt_lookup.SpeculationState) once the scheduler drafted for it.
@@ -203,6 +218,8 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() by which it must have finished
     finished: bool = False
     max_stop_len: int = 0
+    # Per prompt position 1.., once scored (options.prompt_logprobs): what the executor returned.
+    prompt_logprobs: list[PromptTokenLogprob | None] | None = None
     _distinct_prompt: list[int] | None = field(default=None, repr=False)
 
     @property
@@ -214,6 +231,16 @@ class GenerationRequest:
         if self._distinct_prompt is None:
             self._distinct_prompt = list(dict.fromkeys(self.prompt_token_ids))
         return self._distinct_prompt
+
+    def record_prompt_logprobs(self, first_position: int, scores: list[PromptTokenLogprob]) -> None:
+        """Scores of the prompt tokens at ``first_position`` + 1 onwards (a recomputed chunk scores
+        them again, alike)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
+        self.prompt_logprobs[first_position:first_position + len(scores)] = scores
+
+    def prompt_logprobs_complete(self) -> bool:
+        return self.prompt_logprobs is not None and None not in self.prompt_logprobs
 
     @property
     def num_completion_tokens(self) -> int:

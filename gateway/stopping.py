@@ -108,6 +108,11 @@ def take_delta(seq: Sequence) -> ChoiceDelta | None:
         finish_reason=seq.finish_reason,
         stop_reason=seq.stop_reason,
     )
+    if seq.request.options.prompt_logprobs is not None and not seq.prompt_logprobs_reported:
+        # Whole once a token was sampled; a request that failed before has none to report.
+        complete = seq.request.prompt_logprobs_complete()
+        delta.prompt_logprobs = list(seq.request.prompt_logprobs) if complete else []
+        seq.prompt_logprobs_reported = True
     seq.pending_token_ids, seq.pending_logprobs, seq.pending_top_logprobs = [], [], []
     seq.finish_reported = finished
     return delta

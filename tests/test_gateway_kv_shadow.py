@@ -42,7 +42,7 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, EngineConfig
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler import AllocationResult, RequestTooLarge, SampledToken, SchedulerConfig
-from gateway.sequence import FinishReason, SamplingOptions
+from gateway.sequence import FinishReason, PromptTokenLogprob, SamplingOptions
 from gateway.stopping import suppressed_token_ids
 from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import AllocationRequest, PoolConfig
@@ -77,6 +77,12 @@ def copying_next_token(context: list[int], choice_seed: int) -> int:
             if context[i] == last:
                 return context[i + 1]
     return FIRST_TOKEN + h % NUM_SAMPLED
+
+
+def prompt_score(prefix: list[int], token: int) -> float:
+    """What the fake model reports as the log-probability of ``token`` after ``prefix``: a function
+    of every position, so a score computed over the wrong KV is a wrong score."""
+    return -((sum((i + 3) * t for i, t in enumerate(prefix)) * 7 + token) % 997) / 100
 
 
 def reference_output(prompt: list[int], max_tokens: int, choice_seed: int, model=next_token) -> list[int]:
@@ -225,7 +231,8 @@ class ShadowKVExecutor:
         return ExecutorInfo("shadow", "shadow-model", "float32", "cpu", "shadow", self.block_size,
                             self.num_blocks, 256, 49152, (2,), self.instance_id, self.fingerprint, **store,
                             verifies_draft_tokens=self.verifies_drafts,
-                            verifies_drafts_with_suppressed_tokens=self.verifies_drafts)
+                            verifies_drafts_with_suppressed_tokens=self.verifies_drafts,
+                            returns_prompt_logprobs=True)
 
     def _refuse(self, status: grpc.StatusCode, message: str) -> DependencyError:
         return DependencyError("executor", "in-process", grpc.aio.AioRpcError(
@@ -261,7 +268,7 @@ class ShadowKVExecutor:
         for entry in ready:
             for src, dst in entry.copies:
                 self.slots[dst] = list(self.slots[src])
-        sampled = []
+        sampled, prompt_logprobs = [], {}
         for entry in ready:
             if entry.seq_id in dropped:
                 continue
@@ -284,6 +291,14 @@ class ShadowKVExecutor:
                 assert entry.seq.num_output_tokens + len(drafts) < entry.seq.request.options.min_tokens, \
                     "drafts reach past min_tokens while EOS is suppressed"
                 self.drafts_short_of_min_tokens += 1
+            targets = entry.prompt_logprob_token_ids()
+            if targets:
+                seq, start = entry.seq, entry.start_position
+                assert start + len(targets) < seq.num_prompt_tokens and not drafts, "scores past the prompt"
+                assert targets == seq.token_ids[start + 1:start + 1 + len(targets)], "names other tokens than next"
+                rows = context + computed
+                prompt_logprobs[entry.seq_id] = [PromptTokenLogprob(prompt_score(rows[:start + i + 1], t), [])
+                                                 for i, t in enumerate(targets)]
             for i, token in enumerate(computed + drafts):  # a draft's KV is written, right or wrong
                 pos = entry.start_position + i
                 assert pos // bs < len(table), f"seq {entry.seq_id} writes position {pos} past its blocks"
@@ -297,7 +312,8 @@ class ShadowKVExecutor:
                 if not self.fail_saves:
                     self.store[h] = list(self.slots[block_id])
                 saves_ok.append(not self.fail_saves)
-        return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id, frozenset(dropped), tuple(missing), tuple(saves_ok))
+        return ExecuteOutput(sampled, 0.0, 0.0, self.instance_id, frozenset(dropped), tuple(missing), tuple(saves_ok),
+                             prompt_logprobs)
 
     def _verify(self, context: list[int], drafts: list[int], choice_seed: int) -> SampledToken:
         """Greedy verification: drafts are accepted while each is what the model picks after the
@@ -354,6 +370,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
         self.failures = 0
         self.streams = {}
         self.expected = {}
+        self.prompt_scores = {}  # request id -> its prompt's scores, for those that asked
         self.lengths = {}
         self.restarts_seen = {}
         self.ids = itertools.count()
@@ -381,9 +398,12 @@ class GatewayKVMachine(RuleBasedStateMachine):
     def submit(self, prompt, max_tokens, n, salt, seed, tenant="", share=False, ttl_ms=0, low_priority=False,
                min_tokens=0):
         shared = next((len(p) for p in PREFIXES[1:] if prompt[:len(p)] == p), 0) if share else 0
+        # Prompt scoring (echo with logprobs) on a share of the requests, without a draw of its own.
+        scored = seed == 7 and salt == "tenant"
         options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True,
                                   tenant=tenant, num_shared_tokens=shared, cache_ttl_ms=ttl_ms,
-                                  cache_priority_low=low_priority, min_tokens=min_tokens)
+                                  cache_priority_low=low_priority, min_tokens=min_tokens,
+                                  prompt_logprobs=0 if scored else None, enable_prefix_caching=not scored)
         request_id = f"r{next(self.ids)}"
         try:
             stream = self.run(self.engine.submit(prompt, options, request_id))
@@ -400,6 +420,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
         self.expected[request_id] = [reference_output(prompt, max_tokens, (seed or 0) + i, self.model)
                                      for i in range(n)]
         self.lengths[request_id] = len(prompt) + max_tokens
+        if scored:
+            self.prompt_scores[request_id] = [prompt_score(prompt[:p], prompt[p]) for p in range(1, len(prompt))]
 
     @rule(steps=st.integers(1, 4))
     def step(self, steps):
@@ -576,10 +598,14 @@ class GatewayKVMachine(RuleBasedStateMachine):
         assert error is None or (isinstance(error, StepRefused) and request_id in self.executor.refused_requests), error
         tokens: dict[int, list[int]] = {}
         reasons = {}
+        scores = {}  # choice index -> the prompt scores on its first delta
         for output in outputs:
             for choice in output.choices:
                 tokens.setdefault(choice.index, []).extend(choice.token_ids)
                 reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+                if choice.prompt_logprobs is not None:
+                    assert choice.index not in scores, f"{request_id}: prompt scores on two deltas"
+                    scores[choice.index] = [s.logprob for s in choice.prompt_logprobs]
         for index, expected in enumerate(self.expected[request_id]):
             got = tokens.get(index, [])
             if error is not None or reasons.get(index) is FinishReason.ABORT:  # cut short: what came is right
@@ -587,6 +613,12 @@ class GatewayKVMachine(RuleBasedStateMachine):
                 self.seen.update(["refused request failed alone" if error else "aborted"])
                 continue
             assert got == expected, f"{request_id} choice {index}: {got} != {expected}"
+            if request_id in self.prompt_scores:
+                assert scores.get(index) == self.prompt_scores[request_id], (
+                    f"{request_id} choice {index}: prompt scores {scores.get(index)} != "
+                    f"{self.prompt_scores[request_id]}")
+                assert not outputs[-1].cached_tokens, f"{request_id}: a scored prompt hit the cache"
+                self.seen.update(["prompt scored"])
             if outputs[-1].cached_tokens:
                 self.seen.update(["finished after a prefix hit"])
             if self.restarts_seen.get(request_id, 0) != self.failures:
@@ -716,7 +748,8 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     run_machine(GatewayKVMachine, default_model_dir, {
         "finished with the reference output": 200, "finished after a prefix hit": 20,
         "finished across an executor failure": 10, "finished across a failure with two executors": 10,
-        "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20})
+        "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20,
+        "prompt scored": 10})
 
 
 @pytest.mark.timeout(600)
