@@ -17,7 +17,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,10 +30,12 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.model_name import check_model_name
 from gateway.openai_protocol import (
-    ChatCompletionBody, ChoiceAccumulator, CompletionBody, EchoedPrompt, ResponseFormatter, message_dicts,
+    ChatCompletionBody, ChoiceAccumulator, CompletionBody, EchoedPrompt, ResponseFormatter, message_dicts, usage_dict,
 )
 from gateway.params import build_options
+from gateway.responses_api import ResponsesBody, ResponseWriter
 from gateway.scheduler import RequestTooLarge
+from gateway.sequence import RequestOutput
 from gateway.streams import MergedStream, RequestStream
 from gateway.tenants import TENANT_HEADER, TenantResolver
 from gateway.tool_calls import ToolCalling, render_tool_messages
@@ -300,12 +302,29 @@ async def completions(body: CompletionBody, request: Request):
     if body.echo:  # the prompt in front of each choice; with logprobs, each prompt token's as well
         echo = [EchoedPrompt(p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False), ids)
                 for p, ids in zip(prompts, prompt_ids)]
-    return await _generate("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec(),
+    started = await _start("completion", body, prompt_ids, body.logprobs, request, body.constraint_spec(),
                            tenant=tenant, echo=echo)
+    return await _respond(body, request, started)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionBody, request: Request):
+    return await _respond(body, request, await _start_chat(body, request))
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesBody, request: Request):
+    """OpenAI's Responses API as a chat completion (gateway/responses_api.py)."""
+    chat = body.chat_body()
+    started = await _start_chat(chat, request)
+    writer = ResponseWriter(body, started.engine.model_name)
+    if body.stream:
+        return StreamingResponse(_response_events(started, writer), media_type="text/event-stream")
+    choices, last = await _collect_choices(started, request)
+    return JSONResponse(writer.complete(started.formatter.response(choices, last)))
+
+
+async def _start_chat(body: ChatCompletionBody, request: Request) -> Started:
     engine, tokenizer = _engine(request), _tokenizer(request)
     check_model_name(body.model, engine.model_name)
     if not body.messages:
@@ -328,7 +347,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _generate("chat", body, [prompt_ids], logprobs, request, constraint, tools, tenant=tenant)
+    return await _start("chat", body, [prompt_ids], logprobs, request, constraint, tools, tenant=tenant)
 
 
 def _tenant(request: Request) -> str:
@@ -357,9 +376,19 @@ async def system_prompt_tokens(tokenizer: ModelTokenizer, messages: list[dict], 
     return shared
 
 
-async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request,
-                    constraint: ConstraintSpec | None, tools: ToolCalling | None = None, tenant: str = "",
-                    echo: list[EchoedPrompt] | None = None):
+@dataclass(frozen=True)
+class Started:
+    """A request submitted: its output stream and how to render it."""
+
+    engine: Engine
+    stream: RequestStream | MergedStream
+    formatter: ResponseFormatter
+    num_choices: int
+
+
+async def _start(kind: str, body, prompts: list[list[int]], logprobs: int | None, request: Request,
+                 constraint: ConstraintSpec | None, tools: ToolCalling | None = None, tenant: str = "",
+                 echo: list[EchoedPrompt] | None = None) -> Started:
     engine = _engine(request)
     unsupported = body.unsupported()
     if unsupported:
@@ -392,9 +421,16 @@ async def _generate(kind: str, body, prompts: list[list[int]], logprobs: int | N
     num_choices = options.n * len(prompts)
     formatter = ResponseFormatter(kind, request_id, engine.model_name, _tokenizer(request), logprobs is not None,
                                   num_choices, tools, echo)
+    return Started(engine, stream, formatter, num_choices)
+
+
+async def _respond(body, request: Request, started: Started):
+    """The completion or chat completion, streamed (server-sent events) or whole."""
     if body.stream:
-        return StreamingResponse(_sse(engine, stream, formatter, body.include_usage), media_type="text/event-stream")
-    return await _collect(engine, stream, formatter, num_choices, request)
+        return StreamingResponse(_sse(started.engine, started.stream, started.formatter, body.include_usage),
+                                 media_type="text/event-stream")
+    choices, last = await _collect_choices(started, request)
+    return JSONResponse(started.formatter.response(choices, last))
 
 
 def _abort(engine: Engine, stream: RequestStream | MergedStream) -> None:
@@ -427,9 +463,10 @@ async def _sse(engine: Engine, stream: RequestStream | MergedStream, formatter: 
             _abort(engine, stream)
 
 
-async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatter: ResponseFormatter, n: int,
-                   request: Request):
-    choices = [ChoiceAccumulator() for _ in range(n)]
+async def _collect_choices(started: Started, request: Request) -> tuple[list[ChoiceAccumulator], RequestOutput]:
+    """Every choice whole, and the last output (usage); aborts when the client goes away."""
+    engine, stream = started.engine, started.stream
+    choices = [ChoiceAccumulator() for _ in range(started.num_choices)]
 
     async def drain():
         last = None
@@ -452,7 +489,37 @@ async def _collect(engine: Engine, stream: RequestStream | MergedStream, formatt
         if not task.done():
             task.cancel()
             _abort(engine, stream)
-    return JSONResponse(formatter.response(choices, last))
+    return choices, last
+
+
+async def _response_events(started: Started, writer: ResponseWriter):
+    """The Responses stream: the chat chunks as typed events, ``response.completed`` (or
+    ``.incomplete``) last with usage; an ``error`` event when the request fails."""
+    engine, stream, formatter = started.engine, started.stream, started.formatter
+    finished = False
+    try:
+        for event in writer.start():
+            yield _event_line(event)
+        async for output in stream:
+            for chunk in formatter.chunks(output):
+                for event in writer.chunk(chunk):
+                    yield _event_line(event)
+            if output.finished:
+                finished = True
+                reason = next((c.finish_reason.value for c in output.choices if c.finish_reason), None)
+                for event in writer.finish(reason, usage_dict(output)):
+                    yield _event_line(event)
+    except KVServeError as exc:
+        finished = True
+        _, kind = error_for(exc)
+        yield _event_line(writer.error(str(exc), kind))
+    finally:
+        if not finished:
+            _abort(engine, stream)
+
+
+def _event_line(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
 def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES,

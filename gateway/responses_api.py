@@ -1,0 +1,317 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path.
+
+A request becomes a chat completion: ``instructions`` a system message, each input item a
+message (``function_call`` items the assistant's tool calls, ``function_call_output`` items
+tool messages), ``tools`` and ``text.format`` the chat path's tools and ``response_format``.
+Its chat completion (or each streamed chunk of it) becomes a ``response`` object (or the
+Responses stream's typed events), so tools, structured outputs and sampling behave exactly
+as on ``/v1/chat/completions``. Nothing is stored: ``store: true`` and
+``previous_response_id`` are refused, as is any input or tool this server cannot run.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from gateway.openai_protocol import ChatCompletionBody, Float, Int, Text, lone_surrogate_error
+from kvserve.errors import InvalidArgument
+
+MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+# What clients send that changes nothing here at these values.
+NEUTRAL = {"store": (None, False), "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+           "truncation": (None, "disabled"), "background": (None, False), "service_tier": (None, "auto", "default"),
+           "top_logprobs": (None, 0), "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,)}
+
+
+class ResponsesBody(BaseModel):
+    # Unknown fields are a 400 naming them, never dropped (as on the other routes).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model: Text | None = None
+    input: Text | list[Any]
+    instructions: Text | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    stream: bool = False
+    tools: list[Any] | None = None
+    tool_choice: Text | dict | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict | None = None
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None  # a hint for OpenAI's cache routing; kvserve's cache needs none
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    previous_response_id: Text | None = None
+    reasoning: dict | None = None
+    include: list[Text] | None = None
+    truncation: Text | None = None
+    background: bool | None = None
+    service_tier: Text | None = None
+    top_logprobs: Int | None = None
+    max_tool_calls: Int | None = None
+    prompt: dict | None = None
+    conversation: Any = None
+
+    def chat_body(self) -> ChatCompletionBody:
+        """The chat completion this request asks for; InvalidArgument naming what cannot be one."""
+        for name, allowed in NEUTRAL.items():
+            if getattr(self, name) not in allowed:
+                raise InvalidArgument(f"{name}: not supported by this server at {getattr(self, name)!r} "
+                                      "(responses are not stored; send each turn's whole input)")
+        chat: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
+                                "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
+                                "top_p": self.top_p, "user": self.user or self.safety_identifier}
+        if self.tools is not None:
+            chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            chat["parallel_tool_calls"] = self.parallel_tool_calls
+        response_format = _response_format(self.text)
+        if response_format is not None:
+            chat["response_format"] = response_format
+        try:
+            return ChatCompletionBody.model_validate({k: v for k, v in chat.items() if v is not None})
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error.get("loc", ()))
+            raise InvalidArgument(f"{where}: {error.get('msg', 'invalid')}") from None
+
+    def _messages(self) -> list[dict]:
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
+        if not items:
+            raise InvalidArgument("input: at least one item is needed")
+        for i, item in enumerate(items):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise InvalidArgument(f"{where}: must be an object, got {type(item).__name__}")
+            kind = item.get("type", "message")
+            if kind == "message":
+                _only(where, item, ("type", "role", "content", "id", "status"))
+                role = MESSAGE_ROLES.get(item.get("role"))
+                if role is None:
+                    raise InvalidArgument(f"{where}.role: must be one of {', '.join(MESSAGE_ROLES)}")
+                messages.append({"role": role, "content": _text(f"{where}.content", item.get("content"))})
+            elif kind == "function_call":
+                _only(where, item, ("type", "call_id", "name", "arguments", "id", "status"))
+                call = {"id": _string(where, item, "call_id"), "type": "function",
+                        "function": {"name": _string(where, item, "name"),
+                                     "arguments": _string(where, item, "arguments")}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"].append(call)  # parallel calls of one turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                _only(where, item, ("type", "call_id", "output", "id", "status"))
+                messages.append({"role": "tool", "tool_call_id": _string(where, item, "call_id"),
+                                 "content": _text(f"{where}.output", item.get("output"))})
+            else:
+                raise InvalidArgument(f"{where}.type: {kind!r} is not supported (message, function_call and "
+                                      "function_call_output items are)")
+        return messages
+
+
+def _only(where: str, item: dict, allowed: tuple[str, ...]) -> None:
+    extra = next((key for key in item if key not in allowed), None)
+    if extra is not None:
+        raise InvalidArgument(f"{where}.{extra}: not supported by this server")
+
+
+def _string(where: str, item: dict, key: str) -> str:
+    return _checked(f"{where}.{key}", item.get(key))
+
+
+def _checked(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{where}: must be a string")
+    error = lone_surrogate_error(value)
+    if error:
+        raise InvalidArgument(f"{where}: {error}")
+    return value
+
+
+def _text(where: str, content: Any) -> str:
+    """A string, or text content parts joined."""
+    if isinstance(content, str):
+        return _checked(where, content)
+    if not isinstance(content, list):
+        raise InvalidArgument(f"{where}: must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS:
+            raise InvalidArgument(f"{where}[{j}].type: {kind!r} is not supported (this server takes text parts: "
+                                  f"{', '.join(TEXT_PARTS)})")
+        texts.append(_string(f"{where}[{j}]", part, "text"))
+    return "".join(texts)
+
+
+def _chat_tool(index: int, tool: Any) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise InvalidArgument(f"tools[{index}].type: {kind!r} is not supported (function tools are)")
+    _only(f"tools[{index}]", tool, ("type", "name", "description", "parameters", "strict"))
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise InvalidArgument("tool_choice: none, auto, required or {\"type\": \"function\", \"name\": ...}")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: dict | None) -> dict | None:
+    if text is None:
+        return None
+    _only("text", text, ("format", "verbosity"))
+    if text.get("verbosity") not in (None, "medium"):
+        raise InvalidArgument(f"text.verbosity: not supported by this server at {text['verbosity']!r}")
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise InvalidArgument("text.format.type: text, json_object or json_schema")
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    _only("text.format", fmt, ("type", "name", "schema", "strict", "description"))
+    return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "schema", "strict", "description")
+                                                   if key in fmt}}
+
+
+class ResponseWriter:
+    """Builds one response object, whole or as the Responses stream's events, from the chat path's
+    completion (``complete``) or its chunks (``start``, ``chunk``, ``finish``)."""
+
+    def __init__(self, body: ResponsesBody, model: str):
+        self.body = body
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model = model
+        self.output: list[dict] = []
+        self._sequence = 0
+        self._message: dict | None = None  # the message item being streamed
+
+    def response(self, status: str = "in_progress", usage: dict | None = None, incomplete: str | None = None) -> dict:
+        body = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": self.output, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "text": body.text or {"format": {"type": "text"}},
+            "previous_response_id": None, "store": False, "truncation": "disabled", "user": body.user,
+            "metadata": body.metadata or {}, "usage": usage,
+        }
+
+    # --- whole ---------------------------------------------------------------------
+
+    def complete(self, completion: dict) -> dict:
+        """The response for a chat.completion object."""
+        choice = completion["choices"][0]
+        message = choice["message"]
+        for call in message.get("tool_calls") or ():
+            self.output.append(self._call_item(call))
+        if not message.get("tool_calls"):
+            self.output.append(self._message_item(message.get("content") or "", "completed"))
+        return self._final(choice["finish_reason"], completion["usage"])
+
+    # --- streamed --------------------------------------------------------------------
+
+    def start(self) -> list[dict]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        """Events for one chat.completion.chunk."""
+        delta = chunk["choices"][0]["delta"]
+        events = []
+        if delta.get("content"):
+            events += self._open_message()
+            self._message["content"][0]["text"] += delta["content"]
+            events.append(self._event("response.output_text.delta", item_id=self._message["id"],
+                                      output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
+                                      logprobs=[]))
+        for call in delta.get("tool_calls") or ():
+            item = self._call_item(call)
+            index = len(self.output)
+            self.output.append(item)
+            arguments = item["arguments"]
+            events += [self._event("response.output_item.added", output_index=index,
+                                   item={**item, "arguments": "", "status": "in_progress"}),
+                       self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                   delta=arguments),
+                       self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   name=item["name"], arguments=arguments),
+                       self._event("response.output_item.done", output_index=index, item=item)]
+        return events
+
+    def finish(self, finish_reason: str | None, usage: dict) -> list[dict]:
+        events = []
+        if not self.output:  # an empty answer is an empty message
+            events += self._open_message()
+        if self._message is not None:
+            item, index = self._message, self.output.index(self._message)
+            part = item["content"][0]
+            item["status"] = "completed"
+            events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
+                                   text=part["text"], logprobs=[]),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=part),
+                       self._event("response.output_item.done", output_index=index, item=item)]
+        final = self._final(finish_reason, usage)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=final)]
+
+    def error(self, message: str, code: str) -> dict:
+        return self._event("error", code=code, message=message, param=None)
+
+    # --- pieces ------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+    def _open_message(self) -> list[dict]:
+        if self._message is not None:
+            return []
+        self._message = self._message_item("", "in_progress")
+        index = len(self.output)
+        self.output.append(self._message)
+        return [self._event("response.output_item.added", output_index=index,
+                            item={**self._message, "content": []}),
+                self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
+                            content_index=0, part=dict(self._message["content"][0]))]
+
+    @staticmethod
+    def _message_item(text: str, status: str) -> dict:
+        return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def _call_item(call: dict) -> dict:
+        return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+    def _final(self, finish_reason: str | None, usage: dict) -> dict:
+        details = usage.get("prompt_tokens_details") or {}
+        totals = {"input_tokens": usage["prompt_tokens"],
+                  "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+                  "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage["total_tokens"]}
+        if finish_reason == "length":
+            return self.response("incomplete", totals, "max_output_tokens")
+        return self.response("completed", totals)

@@ -1,0 +1,128 @@
+"""OpenAI's Responses API (POST /v1/responses) against real kvmanager + executor processes (tiny
+model), through the ``openai`` package's own client and its typed stream events."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def stack(module_stack, tiny_model_dir):
+    return module_stack(tiny_model_dir, executor_args=["--dtype", "float32"])
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def chat_text(client, model, messages: list[dict], **kwargs) -> str:
+    return client.chat.completions.create(model=model, messages=messages, temperature=0, **kwargs) \
+        .choices[0].message.content
+
+
+def test_a_response_is_the_chat_completion_of_its_input(client, model):
+    response = client.responses.create(model=model, input="Say something.", instructions="Be brief.",
+                                       max_output_tokens=12, temperature=0)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in response.output] == ["message"]
+    expected = chat_text(client, model, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Say something."}], max_tokens=12)
+    assert response.output_text == expected
+    assert response.usage.output_tokens == 12 and response.usage.input_tokens > 0
+    assert response.usage.total_tokens == response.usage.input_tokens + 12
+
+
+def test_input_items_become_the_conversation(client, model):
+    items = [{"role": "developer", "content": "Answer in French."},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Bonjour", "annotations": []}]},
+             {"role": "user", "content": "And goodbye?"}]
+    response = client.responses.create(model=model, input=items, max_output_tokens=8, temperature=0)
+    expected = chat_text(client, model, [{"role": "system", "content": "Answer in French."},
+                                  {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Bonjour"},
+                                  {"role": "user", "content": "And goodbye?"}], max_tokens=8)
+    assert response.output_text == expected
+
+
+def test_a_required_tool_call_comes_back_as_a_function_call_item_and_its_output_goes_on(client, model):
+    response = client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER],
+                                       tool_choice="required", max_output_tokens=64, temperature=0)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and response.status == "completed"
+    assert calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    assert isinstance(json.loads(calls[0].arguments)["city"], str)
+    follow_up = client.responses.create(model=model, tools=[WEATHER], max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
+    assert follow_up.output and follow_up.usage.input_tokens > response.usage.input_tokens
+
+
+def test_text_format_json_schema_constrains_the_output(client, model):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["three", "four", "five"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    response = client.responses.create(model=model, input="2 + 2?", max_output_tokens=40, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "sum", "schema": schema}})
+    assert response.status == "completed"
+    assert json.loads(response.output_text)["answer"] in ("three", "four", "five")
+
+
+def test_the_stream_sends_typed_events_that_add_up_to_the_response(client, model):
+    whole = client.responses.create(model=model, input="Tell me a story.", max_output_tokens=10, temperature=0)
+    events = list(client.responses.create(model=model, input="Tell me a story.", max_output_tokens=10,
+                                          temperature=0, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for kind in ("response.output_item.added", "response.content_part.added", "response.output_text.done",
+                 "response.content_part.done", "response.output_item.done"):
+        assert kinds.count(kind) == 1, kinds
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    assert events[-1].response.output_text == text and events[-1].response.usage.output_tokens == 10
+
+
+def test_a_streamed_tool_call_arrives_as_one_function_call_item(client, model):
+    events = list(client.responses.create(model=model, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                          max_output_tokens=64, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) >= 1 and done[0].name == "get_weather"
+    final = events[-1].response
+    assert final.status == "completed" and final.output[0].type == "function_call"
+    assert final.output[0].arguments == done[0].arguments
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"input": "hi", "store": True}, "store"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "hi", "unknown": 1}, "unknown"),
+    ({"input": []}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_tokens"),
+])
+def test_what_cannot_be_served_is_a_400_naming_it(stack, body, needle):
+    reply = httpx.post(stack.http_url + "/v1/responses", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert needle in reply.json()["error"]["message"], reply.text
