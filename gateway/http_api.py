@@ -398,7 +398,7 @@ async def _start(kind: str, body, prompts: list[list[int]], logprobs: int | None
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens, n=body.n, logprobs=logprobs, cache_salt=body.cache_salt or "",
-        prompt_logprobs=logprobs if echo is not None else None,
+        prompt_logprobs=logprobs if echo is not None else None, prompt_only=echo is not None,
         skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled, tenant=tenant,

@@ -76,7 +76,7 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
                   top_k: int | None, seed: int | None, stop: str | Iterable[str] | None,
                   stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
                   min_tokens: int | None = 0, n: int | None = 1, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None,
+                  prompt_logprobs: int | None = None, prompt_only: bool = False,
                   enable_prefix_caching: bool = True, cache_salt: str = "",
                   skip_special_tokens: bool = True, default_temperature: float = 1.0,
                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
@@ -91,13 +91,16 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
     ``constraint``: a compiled structured-output constraint (gateway.constraints).
     ``prompt_logprobs``: report the prompt's log-probabilities with this many top alternatives;
     such a request computes its whole prompt, so it neither hits nor publishes cached blocks.
+    ``prompt_only``: ``max_tokens`` may be 0 (completions' echo: the prompt, and its scores, alone).
     ``tenant``: already resolved and checked (gateway.tenants); the ``kv_*`` cache terms are
     checked here (``kv_shared_prefix_tokens`` against the prompt in ``validate_request``).
     """
     if max_tokens is not None:
         max_tokens = _integer("max_tokens", max_tokens)
-        if max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens must be > 0, got {max_tokens}")
+        if max_tokens < 0 or (max_tokens == 0 and not prompt_only):
+            raise InvalidArgument(f"max_tokens must be > 0 (0 only with echo), got {max_tokens}")
+        if max_tokens == 0 and n not in (None, 1):
+            raise InvalidArgument("n: with max_tokens 0 every choice would be the prompt alone; ask for n 1")
     temperature = default_temperature if temperature is None else _finite("temperature", temperature)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise InvalidArgument(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
@@ -246,7 +249,7 @@ def validate_request(prompt: list[int], options: SamplingOptions, info, *, max_n
     if min(prompt) < 0 or max(prompt) >= info.vocab_size:
         bad = next(t for t in prompt if t < 0 or t >= info.vocab_size)
         raise InvalidArgument(f"prompt: token id {bad} is outside [0, {info.vocab_size})")
-    if options.max_tokens is None or options.max_tokens == 0:
+    if options.max_tokens is None:
         options.max_tokens = limit - length
     elif length + options.max_tokens > limit:
         raise InvalidArgument(f"prompt ({length} tokens) + max_tokens ({options.max_tokens}) exceeds "

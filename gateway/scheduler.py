@@ -435,7 +435,7 @@ class Scheduler:
             entry.num_tokens = result.num_tokens
             entry.copies = list(zip(result.copy_src, result.copy_dst))
             end = result.start_position + result.num_tokens
-            entry.sample = end == len(seq.token_ids)
+            entry.sample = end == len(seq.token_ids) and seq.request.options.max_tokens != 0
             self._cap_drafts(entry)
             if result.num_tokens > 0 or entry.copies:
                 ready.append(entry)
@@ -505,6 +505,10 @@ class Scheduler:
                         break
             elif request.fork_pending and seq.index == 0 and seq.num_to_compute() == 0:
                 self._pending_forks.append(request)
+            elif request.options.max_tokens == 0 and seq.num_computed == len(seq.token_ids):
+                finish_with(seq, FinishReason.LENGTH)  # the prompt alone was asked for (echo)
+                self._retire(seq)
+                touched[request.request_id] = request
         for request in touched.values():
             self._emit(request)
 

@@ -398,8 +398,11 @@ class GatewayKVMachine(RuleBasedStateMachine):
     def submit(self, prompt, max_tokens, n, salt, seed, tenant="", share=False, ttl_ms=0, low_priority=False,
                min_tokens=0):
         shared = next((len(p) for p in PREFIXES[1:] if prompt[:len(p)] == p), 0) if share else 0
-        # Prompt scoring (echo with logprobs) on a share of the requests, without a draw of its own.
+        # Prompt scoring (echo with logprobs) on a share of the requests, without a draw of its own;
+        # a third of those ask for the prompt alone (max_tokens 0).
         scored = seed == 7 and salt == "tenant"
+        if scored and max_tokens == 1 and n == 1:
+            max_tokens = 0
         options = SamplingOptions(max_tokens=max_tokens, n=n, cache_salt=salt, seed=seed, ignore_eos=True,
                                   tenant=tenant, num_shared_tokens=shared, cache_ttl_ms=ttl_ms,
                                   cache_priority_low=low_priority, min_tokens=min_tokens,
@@ -618,7 +621,7 @@ class GatewayKVMachine(RuleBasedStateMachine):
                     f"{request_id} choice {index}: prompt scores {scores.get(index)} != "
                     f"{self.prompt_scores[request_id]}")
                 assert not outputs[-1].cached_tokens, f"{request_id}: a scored prompt hit the cache"
-                self.seen.update(["prompt scored"])
+                self.seen.update(["prompt scored" if expected else "prompt scored alone (max_tokens 0)"])
             if outputs[-1].cached_tokens:
                 self.seen.update(["finished after a prefix hit"])
             if self.restarts_seen.get(request_id, 0) != self.failures:
@@ -749,7 +752,7 @@ def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
         "finished with the reference output": 200, "finished after a prefix hit": 20,
         "finished across an executor failure": 10, "finished across a failure with two executors": 10,
         "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20,
-        "prompt scored": 10})
+        "prompt scored": 10, "prompt scored alone (max_tokens 0)": 5})
 
 
 @pytest.mark.timeout(600)

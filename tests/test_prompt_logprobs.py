@@ -171,3 +171,27 @@ def test_grpc_generate_returns_the_prompt_s_logprobs_on_each_choice_s_first_mess
         torch.testing.assert_close(torch.tensor(list(mine[0].prompt_logprobs)), want, atol=2e-4, rtol=0)
         assert all(not m.prompt_logprobs for m in mine[1:])
     assert messages[-1].usage.cached_tokens == 0
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(stack, oracle):
+    """What HELM's language-modelling runs send: the prompt's log-probabilities, no completion."""
+    tokens = prompt_tokens(20, seed=9)
+    body = complete(stack, prompt=tokens, echo=True, logprobs=1, max_tokens=0)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 20 and lp["token_logprobs"][0] is None
+    want = oracle(tokens)[torch.arange(19), torch.tensor(tokens[1:])]
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:]), want, atol=2e-4, rtol=0)
+    text = complete(stack, prompt="Just the prompt", echo=True, max_tokens=0)["choices"][0]
+    assert text["text"] == "Just the prompt" and text["finish_reason"] == "length"
+    for refused in (dict(max_tokens=0), dict(max_tokens=0, echo=True, n=2)):
+        reply = httpx.post(stack.http_url + "/v1/completions", json={"prompt": "x", **refused}, timeout=30)
+        assert reply.status_code == 400 and ("max_tokens" in reply.text or "n:" in reply.text), reply.text
+    long_text = "A prompt long enough to fill whole KV blocks, sent twice so that the second is a prefix hit. " * 3
+    cached = []
+    for _ in range(2):  # the second time its whole blocks are cached
+        again = complete(stack, prompt=long_text, echo=True, max_tokens=0)
+        assert again["choices"][0]["text"] == long_text and again["usage"]["completion_tokens"] == 0
+        cached.append(again["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= CHUNK_TOKENS
