@@ -22,9 +22,11 @@ from kvserve.errors import InvalidArgument
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # What clients send that changes nothing here at these values.
-NEUTRAL = {"store": (None, False), "previous_response_id": (None,), "reasoning": (None,), "include": (None, []),
+NEUTRAL = {"store": (None, False), "previous_response_id": (None,), "reasoning": (None,),
            "truncation": (None, "disabled"), "background": (None, False), "service_tier": (None, "auto", "default"),
-           "top_logprobs": (None, 0), "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,)}
+           "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,)}
+# ``include`` values this server can add to a response.
+TEXT_LOGPROBS = "message.output_text.logprobs"
 
 
 class ResponsesBody(BaseModel):
@@ -64,9 +66,14 @@ class ResponsesBody(BaseModel):
             if getattr(self, name) not in allowed:
                 raise InvalidArgument(f"{name}: not supported by this server at {getattr(self, name)!r} "
                                       "(responses are not stored; send each turn's whole input)")
+        unknown = next((value for value in self.include or () if value != TEXT_LOGPROBS), None)
+        if unknown is not None:
+            raise InvalidArgument(f"include: {unknown!r} is not supported (only {TEXT_LOGPROBS!r})")
         chat: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "user": self.user or self.safety_identifier}
+        if self.wants_logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         if self.tools is not None:
             chat["tools"] = [_chat_tool(i, tool) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -82,6 +89,12 @@ class ResponsesBody(BaseModel):
             error = exc.errors()[0]
             where = ".".join(str(p) for p in error.get("loc", ()))
             raise InvalidArgument(f"{where}: {error.get('msg', 'invalid')}") from None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Each output token's log-probability (``output_text.logprobs``): asked with ``include`` or
+        ``top_logprobs``."""
+        return TEXT_LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
     def _messages(self) -> list[dict]:
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -201,6 +214,7 @@ class ResponseWriter:
         self.output: list[dict] = []
         self._sequence = 0
         self._message: dict | None = None  # the message item being streamed
+        self._held_logprobs: list[dict] = []  # of tokens whose text the chat path holds back (a possible call)
 
     def response(self, status: str = "in_progress", usage: dict | None = None, incomplete: str | None = None) -> dict:
         body = self.body
@@ -225,7 +239,9 @@ class ResponseWriter:
         for call in message.get("tool_calls") or ():
             self.output.append(self._call_item(call))
         if not message.get("tool_calls"):
-            self.output.append(self._message_item(message.get("content") or "", "completed"))
+            item = self._message_item(message.get("content") or "", "completed")
+            item["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
+            self.output.append(item)
         return self._final(choice["finish_reason"], completion["usage"])
 
     # --- streamed --------------------------------------------------------------------
@@ -236,14 +252,19 @@ class ResponseWriter:
 
     def chunk(self, chunk: dict) -> list[dict]:
         """Events for one chat.completion.chunk."""
-        delta = chunk["choices"][0]["delta"]
+        choice = chunk["choices"][0]
+        delta = choice["delta"]
         events = []
+        self._held_logprobs += (choice.get("logprobs") or {}).get("content") or []
         if delta.get("content"):
             events += self._open_message()
-            self._message["content"][0]["text"] += delta["content"]
+            part = self._message["content"][0]
+            logprobs, self._held_logprobs = self._held_logprobs, []
+            part["text"] += delta["content"]
+            part["logprobs"] += logprobs
             events.append(self._event("response.output_text.delta", item_id=self._message["id"],
-                                      output_index=len(self.output) - 1, content_index=0, delta=delta["content"],
-                                      logprobs=[]))
+                                      output_index=self.output.index(self._message), content_index=0,
+                                      delta=delta["content"], logprobs=logprobs))
         for call in delta.get("tool_calls") or ():
             item = self._call_item(call)
             index = len(self.output)
@@ -267,7 +288,7 @@ class ResponseWriter:
             part = item["content"][0]
             item["status"] = "completed"
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                                   text=part["text"], logprobs=[]),
+                                   text=part["text"], logprobs=part["logprobs"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part),
                        self._event("response.output_item.done", output_index=index, item=item)]

@@ -109,7 +109,25 @@ def test_a_streamed_tool_call_arrives_as_one_function_call_item(client, model):
     assert final.output[0].arguments == done[0].arguments
 
 
+def test_output_text_logprobs_are_the_chat_completion_s(client, model):
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count:"}],
+                                          temperature=0, max_tokens=6, logprobs=True, top_logprobs=2)
+    want = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    response = client.responses.create(model=model, input="Count:", temperature=0, max_output_tokens=6,
+                                       top_logprobs=2, include=["message.output_text.logprobs"])
+    got = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in response.output[0].content[0].logprobs]
+    assert got == want
+    events = list(client.responses.create(model=model, input="Count:", temperature=0, max_output_tokens=6,
+                                          top_logprobs=2, stream=True))
+    streamed = [(t.token, t.logprob, [a.token for a in t.top_logprobs])
+                for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert streamed == want
+    plain = client.responses.create(model=model, input="Count:", temperature=0, max_output_tokens=6)
+    assert plain.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("body, needle", [
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "hi", "store": True}, "store"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
