@@ -106,30 +106,41 @@ class ResponsesBody(BaseModel):
             if not isinstance(item, dict):
                 raise InvalidArgument(f"{where}: must be an object, got {type(item).__name__}")
             kind = item.get("type", "message")
-            if kind == "message":
-                _only(where, item, ("type", "role", "content", "id", "status"))
-                role = MESSAGE_ROLES.get(item.get("role"))
-                if role is None:
-                    raise InvalidArgument(f"{where}.role: must be one of {', '.join(MESSAGE_ROLES)}")
-                messages.append({"role": role, "content": _text(f"{where}.content", item.get("content"))})
-            elif kind == "function_call":
-                _only(where, item, ("type", "call_id", "name", "arguments", "id", "status"))
-                call = {"id": _string(where, item, "call_id"), "type": "function",
-                        "function": {"name": _string(where, item, "name"),
-                                     "arguments": _string(where, item, "arguments")}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                    last["tool_calls"].append(call)  # parallel calls of one turn
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif kind == "function_call_output":
-                _only(where, item, ("type", "call_id", "output", "id", "status"))
-                messages.append({"role": "tool", "tool_call_id": _string(where, item, "call_id"),
-                                 "content": _text(f"{where}.output", item.get("output"))})
-            else:
-                raise InvalidArgument(f"{where}.type: {kind!r} is not supported (message, function_call and "
-                                      "function_call_output items are)")
+            convert = ITEM_CONVERTERS.get(kind)
+            if convert is None:
+                raise InvalidArgument(f"{where}.type: {kind!r} is not supported ({', '.join(ITEM_CONVERTERS)} "
+                                      "items are)")
+            convert(where, item, messages)
         return messages
+
+
+def _message(where: str, item: dict, messages: list[dict]) -> None:
+    _only(where, item, ("type", "role", "content", "id", "status"))
+    role = MESSAGE_ROLES.get(item.get("role"))
+    if role is None:
+        raise InvalidArgument(f"{where}.role: must be one of {', '.join(MESSAGE_ROLES)}")
+    messages.append({"role": role, "content": _text(f"{where}.content", item.get("content"))})
+
+
+def _function_call(where: str, item: dict, messages: list[dict]) -> None:
+    """An earlier call: the assistant's tool call (consecutive ones are one turn's parallel calls)."""
+    _only(where, item, ("type", "call_id", "name", "arguments", "id", "status"))
+    call = {"id": _string(where, item, "call_id"), "type": "function",
+            "function": {"name": _string(where, item, "name"), "arguments": _string(where, item, "arguments")}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
+        last["tool_calls"].append(call)
+    else:
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+
+
+def _function_call_output(where: str, item: dict, messages: list[dict]) -> None:
+    _only(where, item, ("type", "call_id", "output", "id", "status"))
+    messages.append({"role": "tool", "tool_call_id": _string(where, item, "call_id"),
+                     "content": _text(f"{where}.output", item.get("output"))})
+
+
+ITEM_CONVERTERS = {"message": _message, "function_call": _function_call, "function_call_output": _function_call_output}
 
 
 def _only(where: str, item: dict, allowed: tuple[str, ...]) -> None:
