@@ -427,8 +427,7 @@ async def _start(kind: str, body, prompts: list[list[int]], logprobs: int | None
 async def _respond(body, request: Request, started: Started):
     """The completion or chat completion, streamed (server-sent events) or whole."""
     if body.stream:
-        return StreamingResponse(_sse(started.engine, started.stream, started.formatter, body.include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_sse(started, body.include_usage), media_type="text/event-stream")
     choices, last = await _collect_choices(started, request)
     return JSONResponse(started.formatter.response(choices, last))
 
@@ -440,8 +439,8 @@ def _abort(engine: Engine, stream: RequestStream | MergedStream) -> None:
         engine.abort(stream.request_id)
 
 
-async def _sse(engine: Engine, stream: RequestStream | MergedStream, formatter: ResponseFormatter,
-               include_usage: bool):
+async def _sse(started: Started, include_usage: bool):
+    engine, stream, formatter = started.engine, started.stream, started.formatter
     finished = False
     try:
         async for output in stream:
