@@ -38,6 +38,7 @@ from gateway.scheduler import RequestTooLarge
 from gateway.sequence import RequestOutput
 from gateway.streams import MergedStream, RequestStream
 from gateway.tenants import TENANT_HEADER, TenantResolver
+from gateway.tokenizer_api import tokenizer_router
 from gateway.tool_calls import ToolCalling, render_tool_messages
 from kvserve.aio import wait_within
 from kvserve.auth import BearerToken
@@ -133,11 +134,13 @@ class BodySizeLimit:
 
 
 class ApiKeyAuth:
-    """ASGI middleware: ``/v1/*`` needs ``Authorization: Bearer <key>``; 401 with OpenAI's
-    error JSON otherwise. Other paths (``/health``, ``/metrics``, ``/admin/*``, which has its
-    own key) and CORS preflights pass. ``api_key``: a ``BearerToken`` or ``gateway.tenants.ApiKeys``."""
+    """ASGI middleware: ``/v1/*`` and the tokenizer routes need ``Authorization: Bearer <key>``;
+    401 with OpenAI's error JSON otherwise. Other paths (``/health``, ``/metrics``, ``/admin/*``,
+    which has its own key) and CORS preflights pass. ``api_key``: a ``BearerToken`` or
+    ``gateway.tenants.ApiKeys``."""
 
     PROTECTED_PREFIX = "/v1"
+    PROTECTED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
     def __init__(self, app, api_key: BearerToken):
         self.app = app
@@ -147,7 +150,8 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             return False
         path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
-        return path == self.PROTECTED_PREFIX or path.startswith(self.PROTECTED_PREFIX + "/")
+        return (path == self.PROTECTED_PREFIX or path.startswith(self.PROTECTED_PREFIX + "/")
+                or path.rstrip("/") in self.PROTECTED_PATHS)
 
     async def __call__(self, scope, receive, send):
         if self._protected(scope):
@@ -545,5 +549,6 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int
     for exc_class, handler in EXCEPTION_HANDLERS.items():
         app.add_exception_handler(exc_class, handler)
     app.include_router(router)
+    app.include_router(tokenizer_router)
     app.include_router(admin_router)
     return app

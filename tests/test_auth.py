@@ -151,7 +151,8 @@ def test_http_v1_needs_the_api_key(secured_stack):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                     {"Authorization": f"Basic {API_KEY}"}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                             ("POST", "/v1/responses")):
+                             ("POST", "/v1/responses"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                             ("GET", "/tokenizer_info")):
             reply = httpx.request(method, url + path, headers=headers, json={"prompt": "x"}, timeout=30)
             assert reply.status_code == 401, (method, path, headers, reply.text)
             error = reply.json()["error"]
