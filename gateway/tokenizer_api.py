@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from gateway.detokenizer import ModelTokenizer
 from gateway.model_name import check_model_name
 from gateway.openai_protocol import ChatMessage, Int, Text, message_dicts
+from gateway.tool_calls import render_tool_messages
 from kvserve.errors import InvalidArgument
 
 tokenizer_router = APIRouter()
@@ -50,8 +51,9 @@ async def tokenize(body: TokenizeBody, request: Request):
     if body.messages is not None:
         if not body.messages:
             raise InvalidArgument("messages: at least one message is needed")
-        tokens = await tokenizer.chat_prompt_async(message_dicts(body.messages), body.add_generation_prompt,
-                                                   max_model_len)
+        # Earlier tool calls rendered as the chat route renders them.
+        messages = render_tool_messages(message_dicts(body.messages), None)
+        tokens = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, max_model_len)
     else:
         tokens = await tokenizer.encode_async(body.prompt, body.add_special_tokens, max_model_len)
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,

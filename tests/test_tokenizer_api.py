@@ -47,6 +47,12 @@ def test_tokenize_renders_messages_with_the_chat_template(stack, tokenizer):
     assert chat["usage"]["prompt_tokens"] == reply["count"]
     without = post(stack, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert without["count"] < reply["count"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"q\": \"fox\"}"}}
+    turns = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                        {"role": "tool", "tool_call_id": "call_1", "content": "a fox"}]
+    counted = post(stack, "/tokenize", {"messages": turns}).json()["count"]
+    assert counted == post(stack, "/v1/chat/completions", {"messages": turns, "max_tokens": 1}).json()["usage"][
+        "prompt_tokens"]
 
 
 def test_detokenize_inverts_tokenize(stack):
