@@ -138,6 +138,8 @@ def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:
             request_id=output.request_id, index=delta.index, token_ids=delta.token_ids, text=delta.text,
             finish_reason=FINISH[delta.finish_reason], logprobs=delta.logprobs, stop_reason=stop_reason,
             prompt_logprobs=[score.logprob for score in delta.prompt_logprobs or ()],
+            top_logprobs=[gateway_pb2.TokenAlternatives(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
+                          for top in delta.top_logprobs],
         ))
     if output.finished:
         if not messages:

@@ -260,6 +260,25 @@ def test_logprobs_bytes_of_a_token_that_is_part_of_a_character(client, model_nam
     assert item.bytes == expected and item.top_logprobs[0].bytes == expected
 
 
+def test_grpc_generate_returns_the_alternatives_it_is_asked_for(stack):
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.GenerateRequest(text="Counting:", params=gateway_pb2.GenerationParams(
+            max_tokens=6, ignore_eos=True, logprobs=3))
+        messages = list(stub.Generate(request))
+        plain = list(stub.Generate(gateway_pb2.GenerateRequest(text="Counting:", params=gateway_pb2.GenerationParams(
+            max_tokens=6, ignore_eos=True))))
+    tokens = [t for m in messages for t in m.token_ids]
+    assert len(tokens) == 6
+    for message in messages:
+        assert len(message.top_logprobs) == len(message.token_ids) == len(message.logprobs)
+        for token, logprob, top in zip(message.token_ids, message.logprobs, message.top_logprobs):
+            assert len(top.token_ids) == len(top.logprobs) == 3
+            assert list(top.logprobs) == sorted(top.logprobs, reverse=True)
+            assert top.token_ids[0] == token and top.logprobs[0] == pytest.approx(logprob)  # greedy: the top one
+    assert all(not m.top_logprobs for m in plain)
+
+
 def test_grpc_generate_model_info_and_abort(stack):
     with grpc.insecure_channel(stack.grpc_address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)

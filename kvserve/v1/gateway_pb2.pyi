@@ -135,7 +135,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage", "logprobs", "stop_reason", "prompt_logprobs")
+    __slots__ = ("request_id", "index", "token_ids", "text", "finish_reason", "usage", "logprobs", "stop_reason", "prompt_logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -154,7 +155,16 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     stop_reason: str
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenAlternatives]
+    def __init__(self, request_id: _Optional[str] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenAlternatives, _Mapping]]] = ...) -> None: ...
+
+class TokenAlternatives(_message.Message):
+    __slots__ = ("token_ids", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
