@@ -350,6 +350,8 @@ async def _start_chat(body: ChatCompletionBody, request: Request) -> Started:
         body.kv_shared_prefix_tokens = await system_prompt_tokens(tokenizer, messages, prompt_ids)
     if body.max_completion_tokens is not None and body.max_tokens is None:
         body.max_tokens = body.max_completion_tokens
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidArgument("top_logprobs: needs logprobs: true (alternatives come with each token's log-probability)")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return await _start("chat", body, [prompt_ids], logprobs, request, constraint, tools, tenant=tenant)
 

@@ -180,6 +180,7 @@ HOSTILE = REACHED_THE_STEP + [
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": MSG, "max_completion_tokens": True}, "max_completion_tokens"),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "logprobs"),
+    (CHAT, {"messages": MSG, "top_logprobs": 2}, "top_logprobs: needs logprobs"),
     (CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'), "temperature"),
     (CHAT, {"messages": MSG, "temperature": 1e39}, "temperature"),
     (CHAT, {"messages": MSG, "top_k": 2**32}, "top_k"),
