@@ -18,10 +18,10 @@ from executor.attention.base import StepKind
 # 8 rows, 13.7 vs 19.5 at 16, 22.5 vs 29.1 at 32, 42.1-42.2 vs 49.3-52.0 at 64, 82.0-83.6 vs
 # 87.5-91.2 at 128, 110.9 vs 108.7 at 160 (docs/executor.md).
 SKINNY_MAX_ROWS = 128
-# The same where the CPU has AMX, whose tiles run oneDNN's bf16 GEMM: a step's matmuls on an
-# Emerald Rapids-class Xeon, one thread, skinny vs oneDNN: 18.6 vs 24.6 ms at 1 row, 21.2 vs 24.7 at
-# 2, 27.6 vs 24.6 at 8 (docs/executor.md).
-AMX_SKINNY_MAX_ROWS = 2
+# The same where the CPU has AMX, where skinny_linear multiplies on the tiles too: a step's matmuls
+# on an Emerald Rapids-class Xeon, two threads, skinny vs oneDNN: 7.8 vs 10.8 ms at 1 row, 8.9 vs
+# 11.6 at 16, 10.0-10.6 vs 13.3-13.7 at 32, even at 40-64, 22.5 vs 20.1 at 96 (docs/executor.md).
+AMX_SKINNY_MAX_ROWS = 64
 # skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
 # many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32

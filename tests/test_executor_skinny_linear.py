@@ -11,7 +11,7 @@ from executor.model import Linear, cpu_packs_bf16
 from executor.quantization import (Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_activations_int8,
                                    quantize_int4, quantize_int8)
 from executor.runner import ModelRunner, RunnerOptions, SequenceInput
-from executor.skinny import (SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul,
+from executor.skinny import (AMX_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, SkinnyInt4Matmul, SkinnyInt8Matmul, SkinnyMatmul,
                              bf16_skinny_max_rows)
 from tests.test_executor_exactness import PROMPTS as EXACTNESS_PROMPTS
 
@@ -94,9 +94,11 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(cpu_ops, kind):
     the same order whatever the number of rows (the chunks of 8 share weight loads, not sums)."""
     weight = randn(100, 576, scale=0.05)
     packed, op = packed_kernel(cpu_ops, kind, weight)
-    batch = randn(40, 576)
-    alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(40)])
-    for rows in (2, 5, 8, 9, 17, 20, 31, 40):  # from 9 rows AMX tiles of 16 rows (where there is AMX), a tail of <= 4 VNNI
+    batch = randn(70, 576)
+    alone = torch.cat([op(batch[i:i + 1], packed, None, 100) for i in range(70)])
+    # int8 / int4 where there is AMX: from 9 rows tiles of 16 rows, a tail of <= 4 VNNI; bf16 there:
+    # chunks of up to 32 rows on the tiles, the last one shorter
+    for rows in (2, 5, 8, 9, 17, 20, 31, 33, 40, 64, 70):
         assert torch.equal(op(batch[:rows], packed, None, 100), alone[:rows]), rows
 
 
@@ -268,8 +270,8 @@ def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
     assert projections and all(m.packed_weight is not None and m.weight is None for m in projections)
-    max_rows = bf16_skinny_max_rows(cpu_ops)  # on AMX fewer: oneDNN's GEMM runs on the tiles
-    assert max_rows == (2 if cpu_ops.has_amx() else SKINNY_MAX_ROWS)
+    max_rows = bf16_skinny_max_rows(cpu_ops)  # on AMX fewer: beyond, oneDNN's GEMM uses the tiles better
+    assert max_rows == (AMX_SKINNY_MAX_ROWS if cpu_ops.has_amx() else SKINNY_MAX_ROWS)
     assert all(isinstance(m.skinny, SkinnyMatmul) and m.skinny.max_rows == max_rows for m in projections)
     assert isinstance(model.skinny_lm_head, SkinnyMatmul) and model.skinny_lm_head.max_rows == max_rows
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept

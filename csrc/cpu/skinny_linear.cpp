@@ -15,7 +15,9 @@
 // 8 reads the weights once; the tile (16 × K × 2 bytes, 18-48 KiB here) stays in L1/L2 for
 // the next chunk (the loop over tiles and chunks, and its prefetching: skinny_tiles.h).
 // Accumulation is float32, rounded to bf16 once at the end, as oneDNN does; only the order of the
-// additions differs. The int8 and int4 weights' kernels: skinny_quantized.cpp.
+// additions differs. Where the CPU has AMX bf16 tiles the same layout is their B operand, and every
+// call multiplies on them instead (amx_tiles_dot). The int8 and int4 weights' kernels:
+// skinny_quantized.cpp.
 //
 // Registered as torch.ops.kvserve_cpu.{pack_skinny_weight, skinny_linear, has_amx}.
 
@@ -26,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 
 #include "amx.h"
@@ -98,6 +101,77 @@ void tiles_dot(const uint16_t* w, int64_t tile_stride, const uint16_t* x, int64_
 constexpr auto kTileDots = per_row_count<kMaxChunkRows>([](auto rows) { return &tiles_dot<1, rows>; });
 constexpr auto kTilePairDots = per_row_count<kMaxChunkRows>([](auto rows) { return &tiles_dot<2, rows>; });
 
+// ---- AMX: the same layout as TDPBF16PS's B operand ---------------------------------------------
+// A tile's 32 inputs x 16 outputs, [16 pairs][16][2], are 1 KiB of the packed weight as it lies.
+// Per chunk of up to 32 rows of x (two row tiles of `rows` rows each: none is padded, so one row
+// reads one row) and one or two weight tiles, the sums run over all of K in the accumulator tiles.
+// Each row's products and additions are the same whatever the other rows: a token's bits do not
+// depend on the batch, one row or 32, as with tiles_dot (but in another order than tiles_dot's).
+#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+constexpr int64_t kAmxChunkRows = 32;  // two row tiles
+constexpr int64_t kAmxDepth = 32;      // inputs per tile multiply
+
+// Tiles 0-3: accumulators (row tile r, weight tile j in 2r + j); 4-5: the row tiles' 32 inputs;
+// 6-7: the weight tiles'. Loaded per chunk (its rows set the row tiles' height), since oneDNN's and
+// the other kernels' tiles run on the same threads with their own configurations.
+void load_bf16_tile_config(int64_t rows) {
+  const uint8_t upper = static_cast<uint8_t>(std::min<int64_t>(rows, kTile)), lower = static_cast<uint8_t>(rows - upper);
+  AmxConfig config;
+  for (int t : {0, 1, 4}) config.rows[t] = upper, config.colsb[t] = 64;
+  if (lower) {
+    for (int t : {2, 3, 5}) config.rows[t] = lower, config.colsb[t] = 64;
+  }
+  for (int t : {6, 7}) config.rows[t] = kTile, config.colsb[t] = 64;
+  load_tile_config(config);
+}
+
+// acc[j][m][0..16) as tiles_dot<TILES, rows> gives it, for `rows` <= 32 rows of x and `count`
+// (1 or 2) tiles `tile_stride` elements apart; `prefetch` is told of every weight line read.
+// GCC's tile intrinsics are asm without a memory clobber, hence the compiler barriers.
+void amx_tiles_dot(const uint16_t* w, int64_t tile_stride, int64_t count, const uint16_t* x, int64_t x_stride,
+                   int64_t k, int64_t rows, float* acc, Prefetcher prefetch) {
+  load_bf16_tile_config(rows);
+  const bool lower = rows > kTile, two = count == 2;
+  const int64_t x_bytes = x_stride * 2;
+  asm volatile("" ::: "memory");
+  _tile_zero(0);
+  _tile_zero(1);
+  if (lower) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kAmxDepth) {
+    const uint16_t* b0 = w + k0 * kTile;  // 32 inputs of a tile: 16 pairs x 16 outputs x 2
+    const uint16_t* b1 = b0 + tile_stride;
+    for (int line = 0; line < 16; ++line) prefetch(b0 + line * 32);
+    if (two) {
+      for (int line = 0; line < 16; ++line) prefetch(b1 + line * 32);
+    }
+    _tile_loadd(4, x + k0, x_bytes);
+    _tile_loadd(6, b0, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (lower) {
+      _tile_loadd(5, x + kTile * x_stride + k0, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if (two) {
+      _tile_loadd(7, b1, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (lower) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  // acc's tile j holds `rows` rows of 16: the lower row tile's rows follow the upper's.
+  const int64_t tile_floats = rows * kTile;
+  _tile_stored(0, acc, 64);
+  if (lower) _tile_stored(2, acc + kTile * kTile, 64);
+  if (two) {
+    _tile_stored(1, acc + tile_floats, 64);
+    if (lower) _tile_stored(3, acc + tile_floats + kTile * kTile, 64);
+  }
+  asm volatile("" ::: "memory");
+}
+#endif
+
 at::Tensor pack_skinny_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_skinny_weight: weight must be [out_features, in_features]");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_skinny_weight: weight must be bfloat16");
@@ -133,6 +207,15 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
     const auto& dots = count == 2 ? kTilePairDots : kTileDots;
     dots[chunk - 1](w + t * tile_stride, tile_stride, xp + m0 * x_stride, x_stride, pairs, acc, prefetch);
   };
+#if defined(KVSERVE_AMX_INT8) && defined(__AMX_BF16__)
+  if (k % kAmxDepth == 0 && amx_bf16_usable()) {
+    return run_tiles<kAmxChunkRows, 2, PrefetchPolicy::kAhead>(
+        "skinny_linear", xc, w, packed.size(0), tile_bytes, bias, out_features,
+        [&](int64_t t, int64_t count, int64_t m0, int64_t chunk, float* acc, Prefetcher prefetch) {
+          amx_tiles_dot(w + t * tile_stride, tile_stride, count, xp + m0 * x_stride, x_stride, k, chunk, acc, prefetch);
+        });
+  }
+#endif
   // Two tiles a call pay where the rows take several chunks; up to one chunk, where the weight
   // stream bounds the step, one tile a call is faster (one stream in bf16: 4 % a token).
   if (xc.size(0) > kMaxChunkRows) {
