@@ -185,9 +185,10 @@ class Linear(GateUpActivation, nn.Linear):
     reads it, and it would be one copy more. ``decode_step``: every sequence of the step computes
     one token. Prompt tokens always take oneDNN, however few are left after a prefix-cache hit, so
     that a prompt's rounding (and a greedy answer at a near-tie) does not depend on how much of it
-    was cached — except the MLP's gate_up where the CPU has AMX bf16 tiles, whose prompt tokens take
-    the prompt kernel with the SiLU applied to its sums (``GateUpActivation``), as row by row, and a
-    float32 model's ``SkinnyF32Matmul``, which takes every step (its float32 weight released)."""
+    was cached — except where the CPU has AMX bf16 tiles, where ``SkinnyMatmul`` takes every step
+    (its kernels sum each row alike at any row count; oneDNN's copy released; the MLP's gate_up
+    applies the SiLU to the prompt kernel's sums, ``GateUpActivation``), and a float32 model's
+    ``SkinnyF32Matmul``, which takes every step (its float32 weight released)."""
 
     packed_weight: torch.Tensor | None = None
     skinny: SkinnyMatmul | SkinnyF32Matmul | None = None
@@ -326,8 +327,12 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear) and module.packed_weight is not None and SkinnyMatmul.fits(module.weight):
                 module.skinny = SkinnyMatmul(cpu_ops, module.weight, max_rows)
+                if module.skinny.takes_every_step:
+                    module.packed_weight = None  # oneDNN never runs for it
         if self.packed_lm_head is not None and SkinnyMatmul.fits(self.lm_head_weight()):
             self.skinny_lm_head = SkinnyMatmul(cpu_ops, self.lm_head_weight(), max_rows)
+            if self.skinny_lm_head.takes_every_step:
+                self.packed_lm_head = None
 
     def use_skinny_f32_matmuls(self, cpu_ops) -> None:
         """Gives every float32 projection and the LM head whose values are all bf16 a
@@ -345,7 +350,7 @@ class Transformer(nn.Module):
         """Drops each oneDNN-packed projection's plain weight once every layout is made from it. The
         LM head's matrix is not a ``Linear`` and stays (tied, it is the embedding table)."""
         for module in self.modules():
-            if isinstance(module, Linear) and module.packed_weight is not None:
+            if isinstance(module, Linear) and (module.packed_weight is not None or module.skinny is not None):
                 module.weight = None
 
     def lm_head_weight(self) -> torch.Tensor:

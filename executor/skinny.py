@@ -4,7 +4,9 @@ With up to a handful of tokens a step, a projection is bound by reading its weig
 arithmetic. oneDNN's packed bf16 matmul and torch's int4 kernel read them well below the rate one
 core can stream memory; these layouts make each projection one sequential read (docs/executor.md
 has the measurements). Beyond a few tokens (``bf16_skinny_max_rows``) the step is compute-bound and
-the usual kernel (oneDNN's GEMM) runs instead, so both layouts are kept. The quantized layouts serve every
+the usual kernel (oneDNN's GEMM) runs instead, so both layouts are kept — except where the CPU has
+AMX bf16 tiles: there the bf16 layout serves every step (``prompt_linear_bf16`` beyond a few rows)
+and oneDNN's copy is dropped. The quantized layouts serve every
 step: torch's CPU int8 and int4 matmuls, which they replace, are slower at any batch measured.
 """
 from __future__ import annotations
@@ -18,10 +20,12 @@ from executor.attention.base import StepKind
 # 8 rows, 13.7 vs 19.5 at 16, 22.5 vs 29.1 at 32, 42.1-42.2 vs 49.3-52.0 at 64, 82.0-83.6 vs
 # 87.5-91.2 at 128, 110.9 vs 108.7 at 160 (docs/executor.md).
 SKINNY_MAX_ROWS = 128
-# The same where the CPU has AMX, where skinny_linear multiplies on the tiles too: a step's matmuls
-# on an Emerald Rapids-class Xeon, two threads, skinny vs oneDNN: 7.8 vs 10.8 ms at 1 row, 8.9 vs
-# 11.6 at 16, 10.0-10.6 vs 13.3-13.7 at 32, even at 40-64, 22.5 vs 20.1 at 96 (docs/executor.md).
-AMX_SKINNY_MAX_ROWS = 64
+# Where the CPU has AMX bf16 tiles both kernels on this layout run on them, with the same bits for a
+# row: skinny_linear up to this many rows, prompt_linear_bf16 beyond. A step's 120 projections on an
+# Emerald Rapids-class Xeon, two threads (docs/executor.md): 9.0 vs 11.7 ms at 16 rows, 10.0 vs 9.9
+# at 32, 13.7 vs 14.8 at 48, 16.4 vs 14.6 at 64, 22.6 vs 19.0 at 96 (oneDNN: 11.7, 13.9, 13.8,
+# 16.6, 20.3).
+AMX_SKINNY_MAX_ROWS = 48
 # skinny_linear_int8 and skinny_linear_int4 quantize activations per token and group of this
 # many inputs (executor/quantization.py: quantize_activations_int8 does the same in torch).
 INT8_ACTIVATION_GROUP = 32
@@ -79,11 +83,15 @@ class SkinnyMatmul(_PackedMatmul):
         super().__init__(cpu_ops, weight.shape[0], weight.shape[1], cpu_ops.pack_skinny_weight(weight.detach()),
                          cpu_ops.prompt_silu_and_mul_bf16)
         self._ops = cpu_ops
-        self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster (bf16_skinny_max_rows)
+        self.max_rows = max_rows  # beyond, oneDNN's GEMM is faster, or on AMX the prompt kernel (bf16_skinny_max_rows)
+        # On AMX bf16 tiles every step takes this layout, prompts too: oneDNN's copy is not needed,
+        # and a token's projections are the same bits in any step, whatever its size or kind.
+        self.takes_every_step = self.has_prompt_kernel and self.in_features % 32 == 0
 
     def takes(self, x: torch.Tensor, decode_step: bool) -> bool:
         # decode_step: a StepKind, or a bool; a verify step's rows take it however many
-        return bool(decode_step) and (x.shape[0] <= self.max_rows or decode_step == StepKind.VERIFY)
+        return self.takes_every_step or (
+            bool(decode_step) and (x.shape[0] <= self.max_rows or decode_step == StepKind.VERIFY))
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -91,6 +99,8 @@ class SkinnyMatmul(_PackedMatmul):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x: [rows, in] bf16 → [rows, out] bf16
+        if self.takes_every_step and x.shape[0] > self.max_rows:
+            return self._ops.prompt_linear_bf16(x, self.packed, bias, self.out_features)
         return self._ops.skinny_linear(x, self.packed, bias, self.out_features)
 
 

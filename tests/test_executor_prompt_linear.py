@@ -4,6 +4,8 @@ layers taking them for steps with prompt tokens only. Skipped where the CPU has 
 where the ops refuse."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from torch import nn
 from executor.layer_ops import TorchLayerOps
 from executor.model import Linear, pack_weight, packed_linear
 from executor.quantization import Int4Linear, Int8Linear, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
-from executor.skinny import SkinnyMatmul
+from executor.skinny import AMX_SKINNY_MAX_ROWS, SkinnyMatmul
 from tests.test_executor_skinny_linear import BF16_STEP, randn, reference
 
 
@@ -179,6 +181,39 @@ def test_bf16_silu_and_mul_reads_the_skinny_layout_in_place(prompt_ops, rows, in
     torch.testing.assert_close(fused, onednn, **SILU_STEPS)
     for i in {0, rows // 2, rows - 1}:
         assert torch.equal(prompt_ops.prompt_silu_and_mul_bf16(x[i:i + 1], packed, bias, intermediate), fused[i:i + 1])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33, 64])
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (832, 576), (7, 1536)])
+def test_bf16_matches_float32_arithmetic(prompt_ops, rows, out_features, in_features):
+    weight, x, bias = randn(out_features, in_features, scale=0.05), randn(rows, in_features), randn(out_features)
+    out = prompt_ops.prompt_linear_bf16(x, prompt_ops.pack_skinny_weight(weight), bias, out_features)
+    assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x, weight, bias), **BF16_STEP)
+
+
+def test_bf16_gives_each_row_the_decode_kernels_bits_so_any_step_may_take_either(prompt_ops):
+    """On AMX a bf16 projection takes skinny_linear up to AMX_SKINNY_MAX_ROWS rows and this kernel
+    beyond, at every step: a token's projection is the same bits in a prompt, a verify step or a
+    decode step of any size."""
+    weight, bias = randn(100, 576, scale=0.05), randn(100)
+    packed = prompt_ops.pack_skinny_weight(weight)
+    batch = randn(70, 576)
+    alone = torch.cat([prompt_ops.skinny_linear(batch[i:i + 1], packed, bias, 100) for i in range(70)])
+    for rows in (1, 17, 33, 70):
+        assert torch.equal(prompt_ops.prompt_linear_bf16(batch[:rows], packed, bias, 100), alone[:rows]), rows
+    layer = SkinnyMatmul(prompt_ops, weight, max_rows=AMX_SKINNY_MAX_ROWS)
+    assert layer.takes_every_step and layer.takes(batch, decode_step=False)
+    calls = []
+    prompt_op = prompt_ops.prompt_linear_bf16
+    layer._ops = SimpleNamespace(skinny_linear=prompt_ops.skinny_linear,
+                                 prompt_linear_bf16=lambda *a: calls.append(a) or prompt_op(*a))
+    assert torch.equal(layer(batch[:AMX_SKINNY_MAX_ROWS], bias), alone[:AMX_SKINNY_MAX_ROWS]) and not calls
+    assert torch.equal(layer(batch, bias), alone) and len(calls) == 1
+    with pytest.raises(RuntimeError, match="packed must come from pack_skinny_weight"):
+        prompt_ops.prompt_linear_bf16(batch, pack(prompt_ops, "int8", 100, 576)[1], None, 100)
+    with pytest.raises(RuntimeError, match="x has 64 features, the weight 576"):
+        prompt_ops.prompt_linear_bf16(randn(3, 64), packed, None, 100)
 
 
 def test_bf16_silu_and_mul_refuses_what_is_not_a_skinny_bf16_gate_up(prompt_ops):

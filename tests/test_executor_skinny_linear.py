@@ -269,11 +269,15 @@ needs_bf16_packing = pytest.mark.skipif(not cpu_packs_bf16(), reason="this CPU h
 def test_the_model_decodes_with_it_and_keeps_one_copy_less(runners, cpu_ops):
     model = runners("none")[0].model
     projections = [m for m in model.modules() if isinstance(m, Linear)]
-    assert projections and all(m.packed_weight is not None and m.weight is None for m in projections)
-    max_rows = bf16_skinny_max_rows(cpu_ops)  # on AMX fewer: beyond, oneDNN's GEMM uses the tiles better
-    assert max_rows == (AMX_SKINNY_MAX_ROWS if cpu_ops.has_amx() else SKINNY_MAX_ROWS)
-    assert all(isinstance(m.skinny, SkinnyMatmul) and m.skinny.max_rows == max_rows for m in projections)
+    # on AMX the few-row layout serves every step and oneDNN's copy goes too
+    amx = cpu_ops.has_amx()
+    assert projections and all((m.packed_weight is None) == amx and m.weight is None for m in projections)
+    max_rows = bf16_skinny_max_rows(cpu_ops)  # on AMX fewer: beyond, the prompt kernel is faster
+    assert max_rows == (AMX_SKINNY_MAX_ROWS if amx else SKINNY_MAX_ROWS)
+    assert all(isinstance(m.skinny, SkinnyMatmul) and m.skinny.max_rows == max_rows
+               and m.skinny.takes_every_step == amx for m in projections)
     assert isinstance(model.skinny_lm_head, SkinnyMatmul) and model.skinny_lm_head.max_rows == max_rows
+    assert (model.packed_lm_head is None) == amx
     assert model.embed_tokens.weight is not None  # the tied LM head's matrix is the embedding: kept
 
 
@@ -298,9 +302,10 @@ def test_quantized_projections_and_head_get_the_skinny_layouts_and_drop_torchs(r
 PROMPTS = EXACTNESS_PROMPTS[:1] + EXACTNESS_PROMPTS[2:]
 
 
-def test_prompt_tokens_take_onednn_however_few_are_left_after_a_cache_hit(runners, default_model_dir, cpu_ops):
+def test_prompt_tokens_round_alike_however_few_are_left_after_a_cache_hit(runners, default_model_dir, cpu_ops):
     """A prompt's last few tokens (a prefix-cache hit leaves at most a block's worth) are computed
-    exactly as without the skinny kernels, so a cached and an uncached prompt round alike."""
+    exactly as without the skinny kernels (oneDNN), so a cached and an uncached prompt round alike:
+    prompt tokens take oneDNN, or on AMX the tile kernels, which sum each row as oneDNN's tiles do."""
     skinny_runner, usual_runner = runners("none")
     prompt = list(range(200, 234))  # 2 tokens left after the hit: few enough for the skinny kernel anywhere
     table = [50, 51, 52]

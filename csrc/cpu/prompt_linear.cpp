@@ -15,13 +15,18 @@
 // it stays in L2), then for every 32 rows of x four accumulators — 2 row tiles x 2 column tiles —
 // over all of K.
 //
+// prompt_linear_bf16: bf16 weights in pack_skinny_weight's layout, whose tiles are the B operand as
+// they lie (nothing to expand). Each row's sums are the same as skinny_linear's on AMX (the same
+// tile multiplies over K in the same order, from zero): executor/skinny.py gives a step's rows to
+// skinny_linear up to a few dozen, to this kernel beyond.
+//
 // prompt_silu_and_mul_*: the MLP's gate_up projection with silu(gate) * up computed from the sums,
 // pairing gate tile p with up tile p + tiles / 2, so that the projection's output is never stored;
 // for int8 and int4 weights, and for bf16 ones in pack_skinny_weight's layout, whose tiles are the
 // B operand as they lie (nothing to expand).
 //
 // Registered as torch.ops.kvserve_cpu.{has_prompt_linear, prompt_linear_int8, prompt_linear_int4,
-// prompt_silu_and_mul_bf16, prompt_silu_and_mul_int8, prompt_silu_and_mul_int4}.
+// prompt_linear_bf16, prompt_silu_and_mul_bf16, prompt_silu_and_mul_int8, prompt_silu_and_mul_int4}.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -423,6 +428,11 @@ at::Tensor prompt_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   return linear_op("prompt_linear_int4", Format::kInt4, x, packed, bias, out_features);
 }
 
+at::Tensor prompt_linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              int64_t out_features) {
+  return linear_op("prompt_linear_bf16", Format::kBf16, x, packed, bias, out_features);
+}
+
 at::Tensor prompt_silu_and_mul_bf16(const at::Tensor& x, const at::Tensor& packed,
                                     const c10::optional<at::Tensor>& bias, int64_t intermediate) {
   return silu_and_mul_op("prompt_silu_and_mul_bf16", Format::kBf16, x, packed, bias, intermediate);
@@ -444,6 +454,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("has_prompt_linear", &has_prompt_linear);
   m.def("prompt_linear_int8(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("prompt_linear_int4(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("prompt_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("prompt_silu_and_mul_bf16(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
   m.def("prompt_silu_and_mul_int8(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
   m.def("prompt_silu_and_mul_int4(Tensor x, Tensor packed, Tensor? bias, int intermediate) -> Tensor");
@@ -452,6 +463,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("prompt_linear_int8", &prompt_linear_int8);
   m.impl("prompt_linear_int4", &prompt_linear_int4);
+  m.impl("prompt_linear_bf16", &prompt_linear_bf16);
   m.impl("prompt_silu_and_mul_bf16", &prompt_silu_and_mul_bf16);
   m.impl("prompt_silu_and_mul_int8", &prompt_silu_and_mul_int8);
   m.impl("prompt_silu_and_mul_int4", &prompt_silu_and_mul_int4);
