@@ -316,6 +316,23 @@ def test_prompt_tokens_round_alike_however_few_are_left_after_a_cache_hit(runner
     assert len(prompt) - 32 <= bf16_skinny_max_rows(cpu_ops) and torch.equal(results[0], results[1])
 
 
+def test_on_amx_a_bf16_decode_token_is_the_same_bits_alone_in_a_batch_or_beside_a_prompt(runners, cpu_ops):
+    """Where the CPU has AMX bf16 tiles every bf16 projection takes the tile kernels, which sum each
+    row alike at any row count, and decode rows take the decode attention kernel in any step: a
+    greedy answer does not depend on what else the server is doing."""
+    if not cpu_ops.has_amx():
+        pytest.skip("without AMX, decode steps take the VDPBF16PS kernel and mixed steps oneDNN's GEMM")
+    runner = runners("none")[0]
+    tables = [[1 + 2 * i, 2 + 2 * i] for i in range(16)]
+    for i, table in enumerate(tables):
+        runner.forward_logits([SequenceInput(i, [(37 * i + 11 * j) % 20000 + 50 for j in range(20)], 0, table)])
+    alone = runner.forward_logits([SequenceInput(0, [1234], 20, tables[0])])[0]
+    batch = runner.forward_logits([SequenceInput(i, [1234 + i], 20, table) for i, table in enumerate(tables)])
+    prompt = SequenceInput(99, [(5 * j) % 30000 + 10 for j in range(64)], 0, [40, 41, 42, 43, 44])
+    mixed = runner.forward_logits([prompt, SequenceInput(0, [1234], 20, tables[0])])
+    assert torch.equal(batch[0], alone) and torch.equal(mixed[1], alone)
+
+
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 def test_logits_match_the_usual_kernels(runners, mode, default_model_dir, cpu_ops):
     """Each prompt prefilled, then greedy steps of all 8 prompts at once and of one alone, in a
