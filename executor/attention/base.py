@@ -70,7 +70,8 @@ class StepKind(enum.IntEnum):
     """What the matmuls of a step may choose by (false only for PROMPT, as the bool ``decode_step``
     it replaces): VERIFY rows must each compute the bits a one-row decode step gives, so they take
     the few-row kernels however many there are, where a plain decode step of many rows may take a
-    faster GEMM that sums in another order (oneDNN beyond ``executor.skinny.bf16_skinny_max_rows``)."""
+    faster GEMM that sums in another order (oneDNN beyond ``executor.skinny.bf16_skinny_max_rows``
+    where the CPU has no AMX; with AMX the kernel beyond sums each row as the few-row one does)."""
 
     PROMPT = 0
     DECODE = 1
