@@ -12,7 +12,8 @@ weights in bf16) as reference:
   and at each position its greedy pick is compared with the reference's next token.
 
 Decode step times: ``bench.executor_bench``'s decode batches (batch 1 and 32 at
-``--context`` cached positions), the three runners called in turn, best of ``--rounds``.
+``--context`` cached positions, written first by ``context_prefills``), the three runners
+called in turn, best of ``--rounds``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.executor_bench import BLOCK, decode_batch
+from bench.executor_bench import BLOCK, context_prefills, decode_batch
 from bench.timing import timed_interleaved
 from executor.devices import tune_host_allocator
 from executor.quantization import QUANTIZATION_MODES
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: prefix match {rows[mode][0]:.3f}, top-1 {rows[mode][1]:.3f}", file=sys.stderr, flush=True)
     times: dict[int, dict[str, float]] = {}
     if not args.skip_timing:
+        for runner in runners.values():
+            for seq in context_prefills(max(BATCHES), args.context):
+                runner.execute([seq])
         for batch in BATCHES:
             seqs = decode_batch(batch, args.context)
             times[batch] = timed_interleaved({m: (lambda r=r: r.execute(seqs)) for m, r in runners.items()},

@@ -486,3 +486,22 @@ def test_thread_count_lists_refuse_what_is_not_a_count(text, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--executor-threads", text])
     assert "thread count" in capsys.readouterr().err
+
+
+def test_executor_bench_writes_every_slot_its_decode_steps_read():
+    """A decode step over unwritten pool pages reads the kernel's zero page, not memory: the step
+    times would be those of a cache that is not there."""
+    from bench.executor_bench import BLOCK, DECODE_CASES, decode_batch, write_contexts
+
+    written = set()
+
+    def execute(seqs):
+        for seq in seqs:
+            assert seq.start_position == 0 and not seq.sample
+            written.update(seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(len(seq.token_ids)))
+
+    write_contexts(execute)
+    for batch, ctx in DECODE_CASES:
+        for seq in decode_batch(batch, ctx):
+            read = {seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq.start_position)}
+            assert read <= written, (batch, ctx)
