@@ -284,10 +284,12 @@ async def health(request: Request):
 
 @router.get("/metrics")
 async def metrics(request: Request):
+    """Every metric, or with ``?name[]=...`` (repeatable) only those named, as Prometheus' own
+    exposition handlers filter: a scraper polling a few gauges does not pay for every histogram."""
     engine = _engine(request)
     with contextlib.suppress(Exception):
         await wait_within(engine.refresh_pool_stats(), 1.0)
-    return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(engine.metrics.render(request.query_params.getlist("name[]")), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/completions")

@@ -224,5 +224,7 @@ class GatewayMetrics:
             except KeyError:
                 pass
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: list[str] | None = None) -> bytes:
+        """The exposition text; ``names``: only those metrics (Prometheus' ``name[]`` filter: a
+        sample's name, such as ``vllm:prefix_cache_queries_total``), none when no name is known."""
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)

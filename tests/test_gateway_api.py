@@ -70,6 +70,33 @@ def test_models_health_and_metric_names(stack, model_name, tiny_model_dir):
         assert f"{name}" in text and 'model_name="' in text, name
 
 
+def test_metrics_named_in_the_query_are_all_that_is_rendered(stack):
+    """``/metrics?name[]=...``, as Prometheus' own handlers filter: a scraper polling a few gauges
+    (the benchmark's sampler, four times a second) gets those lines, not every histogram."""
+    import asyncio
+
+    from bench.server_metrics import SAMPLED_GAUGES, MetricsSampler
+
+    names = ["vllm:num_requests_running", "kvserve:kv_stored_tokens", "vllm:prefix_cache_queries_total"]
+    text = httpx.get(stack.http_url + "/metrics", params={"name[]": names}).text
+    rendered = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert rendered == set(names), text
+    assert "_bucket" in httpx.get(stack.http_url + "/metrics").text and "_bucket" not in text
+    assert httpx.get(stack.http_url + "/metrics", params={"name[]": "no_such_metric"}).text == ""
+
+    async def sample_a_moment():
+        sampler = MetricsSampler(stack.http_url, interval=0.02)
+        await sampler.start()
+        await asyncio.sleep(0.3)
+        return await sampler.stop()
+
+    metrics = asyncio.run(sample_a_moment())
+    assert len(metrics.samples) >= 4 and "steps" in metrics.counters  # the first and last scrapes: everything
+    for sample in metrics.samples:  # the ones between asked for the gauges only, and got them
+        assert None not in (sample.running, sample.waiting, sample.kv_usage, sample.kv_stored, sample.kv_allocated)
+    assert set(SAMPLED_GAUGES) >= {"vllm:num_requests_running", "kvserve:kv_allocated_slots"}
+
+
 def test_a_model_is_retrieved_by_name_as_openai_clients_ask(stack, model_name):
     client = openai.OpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
     entry = client.models.retrieve(model_name)
