@@ -153,6 +153,28 @@ def test_decode_attention_is_float32_attention_over_the_dequantized_cache(cpu_op
     torch.testing.assert_close(out32, out.float(), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("layout", ["block-major", "head-major"])
+def test_the_attention_bench_times_int8_records_laid_out_as_the_cache_holds_them(cpu_ops, layout):
+    """``python -m bench.attention_bench --kv-dtype int8`` builds its records itself (random codes,
+    positive scales), block-major as the backend keeps them or head-major: the kernel reads them as
+    the format says, so the bench times it over a cache it could be given."""
+    from bench.attention_bench import block_tables, layer_caches
+
+    g = torch.Generator().manual_seed(3)
+    lens, num_blocks, scale = [40, 17], 12, HEAD ** -0.5
+    key_cache, value_cache = layer_caches(layout, num_blocks, KV_HEADS, HEAD, g, torch.int8)
+    tables = block_tables(len(lens), max(lens), num_blocks, "shuffled", g)
+    query = torch.randn(len(lens), HEADS, HEAD, generator=g).to(torch.bfloat16)
+    out = cpu_ops.paged_decode_attention_int8(query, key_cache, value_cache, tables,
+                                              torch.tensor(lens, dtype=torch.int32), scale)
+    for s, n in enumerate(lens):
+        slots = [int(tables[s, i // BLOCK]) * BLOCK + i % BLOCK for i in range(n)]
+        keys, values = dequantized(key_cache, slots, True), dequantized(value_cache, slots, False)
+        assert bool(torch.isfinite(keys).all()) and float(keys.abs().max()) > 0
+        expected = reference_attention(query[s], keys, values, scale)
+        torch.testing.assert_close(out[s].float(), expected, atol=2e-2, rtol=1e-2)
+
+
 def test_bad_arguments_are_refused_clearly(cpu_ops):
     key_cache, value_cache = empty_caches(4)
     query = torch.randn(1, HEADS, HEAD)
