@@ -6,7 +6,8 @@ runs the same kernels in the same order from C++, so a step gives the same bits 
 the layers whose projections all have a few-row layout (``SkinnyMatmul`` in bf16,
 ``SkinnyF32Matmul`` in float32, the int8 and int4 ones in either), without q/k norms, and steps of
 decode tokens only (any number but for bf16's row limit), whose attention the compiled decode kernel runs
-(``AttentionBackend.decode_kernel_inputs``); every other step runs ``DecoderLayer`` as before.
+(``AttentionBackend.decode_kernel_inputs``: over a float cache or the int8 cache's records); every
+other step runs ``DecoderLayer`` as before.
 """
 from __future__ import annotations
 

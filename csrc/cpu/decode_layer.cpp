@@ -11,7 +11,7 @@
 //            pack_skinny_weight's, pack_skinny_int8's or pack_skinny_int4's layout, all four in one);
 //   biases: qkv, o, gate_up, down (each None or [out])
 //   key_cache / value_cache, block_tables, seq_lens, slot_mapping: as paged_decode_attention and
-//            write_kv take them; cos_sin: [tokens, 2, head_dim]
+//            write_kv take them, or their _int8 forms for int8 caches (records); cos_sin: [tokens, 2, head_dim]
 //   sizes: num_heads, num_kv_heads, head_dim, intermediate
 //   returns (the layer's output [tokens, hidden], the residual stream before it)
 //
@@ -28,6 +28,9 @@
 namespace {
 
 using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, int64_t);
+using WriteKv = void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&);
+using DecodeAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, double);
 
 // The registered kernels, looked up once (every unit of the library registers as it loads).
 struct Kernels {
@@ -37,11 +40,11 @@ struct Kernels {
       add_rms_norm;
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&)> rotary_embedding_;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul;
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
-      write_kv;
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double)>
-      paged_decode_attention;
+  // The float caches' kernels, then the int8 cache's (--kv-cache-dtype int8), which take the same arguments.
+  c10::TypedOperatorHandle<WriteKv> write_kv;
+  c10::TypedOperatorHandle<DecodeAttention> paged_decode_attention;
+  c10::TypedOperatorHandle<WriteKv> write_kv_int8;
+  c10::TypedOperatorHandle<DecodeAttention> paged_decode_attention_int8;
   c10::TypedOperatorHandle<Linear> skinny_linear;
   c10::TypedOperatorHandle<Linear> skinny_linear_f32;
   c10::TypedOperatorHandle<Linear> skinny_linear_int8;
@@ -58,11 +61,10 @@ struct Kernels {
                                                         double)>(),
           op("kvserve_cpu::rotary_embedding_").typed<void(at::Tensor&, const at::Tensor&)>(),
           op("kvserve_cpu::silu_and_mul").typed<at::Tensor(const at::Tensor&)>(),
-          op("kvserve_cpu::write_kv")
-              .typed<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(),
-          op("kvserve_cpu::paged_decode_attention")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double)>(),
+          op("kvserve_cpu::write_kv").typed<WriteKv>(),
+          op("kvserve_cpu::paged_decode_attention").typed<DecodeAttention>(),
+          op("kvserve_cpu::write_kv_int8").typed<WriteKv>(),
+          op("kvserve_cpu::paged_decode_attention_int8").typed<DecodeAttention>(),
           op("kvserve_cpu::skinny_linear").typed<Linear>(),
           op("kvserve_cpu::skinny_linear_f32").typed<Linear>(),
           op("kvserve_cpu::skinny_linear_int8").typed<Linear>(),
@@ -114,9 +116,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const c10::
   k.rotary_embedding_.call(qk, cos_sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), key = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor value = qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads);
-  k.write_kv.call(key, value, key_cache, value_cache, slot_mapping);
-  const at::Tensor attended =
-      k.paged_decode_attention.call(q, key_cache, value_cache, block_tables, seq_lens, scale);  // [tokens, heads, d]
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  (int8_cache ? k.write_kv_int8 : k.write_kv).call(key, value, key_cache, value_cache, slot_mapping);
+  const at::Tensor attended = (int8_cache ? k.paged_decode_attention_int8 : k.paged_decode_attention)
+                                  .call(q, key_cache, value_cache, block_tables, seq_lens, scale);  // [tokens, heads, d]
   const at::Tensor o = linear.call(attended.reshape({tokens, num_heads * head_dim}), weights[kO], biases.get(kOBias),
                                    hidden);
   std::tie(h, stream) = k.add_rms_norm.call(o, stream, weights[kPostNorm], eps);

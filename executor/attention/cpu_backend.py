@@ -94,8 +94,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._ops.write_kv(key, value, key_cache, value_cache, slot_mapping)  # rounded to the cache's dtype
 
     def decode_kernel_inputs(self, meta, kv_cache, dtype):
-        if meta.max_query_len != 1 or not self._kernel_fits or not kv_cache[0].is_floating_point():
-            return None  # prompt tokens, shapes the kernel refuses, or the int8 cache
+        # decode_layer takes the int8 cache's records too (its _int8 kernels, the same arguments)
+        if meta.max_query_len != 1 or not self._kernel_fits:
+            return None  # prompt tokens, or shapes the kernel refuses
         (group,) = self._groups(meta)
         return group.block_tables, group.seq_lens
 
