@@ -68,9 +68,11 @@ def context_prefills(batch: int, ctx: int) -> list[SequenceInput]:
             for i in range(batch)]
 
 
-def write_contexts(execute: Callable[[list[SequenceInput]], object]) -> None:
-    """Runs ``context_prefills`` for the largest decode case through ``execute``, one sequence a step."""
-    batch, ctx = max(DECODE_CASES, key=lambda case: case[0] * case[1])
+def write_contexts(execute: Callable[[list[SequenceInput]], object],
+                   cases: list[tuple[int, int]] = DECODE_CASES) -> None:
+    """Runs ``context_prefills`` for the largest of the (batch, context) ``cases`` through
+    ``execute``, one sequence a step."""
+    batch, ctx = max(cases, key=lambda case: case[0] * case[1])
     for seq in context_prefills(batch, ctx):
         execute([seq])
 

@@ -12,7 +12,7 @@ weights in bf16) as reference:
   and at each position its greedy pick is compared with the reference's next token.
 
 Decode step times: ``bench.executor_bench``'s decode batches (batch 1 and 32 at
-``--context`` cached positions, written first by ``context_prefills``), the three runners
+``--context`` cached positions, written first by ``write_contexts``), the three runners
 called in turn, best of ``--rounds``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.executor_bench import BLOCK, context_prefills, decode_batch
+from bench.executor_bench import BLOCK, decode_batch, write_contexts
 from bench.timing import timed_interleaved
 from executor.devices import tune_host_allocator
 from executor.quantization import QUANTIZATION_MODES
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[int, dict[str, float]] = {}
     if not args.skip_timing:
         for runner in runners.values():
-            for seq in context_prefills(max(BATCHES), args.context):
-                runner.execute([seq])
+            write_contexts(runner.execute, [(batch, args.context) for batch in BATCHES])
         for batch in BATCHES:
             seqs = decode_batch(batch, args.context)
             times[batch] = timed_interleaved({m: (lambda r=r: r.execute(seqs)) for m, r in runners.items()},
