@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.timing import timed_interleaved
+from executor.attention.cpu_backend import int8_record_bytes
 from executor.attention.csrc_loader import csrc_build_script
 from executor.model import ModelConfig
 from kvserve.paths import default_model_dir
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         per_seq = -(-ctx // BLOCK)
         num_blocks = max(1 + batch * per_seq, 4096)
         # bytes of one (block, KV head) tile of K or V as the cache holds it
-        tile_bytes = BLOCK * (head_size + 4) if kv_dtype == torch.int8 else BLOCK * head_size * kv_dtype.itemsize
+        tile_bytes = int8_record_bytes(BLOCK, head_size) if kv_dtype == torch.int8 else \
+            BLOCK * head_size * kv_dtype.itemsize
         layer_bytes = num_blocks * 2 * kv_heads * tile_bytes
         num_layers = max(2, -(-CACHE_BYTES // layer_bytes))
         attended = batch * ctx * 2 * kv_heads * tile_bytes // BLOCK
