@@ -505,3 +505,28 @@ def test_executor_bench_writes_every_slot_its_decode_steps_read():
         for seq in decode_batch(batch, ctx):
             read = {seq.block_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq.start_position)}
             assert read <= written, (batch, ctx)
+
+
+def test_amx_tile_rate_probe_multiplies_and_the_bench_prints_both_rates(tiny_model_dir, cpu_ops, tmp_path, capsys):
+    """``python -m bench.amx_tile_rate``: the probe's tile multiplies give every sum (so its rate is of
+    real work), and the bench prints the probe's and the prompt kernel's TFLOP/s and their ratio;
+    without AMX bf16 tiles it says so."""
+    import shutil
+
+    from bench.amx_tile_rate import TileProbe, build_probe, main
+
+    if cpu_ops.has_prompt_linear():
+        if shutil.which("g++") is None:
+            pytest.skip("no g++ to build the probe")
+        probe = TileProbe(build_probe(tmp_path / "cache"), depth=96, blocks=3)
+        assert not probe.sums_correct()
+        probe()
+        assert probe.sums_correct()
+    assert main(["--model", str(tiny_model_dir), "--rows", "33", "--rounds", "1", "--cache", str(tmp_path / "cache")]) == 0
+    printed = capsys.readouterr().out
+    if not cpu_ops.has_prompt_linear():
+        assert "no AMX bf16 tiles" in printed
+        return
+    rates = [float(line.split()[-2]) for line in printed.splitlines() if line.endswith("TFLOP/s")]
+    assert len(rates) == 2 and all(rate > 0 for rate in rates), printed
+    assert "kernel / probe:" in printed
