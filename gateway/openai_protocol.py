@@ -460,7 +460,7 @@ class ResponseFormatter:
                     message["content"] = text
                 if not message and not delta.finish_reason and lp is None:
                     continue  # held back: nothing to say yet
-                finish = "tool_calls" if calls else _finish(delta)
+                finish = "tool_calls" if calls and delta.finish_reason is FinishReason.STOP else _finish(delta)
                 choice = {"index": delta.index, "delta": message, "logprobs": lp, "finish_reason": finish}
                 header = self._header("chat.completion.chunk")
             else:
@@ -481,7 +481,7 @@ class ResponseFormatter:
         if delta.finish_reason is None and self.tools.may_be_call(held):
             return "", None
         self._holding[index] = False
-        calls = self.tools.parse_calls(held) if delta.finish_reason is FinishReason.STOP else None
+        calls = self.tools.calls_in(held, _finish(delta))
         return ("", calls) if calls else (held, None)
 
     def usage_chunk(self, output: RequestOutput) -> dict:
@@ -498,9 +498,10 @@ class ResponseFormatter:
             lp = self._logprobs(token_ids, logprobs, top)
             if self.kind == "chat":
                 message, finish = {"role": "assistant", "content": choice.text}, choice.finish_reason
-                calls = self.tools.parse_calls(choice.text) if self.tools and finish == "stop" else None
+                calls = self.tools.calls_in(choice.text, finish) if self.tools else None
                 if calls:
-                    message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    finish = "tool_calls" if finish == "stop" else finish
                 body.append({"index": index, "message": message, "logprobs": lp, "finish_reason": finish,
                              "stop_reason": choice.stop_reason})
             else:

@@ -195,6 +195,11 @@ def _chat_tool_choice(choice: str | dict) -> str | dict:
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
+def _item_status(finish_reason: str | None) -> str:
+    """An output item's status: ``incomplete`` where max_output_tokens cut the answer off."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
 def _response_format(text: dict | None) -> dict | None:
     if text is None:
         return None
@@ -246,11 +251,11 @@ class ResponseWriter:
     def complete(self, completion: dict) -> dict:
         """The response for a chat.completion object."""
         choice = completion["choices"][0]
-        message = choice["message"]
+        message, status = choice["message"], _item_status(choice["finish_reason"])
         for call in message.get("tool_calls") or ():
-            self.output.append(self._call_item(call))
+            self.output.append(self._call_item(call, status))
         if not message.get("tool_calls"):
-            item = self._message_item(message.get("content") or "", "completed")
+            item = self._message_item(message.get("content") or "", status)
             item["content"][0]["logprobs"] = (choice.get("logprobs") or {}).get("content") or []
             self.output.append(item)
         return self._final(choice["finish_reason"], completion["usage"])
@@ -277,7 +282,7 @@ class ResponseWriter:
                                       output_index=self.output.index(self._message), content_index=0,
                                       delta=delta["content"], logprobs=logprobs))
         for call in delta.get("tool_calls") or ():
-            item = self._call_item(call)
+            item = self._call_item(call, _item_status(choice["finish_reason"]))
             index = len(self.output)
             self.output.append(item)
             arguments = item["arguments"]
@@ -297,7 +302,7 @@ class ResponseWriter:
         if self._message is not None:
             item, index = self._message, self.output.index(self._message)
             part = item["content"][0]
-            item["status"] = "completed"
+            item["status"] = _item_status(finish_reason)
             events += [self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
                                    text=part["text"], logprobs=part["logprobs"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -334,9 +339,9 @@ class ResponseWriter:
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
     @staticmethod
-    def _call_item(call: dict) -> dict:
+    def _call_item(call: dict, status: str) -> dict:
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
     def _final(self, finish_reason: str | None, usage: dict) -> dict:
         details = usage.get("prompt_tokens_details") or {}

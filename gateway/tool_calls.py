@@ -3,8 +3,10 @@
 The tools are described to the model in a system message, and a call is the whole answer as
 one JSON object: ``{"tool_calls": [{"name": ..., "arguments": {...}}]}``. ``required`` and a
 named function are enforced by a JSON-schema grammar (gateway.constraints), so their output
-always parses; with ``auto`` the model chooses, and an answer in that shape naming a listed
-function becomes ``message.tool_calls``. Earlier calls (assistant ``tool_calls``) are rendered
+always parses unless ``max_tokens`` cuts it off; with ``auto`` the model chooses, and an answer in
+that shape naming a listed function becomes ``message.tool_calls``. A call cut off by
+``max_tokens`` is still a call, as OpenAI answers one: its arguments are the text that came, not
+yet a JSON object (``calls_in``). Earlier calls (assistant ``tool_calls``) are rendered
 back in the same shape and results arrive as ``role: tool`` messages, so multi-turn tool use
 reads as one consistent format to the model.
 """
@@ -24,6 +26,11 @@ MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 CALL_PREFIX = "{"
+# How an answer of calls begins, and how each call begins up to its arguments: the grammar keeps
+# the schema's key order, so a call's name comes before its arguments.
+_CALLS_START = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[\s*')
+_CALL_NAME = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"')
+_ARGUMENTS_KEY = re.compile(r'\s*,\s*"arguments"\s*:\s*')
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,15 @@ class ToolCalling:
                                            "required": ["tool_calls"], "properties": {"tool_calls": array}},
                                           ).named("tools (their parameters)")
 
+    def calls_in(self, text: str, finish_reason: str | None) -> list[dict] | None:
+        """The OpenAI ``tool_calls`` of a finished answer: a whole one (``stop``) that is a call of
+        these tools, or one ``max_tokens`` cut off (``length``) inside a call; else None."""
+        if finish_reason == "stop":
+            return self.parse_calls(text)
+        if finish_reason == "length":
+            return self.parse_cut_calls(text)
+        return None
+
     def parse_calls(self, text: str) -> list[dict] | None:
         """The OpenAI ``tool_calls`` in ``text``, or None when it is not a call of these tools."""
         try:
@@ -114,20 +130,67 @@ class ToolCalling:
         calls = value.get("tool_calls") if isinstance(value, dict) else None
         if not isinstance(calls, list) or not calls:
             return None
-        names = {f.name for f in self.functions}
-        out = []
-        for call in calls:
-            if not (isinstance(call, dict) and call.get("name") in names and isinstance(call.get("arguments"), dict)):
+        out = [self._openai_call(call) for call in calls]
+        return None if None in out else out
+
+    def parse_cut_calls(self, text: str) -> list[dict] | None:
+        """The calls of an answer cut off before its end: each whole call, then the cut one (its
+        name whole) with the text of its arguments as far as it came. None when the text is not
+        the beginning of calls of these tools, or is cut before the first call's name ends."""
+        start = _CALLS_START.match(text)
+        if start is None:
+            return None
+        decoder, position, calls = json.JSONDecoder(), start.end(), []
+        while position < len(text) and text[position] == "{":
+            try:
+                call, position = decoder.raw_decode(text, position)
+            except ValueError:
+                cut = self._cut_call(text[position:])
+                return calls + [cut] if cut else calls or None
+            calls.append(self._openai_call(call))
+            if None in calls:
                 return None
-            out.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                        "function": {"name": call["name"],
-                                     "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
-        return out
+            position = _skip_separator(text, position)
+        return calls or None
+
+    def _cut_call(self, text: str) -> dict | None:
+        """The call an answer ends inside, its name whole: arguments as far as they came ("" if
+        none yet). None when its name is not whole or not one of these tools'."""
+        name = _CALL_NAME.match(text)
+        if name is None or name.group(1) not in self._names():
+            return None
+        rest = text[name.end():]
+        key = _ARGUMENTS_KEY.match(rest)
+        if key is not None:
+            return self._call_record(name.group(1), rest[key.end():])
+        return self._call_record(name.group(1), "") if ',"arguments":'.startswith("".join(rest.split())) else None
+
+    def _names(self) -> set[str]:
+        return {f.name for f in self.functions}
+
+    def _openai_call(self, call) -> dict | None:
+        """A whole call of the answer as an OpenAI tool call; None when it is not one of these tools'."""
+        if not (isinstance(call, dict) and call.get("name") in self._names() and isinstance(call.get("arguments"), dict)):
+            return None
+        return self._call_record(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+
+    @staticmethod
+    def _call_record(name: str, arguments: str) -> dict:
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
 
     def may_be_call(self, text: str) -> bool:
         """Whether a choice whose text begins so may still turn out to be a call (streaming holds it)."""
         stripped = text.lstrip()
         return self.choice == "required" or not stripped or stripped.startswith(CALL_PREFIX)
+
+
+def _skip_separator(text: str, position: int) -> int:
+    """Past the whitespace and the comma after a call: where the next call would begin."""
+    position = len(text) - len(text[position:].lstrip())
+    if text.startswith(",", position):
+        position = len(text) - len(text[position + 1:].lstrip())
+    return position
 
 
 def _function(index: int, tool) -> ToolFunction:

@@ -150,6 +150,28 @@ def test_calls_parse_only_when_they_name_listed_tools():
     assert calling.parse_calls("plain text") is None
 
 
+def test_a_call_cut_off_by_max_tokens_is_still_a_call_with_the_arguments_that_came():
+    calling = ToolCalling.parse([TOOL, {**TOOL, "function": {**TOOL["function"], "name": "get_time"}}], "required", None)
+    whole = '{"tool_calls": [{"name": "get_time", "arguments": {"zone": "UTC"}}, '
+    cut = calling.calls_in(whole + '{"name": "get_weather", "arguments": {"city": "Os', "length")
+    assert [call["function"] for call in cut] == [{"name": "get_time", "arguments": '{"zone": "UTC"}'},
+                                                  {"name": "get_weather", "arguments": '{"city": "Os'}]
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in cut)
+    # Cut after the last call: every call whole.
+    assert [c["function"]["name"] for c in calling.calls_in(whole.rstrip(", ") + "]", "length")] == ["get_time"]
+    for before_arguments in ('"arguments": ', '"argu', "", " "):
+        cut_before = calling.calls_in(whole + '{"name": "get_weather",' + before_arguments, "length")
+        assert cut_before[1]["function"] == {"name": "get_weather", "arguments": ""}
+    assert calling.calls_in(whole + '{"name": "get_weather", "x', "length")[1:] == []
+    # Not yet a call's name, another tool's name, not a call at all, or a whole call that names no tool.
+    for text in ('{"tool_calls": [{"na', '{"tool_calls": [{"name": "get_wea', '{"tool_calls": [{"name": "other", "arguments": {',
+                 "The weather is", '{"tool_calls": [{"name": "other", "arguments": {}}, {"name": "get_time", "arguments": {'):
+        assert calling.calls_in(text, "length") is None, text
+    # A cut answer is not a whole one, and an aborted one is neither.
+    assert calling.calls_in(whole + '{"name": "get_weather", "arguments": {"city": "Os', "stop") is None
+    assert calling.calls_in(whole.rstrip(", ") + "]}", "abort") is None
+
+
 def test_earlier_calls_and_the_tools_prompt_are_rendered():
     calling = ToolCalling.parse([TOOL], None, None)
     messages = render_tool_messages([
@@ -190,6 +212,15 @@ def test_streaming_holds_a_possible_call_and_streams_plain_text_at_once(tokenize
     call = last["delta"]["tool_calls"][0]
     assert call["index"] == 0 and call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_a_streamed_call_cut_off_by_max_tokens_ends_as_a_call_with_finish_reason_length(tokenizer):
+    formatter = ResponseFormatter("chat", "r", "m", tokenizer, False, 1, ToolCalling.parse([TOOL], "required", None))
+    assert formatter.chunks(delta(0, '{"tool_calls": [{"name": "get_weather", '))[0]["choices"][0]["delta"] == {
+        "role": "assistant", "content": ""}
+    last = formatter.chunks(delta(0, '"arguments": {"ci', FinishReason.LENGTH))[0]["choices"][0]
+    assert last["finish_reason"] == "length" and "content" not in last["delta"]
+    assert last["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
 
 
 def test_a_held_answer_that_is_not_a_call_is_sent_as_content(tokenizer):

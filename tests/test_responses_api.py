@@ -40,7 +40,7 @@ def test_a_response_is_the_chat_completion_of_its_input(client, model):
                                        max_output_tokens=12, temperature=0)
     assert response.object == "response" and response.id.startswith("resp_")
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
-    assert [item.type for item in response.output] == ["message"]
+    assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
     expected = chat_text(client, model, [{"role": "system", "content": "Be brief."},
                                   {"role": "user", "content": "Say something."}], max_tokens=12)
     assert response.output_text == expected
@@ -72,6 +72,24 @@ def test_a_required_tool_call_comes_back_as_a_function_call_item_and_its_output_
         {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
         {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])
     assert follow_up.output and follow_up.usage.input_tokens > response.usage.input_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_by_max_output_tokens_is_an_incomplete_function_call_item(client, model, stream):
+    kwargs = dict(model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", temperature=0)
+    whole = client.responses.create(max_output_tokens=64, **kwargs)
+    assert whole.status == "completed" and whole.output[0].status == "completed"
+    arguments = json.loads(whole.output[0].arguments)
+    cut_at = whole.usage.output_tokens - 2
+    if stream:
+        cut = list(client.responses.create(max_output_tokens=cut_at, stream=True, **kwargs))[-1].response
+    else:
+        cut = client.responses.create(max_output_tokens=cut_at, **kwargs)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    (item,) = cut.output
+    assert (item.type, item.name, item.status) == ("function_call", "get_weather", "incomplete")
+    # As far as they came: the tiny model's last tokens may close the call after its arguments.
+    assert json.dumps(arguments, separators=(",", ":")).startswith("".join(item.arguments.split()))
 
 
 def test_text_format_json_schema_constrains_the_output(client, model):

@@ -223,6 +223,37 @@ def test_required_and_named_tool_calls_always_parse(client, tool_choice):
                 assert name == "get_weather"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_off_by_max_tokens_is_still_a_call(client, stream):
+    """As OpenAI answers a forced call that ``max_tokens`` cuts off: ``tool_calls`` with the
+    arguments' text as far as it came, ``finish_reason`` ``length``, no content."""
+    kwargs = dict(model="", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0)
+    whole = client.chat.completions.create(max_tokens=MAX_TOKENS, **kwargs)
+    (name, arguments), = called(whole)
+    # A little short of the whole answer: the cut falls inside the call's arguments.
+    cut_at = whole.usage.completion_tokens - 3
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(max_tokens=cut_at, stream=True, **kwargs):
+            for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            if chunk.choices:
+                assert not chunk.choices[0].delta.content
+                finish = chunk.choices[0].finish_reason or finish
+        (cut_name, cut_arguments), = [(c["name"], c["arguments"]) for c in calls.values()]
+    else:
+        cut = client.chat.completions.create(max_tokens=cut_at, **kwargs)
+        finish, message = cut.choices[0].finish_reason, cut.choices[0].message
+        assert message.content is None and len(message.tool_calls) == 1
+        cut_name, cut_arguments = message.tool_calls[0].function.name, message.tool_calls[0].function.arguments
+    assert finish == "length" and cut_name == name
+    compact, cut_compact = json.dumps(arguments, separators=(",", ":")), "".join(cut_arguments.split())
+    assert cut_compact and compact.startswith(cut_compact) and len(cut_compact) < len(compact)
+
+
 def test_a_tool_result_is_answered(client):
     first = client.chat.completions.create(model="", messages=ASK, tools=[WEATHER], tool_choice="required",
                                            max_tokens=MAX_TOKENS, temperature=0)
