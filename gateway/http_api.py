@@ -53,6 +53,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # Parts of a pydantic error location that name a member of a union, not a field.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|list\[.*\]|dict\[.*\]|[\w-]+\[.*\])$")
+_JSON_CONTENT = re.compile(r"^\s*application/([\w.+-]*\+)?json\s*(;|$)", re.IGNORECASE)
 HTTP_STATUS = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "NOT_FOUND": (404, "not_found_error"),
@@ -223,7 +224,13 @@ def _tokenizer(request: Request) -> ModelTokenizer:
 
 
 async def _validation(request: Request, exc: RequestValidationError):
-    message, where = _validation_message(list(exc.errors()))
+    errors = list(exc.errors())
+    content_type = request.headers.get("content-type", "")
+    if not _JSON_CONTENT.match(content_type) and errors and tuple(errors[0].get("loc", ())) == ("body",):
+        # FastAPI reads a body as JSON only when it says so; curl -d says form data.
+        return error_response(400, "the body must be a JSON object sent with 'Content-Type: application/json' "
+                                   f"(this request's: {content_type or 'none'})", "invalid_request_error")
+    message, where = _validation_message(errors)
     return error_response(400, message, "invalid_request_error", where)
 
 

@@ -227,6 +227,17 @@ def test_hostile_http_body_is_refused_with_a_message(http, route, body, needle):
     assert_refused(post(http, route, body), needle)
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_a_json_body_not_sent_as_json_is_refused_saying_so(http, content_type):
+    """What ``curl -d '{...}'`` sends without ``-H 'Content-Type: application/json'``."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    error = assert_refused(http.post(f"/v1/{C}", content=body, headers=headers), "Content-Type: application/json")
+    assert (content_type or "none") in error["message"]
+    sent_as_json = http.post(f"/v1/{C}", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert sent_as_json.status_code == 200, sent_as_json.text
+
+
 def grpc_request(text: str = "hi", **params) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(text=text, params=gateway_pb2.GenerationParams(**params))
 
