@@ -184,12 +184,12 @@ class ModelTokenizer:
         return await self._off_loop(self.encode, text, add_special_tokens)
 
     async def chat_prompt_async(self, messages: list[dict], add_generation_prompt: bool = True,
-                                max_model_len: int | None = None) -> list[int]:
+                                max_model_len: int | None = None, continue_final_message: bool = False) -> list[int]:
         """The chat template's token ids, rendered and tokenized off the event loop when large."""
         size = sum(len(m.get("content") or "") for m in messages)
         if size < OFF_LOOP_CHARS and len(messages) < OFF_LOOP_MESSAGES:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
-        text = await self._off_loop(self.apply_chat_template, messages, add_generation_prompt)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, continue_final_message))
+        text = await self._off_loop(self.apply_chat_template, messages, add_generation_prompt, continue_final_message)
         return await self.encode_async(text, False, max_model_len)
 
     async def _off_loop(self, fn, *args):
@@ -210,16 +210,37 @@ class ModelTokenizer:
     def detokenizer(self, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
+        """The rendered chat; with ``continue_final_message`` it ends inside the final message, so
+        that the model goes on writing it (an answer's prefix given by the client)."""
         if self._template is None:
             raise InvalidArgument("this model has no chat template; use /v1/completions")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidArgument("continue_final_message: needs add_generation_prompt: false (the final "
+                                  "message goes on, no new turn starts)")
         try:
-            return self._template.render(
+            rendered = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"messages: chat template failed: {exc}") from exc
+        return _open_final_message(rendered, messages[-1]) if continue_final_message else rendered
+
+
+def _open_final_message(rendered: str, final: dict) -> str:
+    """``rendered`` cut just after the final message's content: what the template writes after it
+    closes the turn."""
+    content = final.get("content") or ""
+    if not content.strip():
+        raise InvalidArgument("continue_final_message: the final message has no content to continue")
+    for text in (content, content.strip()):  # some templates trim a message's whitespace
+        at = rendered.rfind(text)
+        if at >= 0:
+            return rendered[:at + len(text)]
+    raise InvalidArgument("continue_final_message: the chat template does not render the final message's "
+                          "content as it is given")
 
 
 def _raise_template_error(message: str):

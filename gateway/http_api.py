@@ -352,7 +352,8 @@ async def _start_chat(body: ChatCompletionBody, request: Request) -> Started:
         constraint = call_grammar
     tenant = _tenant(request)
     messages = render_tool_messages(message_dicts(body.messages), tools)
-    prompt_ids = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, engine.max_model_len)
+    prompt_ids = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, engine.max_model_len,
+                                                   body.continue_final_message)
     if body.kv_share_system_prompt:
         if body.kv_shared_prefix_tokens is not None:
             raise InvalidArgument("kv_share_system_prompt: give it or kv_shared_prefix_tokens, not both")

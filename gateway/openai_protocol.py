@@ -302,6 +302,7 @@ class ChatCompletionBody(_GenerationBody):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final (assistant) message is a prefix to go on from
     tools: list[dict] | None = None
     tool_choice: Text | dict | None = None
     parallel_tool_calls: bool | None = None

@@ -27,6 +27,7 @@ class TokenizeBody(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -53,7 +54,8 @@ async def tokenize(body: TokenizeBody, request: Request):
             raise InvalidArgument("messages: at least one message is needed")
         # Earlier tool calls rendered as the chat route renders them.
         messages = render_tool_messages(message_dicts(body.messages), None)
-        tokens = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, max_model_len)
+        tokens = await tokenizer.chat_prompt_async(messages, body.add_generation_prompt, max_model_len,
+                                                   body.continue_final_message)
     else:
         tokens = await tokenizer.encode_async(body.prompt, body.add_special_tokens, max_model_len)
     return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,

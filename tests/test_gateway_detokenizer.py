@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.detokenizer import ModelTokenizer
+from kvserve.errors import InvalidArgument
 
 TEXTS = [
     "Hello world, how are you?",
@@ -73,3 +74,13 @@ def test_chat_template_renders_from_the_model_directory(tokenizer):
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert with_system.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
     assert 2 in tokenizer.eos_token_ids
+
+
+def test_continue_final_message_leaves_the_assistant_turn_open_after_its_prefix(tokenizer):
+    asked = [{"role": "user", "content": "Name a colour."}]
+    opened = tokenizer.apply_chat_template(asked + [{"role": "assistant", "content": "My favourite is"}], False, True)
+    assert opened == tokenizer.apply_chat_template(asked, True) + "My favourite is"
+    for add_generation_prompt, final, needle in [(True, "Blue", "add_generation_prompt: false"),
+                                                  (False, "  ", "no content to continue")]:
+        with pytest.raises(InvalidArgument, match=needle):
+            tokenizer.apply_chat_template(asked + [{"role": "assistant", "content": final}], add_generation_prompt, True)

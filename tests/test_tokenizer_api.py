@@ -55,6 +55,22 @@ def test_tokenize_renders_messages_with_the_chat_template(stack, tokenizer):
         "prompt_tokens"]
 
 
+def test_continue_final_message_goes_on_from_the_assistant_s_prefix(stack, tokenizer):
+    """vLLM's ``continue_final_message``: the answer continues the final assistant message, as a
+    completion of the rendered chat cut after that message's text would."""
+    messages = [{"role": "user", "content": TEXT}, {"role": "assistant", "content": "The fox"}]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    rendered = tokenizer.apply_chat_template(messages, False, True)
+    counted = post(stack, "/tokenize", {"messages": messages, **flags}).json()
+    assert counted["tokens"] == tokenizer.encode(rendered)
+    chat = post(stack, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0, **flags})
+    completion = post(stack, "/v1/completions", {"prompt": counted["tokens"], "max_tokens": 6, "temperature": 0})
+    assert chat.json()["usage"]["prompt_tokens"] == counted["count"]
+    assert chat.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
+    refused = post(stack, "/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert refused.status_code == 400 and "add_generation_prompt: false" in refused.json()["error"]["message"]
+
+
 def test_detokenize_inverts_tokenize(stack):
     tokens = post(stack, "/tokenize", {"prompt": TEXT, "add_special_tokens": False}).json()["tokens"]
     assert post(stack, "/detokenize", {"tokens": tokens}).json() == {"prompt": TEXT}
