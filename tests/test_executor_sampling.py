@@ -42,9 +42,11 @@ def test_compiled_greedy_pick_equals_the_torch_path():
     greedy = CpuAttentionBackend(torch.device("cpu")).greedy_sample
     x = logits(8) * 4
     x[3, 10] = x[3, 990] = x[3].max() + 1  # a tie: the first index wins, as in torch.argmax
+    x[4, 37] = x[4, 33] = x[4].max() + 1  # a tie inside one vector of 16
     x[5, -1] = x[5].max() + 1  # the maximum in the vector tail
     fused = sample(x, [SamplingParams()] * 8, list(range(8)), torch.Generator(), greedy)
     assert fused.token_ids == x.argmax(-1).tolist() and fused.token_ids[3] == 10 and fused.token_ids[5] == VOCAB - 1
+    assert fused.token_ids[4] == 33
     assert fused.logprobs == pytest.approx(x.log_softmax(-1).max(-1).values.tolist(), abs=1e-5)
     for odd_one in (SamplingParams(temperature=0.7, seed=1), SamplingParams(top_logprobs=2)):
         params = [odd_one] + [SamplingParams()] * 7
