@@ -145,10 +145,8 @@ void amx_tiles_dot(const uint16_t* w, int64_t tile_stride, int64_t count, const 
   for (int64_t k0 = 0; k0 < k; k0 += kAmxDepth) {
     const uint16_t* b0 = w + k0 * kTile;  // 32 inputs of a tile: 16 pairs x 16 outputs x 2
     const uint16_t* b1 = b0 + tile_stride;
-    for (int line = 0; line < 16; ++line) prefetch(b0 + line * 32);
-    if (two) {
-      for (int line = 0; line < 16; ++line) prefetch(b1 + line * 32);
-    }
+    prefetch.lines(b0, kTile);  // a B tile's 16 rows of 64 bytes
+    if (two) prefetch.lines(b1, kTile);
     _tile_loadd(4, x + k0, x_bytes);
     _tile_loadd(6, b0, 64);
     _tile_dpbf16ps(0, 4, 6);
