@@ -317,7 +317,7 @@ void int8_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
-    for (int64_t line = 0; line < 16; ++line) prefetch(w + g * 8 * kQuadBytes + line * 64);
+    prefetch.lines(w + g * 8 * kQuadBytes, 16);  // groups g and g + 1: 8 quads of 64 codes each
     amx_group_dots(buffer, a + g * kGroup, k, w + g * 8 * kQuadBytes, w + (g + 1) * 8 * kQuadBytes, two, dots[buffer]);
   }, [&](int64_t g, bool two, int buffer) {
     for (int i = 0; i < 1 + two; ++i) {
@@ -556,7 +556,7 @@ void int4_amx_chunk(const uint8_t* w, const int8_t* a, int64_t k, const float* s
   __m512 totals[ROWS];
   for (int m = 0; m < ROWS; ++m) totals[m] = _mm512_setzero_ps();
   for_each_group_pair(groups, [&](int64_t g, bool two, int buffer) {
-    for (int64_t line = 0; line < 10; ++line) prefetch(w + g * kInt4RecordBytes + line * 64);
+    prefetch.lines(w + g * kInt4RecordBytes, kInt4RecordBytes / 64);
     unpack_int4_group(w + g * kInt4RecordBytes, b[0]);
     if (two) unpack_int4_group(w + (g + 1) * kInt4RecordBytes, b[1]);
     amx_group_dots(buffer, a + g * kGroup, k, b[0], b[1], two, dots[buffer]);
