@@ -248,15 +248,6 @@ void multiply_tile_pairs(const at::Tensor& x, int64_t pairs, const PairTiles& pa
   });
 }
 
-// Two tiles' outputs of one row, rounded to bf16 (round_bf16's results, in float lanes), as 32
-// consecutive bf16: the upper halves of `first`'s lanes, then of `second`'s, in one 64-byte store.
-inline void store_rounded_pair(at::BFloat16* dst, Vec16 first, Vec16 second) {
-  alignas(64) static constexpr int16_t kUpperHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
-                                                           23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
-                                                           45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-  _mm512_storeu_si512(dst, _mm512_permutex2var_epi16((__m512i)first, _mm512_load_si512(kUpperHalves), (__m512i)second));
-}
-
 // y = x @ W^T (+ bias): column tiles in pairs (2p, 2p + 1); `column_scale(t)`: what tile t's 16
 // sums are multiplied by, or nullptr.
 template <typename BTiles, typename ColumnScale>

@@ -161,6 +161,17 @@ at::Tensor run_tiles(const char* op, const at::Tensor& x, const void* weights, i
     using Out = std::remove_pointer_t<decltype(y)>;
     // acc's rows [0, chunk) of the tiles t0 .. t0 + count as rows m0.. of y, with the bias.
     const auto store_chunk = [&](const float* acc, int64_t t0, int64_t count, int64_t m0, int64_t chunk) {
+      if constexpr (std::is_same_v<Out, at::BFloat16>) {
+        if (count == 2 && (t0 + 2) * kTile <= out_features) {  // a row's 32 outputs in one store
+          const int64_t col0 = t0 * kTile;
+          const Vec16 bias0 = b ? load16(b + col0) : Vec16{}, bias1 = b ? load16(b + col0 + kTile) : Vec16{};
+          for (int64_t m = 0; m < chunk; ++m) {
+            store_rounded_pair(y + (m0 + m) * out_features + col0, round_bf16(load16(acc + m * kTile) + bias0),
+                               round_bf16(load16(acc + (chunk + m) * kTile) + bias1));
+          }
+          return;
+        }
+      }
       for (int64_t j = 0; j < count; ++j) {
         const int64_t col0 = (t0 + j) * kTile, cols = std::min(kTile, out_features - col0);
         const Vec16 bias_v = b ? (cols == kTile ? load16(b + col0) : Vec16{}) : Vec16{};

@@ -134,6 +134,24 @@ inline void store_rounded16(c10::BFloat16* p, Vec16 v) {
 
 inline void store16(c10::BFloat16* p, Vec16 v) { store_rounded16(p, round_bf16(v)); }
 
+// Two vectors already bf16 values (round_bf16's results) as 32 consecutive bf16 at p, first's then
+// second's: with AVX-512 BW one 64-byte store from one permute, where the matmuls' epilogues paid a
+// narrowing and a 32-byte store for each (docs/executor.md).
+inline void store_rounded_pair(c10::BFloat16* p, Vec16 first, Vec16 second) {
+#if defined(__AVX512BW__)
+  alignas(64) static constexpr int16_t kUpperHalves[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                           23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                           45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  __m512i a, b;
+  std::memcpy(&a, &first, sizeof(a));
+  std::memcpy(&b, &second, sizeof(b));
+  _mm512_storeu_si512(p, _mm512_permutex2var_epi16(a, _mm512_load_si512(kUpperHalves), b));
+#else
+  store_rounded16(p, first);
+  store_rounded16(p + kLanes, second);
+#endif
+}
+
 inline void store16(c10::Half* p, Vec16 v) {
   for (int64_t i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
 }
