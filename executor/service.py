@@ -8,6 +8,7 @@ step from request to reply, the same whether it came over gRPC or the step socke
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from executor.runner import ModelRunner, SequenceInput, StepOutput
@@ -19,39 +20,56 @@ from kvserve.v1 import executor_pb2, executor_pb2_grpc
 
 
 def sequence_from_proto(seq: executor_pb2.ExecuteSequence) -> SequenceInput:
-    sampling = None
-    if seq.sample:
-        s = seq.sampling
-        sampling = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            seed=s.seed if s.HasField("seed") else None,
-            top_logprobs=s.top_logprobs,
-            suppressed_token_ids=tuple(s.suppressed_token_ids),
-            allowed_token_bitmask=s.allowed_token_bitmask,
-            logit_bias_token_ids=tuple(s.logit_bias_token_ids),
-            logit_bias_values=tuple(s.logit_bias_values),
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=s.repetition_penalty,
-            penalty_token_ids=tuple(s.penalty_token_ids),
-            penalty_output_counts=tuple(s.penalty_output_counts),
-            min_p=s.min_p,
-        )
+    # Fields read from the upb message one at a time cost ~1 µs each (an empty repeated field's list
+    # as much), on the torch thread: ~20 µs a sequence, 0.6 ms of a 32-sequence step. Sampling
+    # parameters repeat from step to step and are parsed once; empty lists are not built.
     return SequenceInput(
         seq_id=seq.seq_id,
         token_ids=list(seq.token_ids),
         start_position=seq.start_position,
         block_table=list(seq.block_table),
         sample=seq.sample,
-        sampling=sampling or SamplingParams(),
-        store_load_block_ids=list(seq.store_load_block_ids),
-        store_load_hashes=list(seq.store_load_hashes),
+        sampling=sampling_from_wire(seq.sampling.SerializeToString()) if seq.sample else SamplingParams(),
+        store_load_block_ids=list(seq.store_load_block_ids) if seq.store_load_block_ids else [],
+        store_load_hashes=list(seq.store_load_hashes) if seq.store_load_hashes else [],
         num_draft_tokens=seq.num_draft_tokens,
-        prompt_logprob_token_ids=list(seq.prompt_logprob_token_ids),
+        prompt_logprob_token_ids=list(seq.prompt_logprob_token_ids) if seq.prompt_logprob_token_ids else [],
         prompt_top_logprobs=seq.prompt_top_logprobs,
     )
+
+
+# Serialized parameters up to this size are remembered: those of plain, biased or penalized
+# sampling; a constraint's token bitmask (6 KiB a step for a 49k vocabulary) changes every step.
+CACHED_SAMPLING_BYTES = 1024
+
+
+def sampling_from_wire(wire: bytes) -> SamplingParams:
+    """The SamplingParams of a serialized ``executor_pb2.SamplingParams`` (immutable, so shared)."""
+    return _cached_sampling(wire) if len(wire) <= CACHED_SAMPLING_BYTES else _parsed_sampling(wire)
+
+
+def _parsed_sampling(wire: bytes) -> SamplingParams:
+    s = executor_pb2.SamplingParams.FromString(wire)
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed if s.HasField("seed") else None,
+        top_logprobs=s.top_logprobs,
+        suppressed_token_ids=tuple(s.suppressed_token_ids),
+        allowed_token_bitmask=s.allowed_token_bitmask,
+        logit_bias_token_ids=tuple(s.logit_bias_token_ids),
+        logit_bias_values=tuple(s.logit_bias_values),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        penalty_token_ids=tuple(s.penalty_token_ids),
+        penalty_output_counts=tuple(s.penalty_output_counts),
+        min_p=s.min_p,
+    )
+
+
+_cached_sampling = functools.lru_cache(maxsize=1024)(_parsed_sampling)
 
 
 def store_orders_from_proto(request: executor_pb2.ExecuteRequest) -> StoreOrders | None:

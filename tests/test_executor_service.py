@@ -168,3 +168,37 @@ def test_default_model_answers_paris_and_stays_healthy_during_a_step(start_servi
     assert replies and replies[0].num_tokens == 1500
     if time.monotonic() - start > 1.5:  # a step long enough to overlap the check
         assert answered_during_step
+
+
+def test_a_sequence_reads_from_its_proto_with_every_sampling_field():
+    """What run_step hands the runner: every field as sent, sampling parameters parsed once per
+    distinct set (seed 0 kept apart from no seed), large ones (a constraint's bitmask) parsed anew."""
+    from executor.sampling import SamplingParams
+    from executor.service import CACHED_SAMPLING_BYTES, sequence_from_proto
+
+    def sequence(**sampling) -> pb.ExecuteSequence:
+        seq = pb.ExecuteSequence(seq_id=7, token_ids=[5, 6], start_position=3, block_table=[9, 4], sample=True,
+                                 num_draft_tokens=1, prompt_top_logprobs=2, prompt_logprob_token_ids=[6],
+                                 store_load_block_ids=[9], store_load_hashes=[b"h" * 32])
+        seq.sampling.CopyFrom(pb.SamplingParams(**sampling))
+        return seq
+
+    full = dict(temperature=0.7, top_k=5, top_p=0.9, seed=0, top_logprobs=2, suppressed_token_ids=[2],
+                logit_bias_token_ids=[3], logit_bias_values=[1.5], presence_penalty=0.5, frequency_penalty=0.25,
+                repetition_penalty=1.1, penalty_token_ids=[4], penalty_output_counts=[2], min_p=0.05)
+    got = sequence_from_proto(sequence(**full))
+    assert (got.seq_id, got.token_ids, got.start_position, got.block_table, got.sample) == (7, [5, 6], 3, [9, 4], True)
+    assert (got.num_draft_tokens, got.prompt_top_logprobs, got.prompt_logprob_token_ids) == (1, 2, [6])
+    assert (got.store_load_block_ids, got.store_load_hashes) == ([9], [b"h" * 32])
+    for name, sent in full.items():  # float32 on the wire
+        assert getattr(got.sampling, name) == pytest.approx(tuple(sent) if isinstance(sent, list) else sent), name
+    assert got.sampling.seed == 0
+    assert sequence_from_proto(sequence(**full)).sampling is got.sampling  # parsed once
+    unseeded = {k: v for k, v in full.items() if k != "seed"}
+    assert sequence_from_proto(sequence(**unseeded)).sampling.seed is None
+    bitmask = bytes(range(256)) * (CACHED_SAMPLING_BYTES // 256 + 1)
+    constrained = sequence_from_proto(sequence(allowed_token_bitmask=bitmask))
+    assert constrained.sampling.allowed_token_bitmask == bitmask
+    assert sequence_from_proto(sequence(allowed_token_bitmask=bitmask)).sampling is not constrained.sampling
+    plain = sequence_from_proto(pb.ExecuteSequence(seq_id=1, token_ids=[1], block_table=[0]))
+    assert plain.sampling == SamplingParams() and plain.store_load_hashes == [] and plain.prompt_logprob_token_ids == []
