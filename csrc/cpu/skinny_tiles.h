@@ -56,9 +56,9 @@ class Prefetcher {
 
   void operator()(const void* read) const { __builtin_prefetch(target_of(read), 0, 3); }
 
-  // What reading `count` consecutive lines from `read` asks for. Lone chunks ask for consecutive
-  // lines too, from one address: a line's own target computed per line was 10-19 % of a 16-32 row
-  // AMX matmul whose weights are in cache (the AMX Xeon).
+  // What reading `count` consecutive lines from `read` asks for. Under ahead() their targets are
+  // consecutive too, and follow from the first one: each line's own, computed, was 10-19 % of a
+  // 16-32 row AMX matmul whose weights are in cache (the AMX Xeon).
   void lines(const void* read, int count) const {
     const char* first = target_of(read);
     for (int line = 0; line < count; ++line) {
