@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.matmul_bench import model_shapes
 from bench.peers.common import lscpu_text
 from bench.timing import timed_interleaved
 from executor.attention.csrc_loader import csrc_build_script
@@ -116,9 +117,7 @@ class TileProbe:
 
 def prompt_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of a layer's projections as a prompt step runs them: qkv, o, gate_up, down."""
-    c = config
-    return [(c.q_size + 2 * c.kv_size, c.hidden_size), (c.hidden_size, c.q_size),
-            (2 * c.intermediate_size, c.hidden_size), (c.hidden_size, c.intermediate_size)]
+    return model_shapes(config)[:4]
 
 
 def main(argv: list[str] | None = None) -> int:
