@@ -3,8 +3,9 @@
     python -m bench.amx_tile_rate [--rows 512] [--rounds 20]
 
 The probe is the prompt kernel's inner loop alone (csrc/cpu/prompt_linear.cpp: two row tiles of x
-and two column tiles of weights, four ``TDPBF16PS`` per 32 inputs) over operands that stay in L1, so
-nothing but the tile unit bounds it; it is compiled here with the system's ``g++`` into
+and two column tiles of weights, four ``TDPBF16PS`` per 32 inputs) over the same 32 rows and two
+weight tiles every pass (72 KiB at 576 inputs: L2, the newest lines in L1), so nothing but the tile
+unit and the core's caches bound it; it is compiled here with the system's ``g++`` into
 ``~/.cache/kvserve/amx_tile_rate/`` and called through ctypes. ``prompt_linear_bf16`` runs the
 model's prompt-step projections (q/k/v, o, gate_up, down) at ``--rows`` rows on one thread, the probe
 taking turns with it, and each prints its best TFLOP/s: the kernel's share of the probe's rate is what
@@ -73,7 +74,7 @@ extern "C" int tile_probe(const uint16_t* x, const uint16_t* w, int64_t depth, i
 }
 """
 
-PROBE_DEPTH = 576  # the model's hidden size: x's 32 rows and the two weight tiles are 72 KiB
+PROBE_DEPTH = 576  # the model's hidden size: x's 32 rows and the two weight tiles are 72 KiB (L2)
 
 
 def build_probe(cache: Path) -> ctypes.CDLL:
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     model = next((line for line in lscpu.splitlines() if line.startswith("Model name")), "")
     flags = " ".join(flag for flag in ("amx_bf16", "amx_tile", "amx_int8") if flag in lscpu)
     print(f"{model.strip()}  ({flags})")
-    print(f"tile probe (L1 operands, 1 thread):          {probe_rate:6.3f} TFLOP/s")
+    print(f"tile probe (cached operands, 1 thread):      {probe_rate:6.3f} TFLOP/s")
     print(f"prompt_linear_bf16, one layer, {args.rows} rows:  {kernel_rate:6.3f} TFLOP/s")
     print(f"kernel / probe: {kernel_rate / probe_rate:.2f}")
     return 0
