@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.cpu_usage import process_cpu_seconds
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
 PROMPT_LEN = 512
@@ -101,12 +103,6 @@ def report_in_process(quick: bool) -> None:
         print(f"{num_blocks:>12,} {r['admit_seq_per_s']:>12,.0f} {r['admit_us_per_block']:>9.2f} "
               f"{r['decode_tokens_per_s']:>13,.0f} {r['free_us_per_block']:>12.2f} "
               f"{r['cycle_seq_per_s']:>12,.0f} {setup:>8.2f}")
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc; 10 ms ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def over_grpc(quick: bool) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.client import RequestResult
+from bench.cpu_usage import cpu_line
 from bench.server_metrics import ServerMetrics
 
 TABLE_COLUMNS = ("configuration", "max concurrency", "throughput tok/s", "TTFT P99", "KV memory utilization")
@@ -49,6 +50,7 @@ class Row:
     running_series: list = field(default_factory=list)  # [(t, requests running)]
     running_high_water: float | None = None  # the gateway's own peak gauge
     profile: dict = field(default_factory=dict)  # scheduler steps and where their time went
+    cpu_s: dict = field(default_factory=dict)  # CPU seconds per process over the measured run (bench/cpu_usage.py)
     # What the system is and how it ran, for the side-by-side table (bench/peers)
     system: str = ""  # kvserve, llama.cpp llama-server, OpenVINO GenAI ...
     weights: str = ""  # weights precision / format
@@ -229,6 +231,12 @@ def profile_lines(rows: list[Row]) -> list[str]:
                      f"{p.get('mean_step_ms', 0):.0f} ms/step, engine busy {100 * p.get('busy_fraction', 0):.0f}% "
                      f"of the run; step time: {split}")
     return lines
+
+
+def cpu_lines(rows: list[Row], num_cpus: int) -> list[str]:
+    """Per row: the CPU seconds each of its processes (and the benchmark client) used over the run,
+    against what ``num_cpus`` CPUs offer in that time."""
+    return [f"- {r.name}: {cpu_line(r.cpu_s, r.duration_s, num_cpus)}" for r in rows if r.cpu_s and r.duration_s]
 
 
 def write_json(path: Path, rows: list[Row], meta: dict) -> None:

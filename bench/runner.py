@@ -5,6 +5,7 @@ import asyncio
 import time
 
 from bench.client import run_load
+from bench.cpu_usage import CpuMeter
 from bench.report import Row, row_from_results
 from bench.server_metrics import MetricsSampler
 from bench.workload import BenchRequest
@@ -16,20 +17,26 @@ WARMUP_REQUEST = BenchRequest("Say hello to the benchmark in one short sentence.
 async def measure_async(name: str, requests: list[BenchRequest], *, base_url: str, grpc_address: str = "",
                         concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
                         warmup: int = 2, metrics_interval: float = 0.25, progress: bool = True,
-                        kv_allocation: str = "") -> Row:
+                        kv_allocation: str = "", server_pids: dict[str, int] | None = None) -> Row:
+    """``server_pids``: the server's processes by name, whose CPU seconds over the run the row keeps
+    beside the client's own (``Row.cpu_s``)."""
     if warmup:
         # First calls pay one-time costs (allocator growth, lazy imports); keep them out of the numbers.
         await run_load([WARMUP_REQUEST] * warmup, base_url=base_url, grpc_address=grpc_address,
                        concurrency=1, progress=False)  # one at a time: the peak gauge stays at 1
     sampler = MetricsSampler(base_url, interval=metrics_interval)
     await sampler.start(time.perf_counter())
+    cpu = CpuMeter(server_pids or {})
+    cpu.start()
     try:
         results, wall = await run_load(requests, base_url=base_url, grpc_address=grpc_address,
                                        concurrency=concurrency, request_rate=request_rate, seed=seed,
                                        progress=progress)
     finally:
+        cpu_s = cpu.stop()
         metrics = await sampler.stop()
     row = row_from_results(name, results, wall, metrics)
+    row.cpu_s = cpu_s
     if not metrics.available:
         row.notes.append("/metrics not reachable: no server-side numbers")
     elif row.kv_utilization is None:

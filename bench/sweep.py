@@ -216,7 +216,8 @@ def run_config(config: SweepConfig, requests: list[BenchRequest], budget: Budget
         info = model_info(stack.grpc_address)
         row = measure(config.name, requests, base_url=stack.http_url, concurrency=concurrency,
                       request_rate=request_rate, seed=seed, progress=progress, metrics_interval=metrics_interval,
-                      kv_allocation=config.kv_allocation)
+                      kv_allocation=config.kv_allocation,
+                      server_pids={s.module: s.proc.pid for s in stack.services()})
     finally:
         stack.stop()
     row.notes.extend(check_applied(config, info, budget.kv_cache_dtype))

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 
 from bench import report
 from bench.client import RequestResult, usage_of
+from bench.cpu_usage import CLIENT, CpuMeter, cpu_line
 from bench.peers.transformers_peer import batch_kv_slots, left_padded
 from bench.server_metrics import MetricsSampler, ServerMetrics, parse_prometheus, sample_from
 from bench.sweep import KV_CACHE_DTYPES, QUANTIZATION_MODES, SEED_TABLE, check_applied, plan_budget, plan_configs
@@ -401,6 +404,38 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert "throughput" in printed and (out / "bench.png").exists() and (out / "table.md").exists()
     assert meta["executor_auto_threads"]["none"]["chosen"] in range(1, usable_cpus() + 1)
     assert "best against best" in printed and "--num-threads auto picks" in printed
+    # Every kvserve row says what CPU each of its three services and the client used over its run,
+    # no more in all than the machine's CPUs offer in that time (give or take a few 10 ms ticks a process).
+    cpu_section = printed.split("CPU seconds over the run, per process", 1)[1]
+    for row in (baseline, prefix):
+        assert set(row.cpu_s) == {"kvmanager", "executor", "gateway", "client"}, row.cpu_s
+        assert row.cpu_s["executor"] > 0 and row.cpu_s["gateway"] > 0 and row.cpu_s["kvmanager"] >= 0
+        assert sum(row.cpu_s.values()) <= usable_cpus() * row.duration_s + 0.05 * len(row.cpu_s)
+        assert f"executor {row.cpu_s['executor']:.2f} s" in cpu_section.split(f"- {row.name}: ", 1)[1].split("\n")[0]
+
+
+def test_the_cpu_meter_counts_each_process_over_the_run_and_leaves_out_one_that_is_gone():
+    # Spins for 0.4 s of CPU once told to, then sleeps: what it used before the meter started is not counted.
+    busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nsys.stdin.readline()\n"
+                             "end = time.process_time() + 0.4\nwhile time.process_time() < end: pass\n"
+                             "print('done', flush=True)\ntime.sleep(60)"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        meter = CpuMeter({"busy": busy.pid, "gone": gone.pid, "no such": 2**22 + 1})
+        meter.start()
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
+        assert busy.stdout.readline() == "done\n"
+        cpu_s = meter.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert set(cpu_s) == {"busy", CLIENT}
+    assert 0.3 <= cpu_s["busy"] <= 1.0 and 0.0 <= cpu_s[CLIENT] < cpu_s["busy"]
+    assert cpu_line({"client": 0.25, "executor": 14.1}, 8.0, 2) == (
+        "executor 14.10 s, client 0.25 s (of 2 CPUs x 8.0 s = 16.0 CPU s)")
 
 
 def test_matmul_bench_prompt_mode_times_every_kernel_on_a_tiny_model(tiny_model_dir, cpu_ops, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import tarfile
 import types
@@ -228,6 +229,7 @@ def test_openvino_runner_closed_loop_on_a_fake_pipeline(tmp_path, monkeypatch):
     assert all(r.ttft > 0 and r.e2e >= r.ttft for r in results)
     assert results[2].sent_at >= results[1].sent_at  # the third waits for a free place
     assert payload["cache"]["kv_usage_peak"] == pytest.approx(0.5)
+    assert 0 <= payload["cpu_s"] <= payload["wall_s"] * os.cpu_count() + 0.05  # the measured loop's CPU seconds
     row = report.row_from_results("ov", results, payload["wall_s"])
     assert row.completed == 3 and row.output_tokens == 8
 

@@ -221,6 +221,7 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
             kv_note: str, log_dir: Path, progress: bool, request_rate: float | None = None, seed: int = 0):
     """One row: start the server on ``gguf``, warm it up, run the workload, read /metrics, stop it."""
     from bench.client import run_load
+    from bench.cpu_usage import CpuMeter
     from bench.report import row_from_results
     from bench.runner import WARMUP_REQUEST
 
@@ -238,9 +239,12 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
             _wait_ready(url, proc, 300, log_path)
             asyncio.run(run_load([WARMUP_REQUEST] * 2, base_url=url, concurrency=1, progress=False))
             before = parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+            cpu = CpuMeter({"llama-server": proc.pid})
+            cpu.start()
             results, wall = asyncio.run(run_load(requests, base_url=url, concurrency=None if request_rate else
                                                  concurrency, request_rate=request_rate, seed=seed,
                                                  progress=progress))
+            cpu_s = cpu.stop()
             after = parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
         finally:
             proc.terminate()
@@ -250,6 +254,7 @@ def run_one(name: str, binary: Path, gguf: Path, requests, *, concurrency: int, 
                 proc.kill()
                 proc.wait()
     row = row_from_results(name, results, wall)
+    row.cpu_s = cpu_s
     precision = gguf_precision(gguf)
     for key, value in label("llama.cpp llama-server", weights=f"{precision} GGUF",
                             weight_bits=gguf_weight_bits(precision), threads=threads, kv_budget=kv_note,

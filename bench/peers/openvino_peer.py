@@ -129,6 +129,8 @@ def run_one(python: Path, ir_dir: Path, weight_format: str, requests, *, concurr
                             threads=threads, kv_budget=f"{kv_note}, {facts.get('KV_CACHE_PRECISION', '?')} K/V",
                             transport="in-process").items():
         setattr(row, key, value)
+    if payload.get("cpu_s") is not None:  # the pipeline and its driving loop: one process, no client
+        row.cpu_s = {"openvino (in-process)": payload["cpu_s"]}
     row.kv_usage_peak = payload["cache"].get("kv_usage_peak")
     row.kv_usage_mean = payload["cache"].get("kv_usage_mean")
     row.profile = {"openvino": facts}

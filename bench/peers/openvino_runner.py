@@ -142,8 +142,10 @@ def run(job: dict) -> dict:
     warmup = [{"prompt": "Say hello to the benchmark in one short sentence.", "prompt_len": 12, "output_len": 8}]
     for _ in range(int(job.get("warmup", 2))):
         drive(warmup, 1)
+    cpu_before = time.process_time()
     results, wall, cache = drive(job["requests"], int(job["concurrency"]))
-    return {"results": results, "wall_s": wall, "cache": cache, "facts": facts}
+    return {"results": results, "wall_s": wall, "cache": cache, "facts": facts,
+            "cpu_s": round(time.process_time() - cpu_before, 3)}
 
 
 def main(argv: list[str]) -> int:
