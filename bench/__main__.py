@@ -177,7 +177,7 @@ def emit(rows: list[report.Row], meta: dict, out_dir: Path, references: list[rep
     profile = report.profile_lines(shown)
     if profile:
         lines += ["", "where the engine's time goes (gateway step counters):", *profile]
-    cpu = report.cpu_lines(shown, meta.get("machine", {}).get("cpu_count") or usable_cpus())
+    cpu = report.cpu_lines(shown, meta.get("machine", {}).get("usable_cpus") or usable_cpus())
     if cpu:
         lines += ["", "CPU seconds over the run, per process (the benchmark client's included):", *cpu]
     for extra in (round_lines(rows), target_lines(rows, meta.get("concurrency"))):

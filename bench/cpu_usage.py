@@ -29,7 +29,7 @@ class CpuMeter:
         self._before: dict[str, float] = {}
 
     def start(self) -> None:
-        self._before = {name: seconds for name, seconds in self._read().items()}
+        self._before = self._read()
 
     def stop(self) -> dict[str, float]:
         after = self._read()

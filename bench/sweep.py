@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvserve.config import without_flag_env
+from kvserve.cpus import usable_cpus
 from kvserve.launcher import StackConfig, start_stack
 from kvserve.ports import free_port
 
@@ -258,7 +259,7 @@ def machine_description() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__,
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "usable_cpus": usable_cpus(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "platform": platform.platform()}
 
