@@ -412,6 +412,7 @@ def test_sweep_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
         assert row.cpu_s["executor"] > 0 and row.cpu_s["gateway"] > 0 and row.cpu_s["kvmanager"] >= 0
         assert sum(row.cpu_s.values()) <= usable_cpus() * row.duration_s + 0.05 * len(row.cpu_s)
         assert f"executor {row.cpu_s['executor']:.2f} s" in cpu_section.split(f"- {row.name}: ", 1)[1].split("\n")[0]
+    assert list(peer.cpu_s) == ["transformers (in-process)"] and peer.cpu_s["transformers (in-process)"] > 0
 
 
 def test_the_cpu_meter_counts_each_process_over_the_run_and_leaves_out_one_that_is_gone():

@@ -143,9 +143,12 @@ def run_transformers_peer(model_dir: Path, requests: list[BenchRequest], batch_s
     with torch.inference_mode():  # one short warm-up so first-call setup is not timed
         model.generate(input_ids=torch.tensor([token_lists[0][:8]]), max_new_tokens=2, do_sample=False,
                        pad_token_id=pad_id)
+    cpu_before = time.process_time()
     results, wall, (stored, allocated) = run_static_batches(model, token_lists, requests, batch_size,
                                                             pad_id, progress)
+    cpu_s = round(time.process_time() - cpu_before, 3)
     row = row_from_results(f"peer: transformers static batching ({dtype})", results, wall)
+    row.cpu_s = {"transformers (in-process)": cpu_s}
     row.max_concurrency = min(batch_size, len(requests))
     row.kv_utilization = stored / allocated if allocated else None
     row.internal_fragmentation = None  # a contiguous cache has no blocks; its waste is padding + reservation
