@@ -46,7 +46,6 @@ class CpuMeter:
 
 
 def cpu_line(cpu_s: dict[str, float], wall_s: float, num_cpus: int) -> str:
-    """``executor 14.1 s, gateway 1.3 s, ... of 2 CPUs x 8.1 s``: the processes, busiest first."""
+    """``executor 14.10 s, gateway 1.30 s (of 2 CPUs x 8.1 s = 16.2 CPU s)``: the processes, busiest first."""
     shares = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in sorted(cpu_s.items(), key=lambda kv: -kv[1]))
     return f"{shares} (of {num_cpus} CPUs x {wall_s:.1f} s = {num_cpus * wall_s:.1f} CPU s)"
-
