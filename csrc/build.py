@@ -66,6 +66,10 @@ CPU_SOURCES = [CSRC / "cpu" / name for name in ("paged_decode_attention.cpp", "w
 # here is built with the same flags and the vectors never cross into other code, so the
 # warning (an error under -Werror, which failed the whole build on AVX2 CPUs) says nothing.
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Werror", "-Wno-psabi"]
+CPU_LDFLAGS = ("-fopenmp",)  # a tuple: torch's builder appends to the lists it is given
+CPU_HEADERS = sorted((CSRC / "cpu").glob("*.h"))
+CPU_LIBRARY = "kvserve_cpu_kernels"
+CPU_STAMP = "inputs.sha256"  # beside the library: the digest of the sources and flags it was built from
 
 _MODULES: dict[str, ModuleType] = {}
 
@@ -183,26 +187,59 @@ def cpu_build_dir(march: str = "native") -> Path:
     return build_root() / f"cpu-{target}-{origin}"
 
 
+def inputs_digest(paths: list[Path], settings: object) -> str:
+    """A hash of what a build compiles: the files' names and bytes (not their times) and ``settings``."""
+    import hashlib
+
+    digest = hashlib.sha256(repr(settings).encode())
+    for path in paths:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def built_from(build_dir: Path, library: str, digest: str) -> Path | None:
+    """``build_dir``'s ``library`` when the stamp beside it says it was built from inputs of ``digest``."""
+    stamp, built = build_dir / CPU_STAMP, build_dir / library
+    try:
+        return built if built.is_file() and stamp.read_text() == digest else None
+    except OSError:
+        return None
+
+
+def cpu_cflags(march: str = "native") -> list[str]:
+    return [f"-march={march}" if flag == "-march=native" else flag for flag in CPU_FLAGS]
+
+
+def cpu_inputs_digest(march: str = "native") -> str:
+    """What a CPU kernel build of ``march`` compiles: every source and header, the flags, torch's version."""
+    import torch
+
+    return inputs_digest([*CPU_SOURCES, *CPU_HEADERS], (cpu_cflags(march), CPU_LDFLAGS, torch.__version__))
+
+
 def load_cpu(verbose: bool = False, march: str = "native"):
     """Builds (first call, cached on disk) and loads the CPU ops; returns ``torch.ops.kvserve_cpu``
     (``paged_decode_attention``, ``write_kv``, ``greedy_sample`` and the layer ops of ``cpu/layer_ops.cpp``).
     ``march``: another -march than this CPU's, for testing the kernels' portable paths (a process
-    loads one build: the ops register under one name)."""
+    loads one build: the ops register under one name).
+
+    A build whose stamp matches the sources' bytes is loaded as it is: ninja judges by times, and
+    a fresh clone's sources are all newer than the cached objects, which cost every CI run a full
+    build, native and portable (2-4 minutes on 2 cores). Anything else goes through ninja."""
     import torch
     from torch.utils.cpp_extension import load as torch_load
 
     if not hasattr(torch.ops.kvserve_cpu, "paged_decode_attention"):
-        build_dir = cpu_build_dir(march)
+        build_dir, cflags, digest = cpu_build_dir(march), cpu_cflags(march), cpu_inputs_digest(march)
         with exclusive_build(build_dir):
-            torch_load(
-                name="kvserve_cpu_kernels",
-                sources=[str(path) for path in CPU_SOURCES],
-                extra_cflags=[f"-march={march}" if flag == "-march=native" else flag for flag in CPU_FLAGS],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=verbose,
-            )
+            built = built_from(build_dir, f"{CPU_LIBRARY}.so", digest)
+            if built is not None:
+                torch.ops.load_library(str(built))
+            else:
+                torch_load(name=CPU_LIBRARY, sources=[str(path) for path in CPU_SOURCES], extra_cflags=cflags,
+                           extra_ldflags=list(CPU_LDFLAGS), build_directory=str(build_dir), is_python_module=False,
+                           verbose=verbose)
+                (build_dir / CPU_STAMP).write_text(digest)
     return torch.ops.kvserve_cpu
 
 

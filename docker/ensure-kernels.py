@@ -84,8 +84,7 @@ def plan(build, kernel: str) -> tuple[Path, list[Path]]:
     """(the library the build writes, the sources it depends on) for ``kernel``."""
     root = build.build_root()
     if kernel == "cpu":
-        sources = list(build.CPU_SOURCES) + sorted((build.CSRC / "cpu").glob("*.h"))
-        return _cpu_build_dir(build) / "kvserve_cpu_kernels.so", sources
+        return _cpu_build_dir(build) / f"{build.CPU_LIBRARY}.so", [*build.CPU_SOURCES, *build.CPU_HEADERS]
     sources = [build.CSRC / name for name in [build.BINDING, *build.KERNEL_UNITS, *build.HEADERS]]
     if kernel == "cuda":
         return root / "cuda" / "kvserve_kernels.so", sources
