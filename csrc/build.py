@@ -223,9 +223,9 @@ def load_cpu(verbose: bool = False, march: str = "native"):
     ``march``: another -march than this CPU's, for testing the kernels' portable paths (a process
     loads one build: the ops register under one name).
 
-    A build whose stamp matches the sources' bytes is loaded as it is: ninja judges by times, and
-    a fresh clone's sources are all newer than the cached objects, which cost every CI run a full
-    build, native and portable (2-4 minutes on 2 cores). Anything else goes through ninja."""
+    A build whose stamp matches the sources' bytes is loaded as it is: ninja judges by times, and a
+    fresh clone's sources are all newer than the cached objects, so ninja would build it all again
+    (native and portable, 2-4 minutes on 2 cores). Anything else goes through ninja."""
     import torch
     from torch.utils.cpp_extension import load as torch_load
 
