@@ -33,7 +33,7 @@ class CpuMeter:
 
     def stop(self) -> dict[str, float]:
         after = self._read()
-        return {name: round(after[name] - self._before[name], 3) for name in after if name in self._before}
+        return {name: after[name] - self._before[name] for name in after if name in self._before}
 
     def _read(self) -> dict[str, float]:
         seconds = {CLIENT: time.process_time()}

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.cpu_usage import process_cpu_seconds
+from bench.cpu_usage import CLIENT, CpuMeter
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
@@ -140,7 +140,8 @@ def over_grpc(quick: bool) -> None:
                                           num_new_tokens=128, enable_prefix_caching=True) for i in ids]))
                 iterations = 200 if quick else 1000
                 samples = []
-                server_cpu0, client_cpu0 = process_cpu_seconds(proc.pid), time.process_time()
+                cpu = CpuMeter({"server": proc.pid})
+                cpu.start()
                 for step in range(iterations + 20):
                     request = pb.AllocateRequest(pool_id="bench", session_id=session, sequences=[
                         pb.SequenceAllocation(seq_id=i, token_ids=[step], num_new_tokens=1) for i in ids])
@@ -150,8 +151,8 @@ def over_grpc(quick: bool) -> None:
                     if step >= 20:  # warm-up excluded
                         samples.append(elapsed * 1e3)
                 calls = iterations + 20
-                server_cpu = (process_cpu_seconds(proc.pid) - server_cpu0) / calls * 1e3
-                client_cpu = (time.process_time() - client_cpu0) / calls * 1e3
+                used = cpu.stop()
+                server_cpu, client_cpu = used["server"] / calls * 1e3, used[CLIENT] / calls * 1e3
                 assert all(r.status == pb.ALLOCATION_STATUS_OK for r in response.results)
                 samples.sort()
                 p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
@@ -206,14 +207,15 @@ def routing_lookup(stub, session: str, quick: bool, server_pid: int) -> None:
             request = pb.LookupPrefixRequest(pool_ids=pool_ids, queries=[query])
             samples = []
             calls = (200 if quick else 1000) + 20
-            server_cpu0, client_cpu0 = process_cpu_seconds(server_pid), time.process_time()
+            cpu = CpuMeter({"server": server_pid})
+            cpu.start()
             for call in range(calls):
                 t0 = time.perf_counter()
                 reply = stub.LookupPrefix(request)
                 if call >= 20:
                     samples.append((time.perf_counter() - t0) * 1e3)
-            server_cpu = (process_cpu_seconds(server_pid) - server_cpu0) / calls * 1e3
-            client_cpu = (time.process_time() - client_cpu0) / calls * 1e3
+            used = cpu.stop()
+            server_cpu, client_cpu = used["server"] / calls * 1e3, used[CLIENT] / calls * 1e3
             assert all(hit.num_cached_tokens == num_blocks * BLOCK_SIZE for hit in reply.matches[0].pools), reply
             samples.sort()
             p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
