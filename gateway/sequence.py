@@ -8,6 +8,7 @@ KV in the cache (``num_computed``); the scheduler moves those forward step by st
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -231,6 +232,11 @@ class GenerationRequest:
         if self._distinct_prompt is None:
             self._distinct_prompt = list(dict.fromkeys(self.prompt_token_ids))
         return self._distinct_prompt
+
+    @functools.cached_property
+    def end_token_ids(self) -> list[int]:
+        """EOS and the stop token ids, sorted: what ``min_tokens`` keeps from being sampled."""
+        return sorted(set(self.eos_token_ids) | set(self.options.stop_token_ids))
 
     def record_prompt_logprobs(self, first_position: int, scores: list[PromptTokenLogprob]) -> None:
         """Scores of the prompt tokens at ``first_position`` + 1 onwards (a recomputed chunk scores

@@ -17,7 +17,7 @@ def suppressed_token_ids(seq: Sequence) -> list[int]:
     options = seq.request.options
     if seq.num_output_tokens >= options.min_tokens:
         return []
-    return sorted(set(seq.request.eos_token_ids) | set(options.stop_token_ids))
+    return seq.request.end_token_ids
 
 
 def append_token(seq: Sequence, token_id: int, logprob: float | None = None,
