@@ -5,8 +5,9 @@ log when it has to compile them, then runs the given command in its place.
     kvserve-ensure-kernels -- python -m executor --port 50053
 
 The image holds the CPU attention kernel prebuilt for the CPU it was built on
-(``$KVSERVE_EXTENSIONS_DIR/cpu-<cpu features key>-<sources key>``, see csrc/build.py). On another CPU, or
-after an upgrade changed the kernel sources, the executor would compile it at start (about
+(``$KVSERVE_EXTENSIONS_DIR/cpu-<cpu features key>-<sources key>``, see csrc/build.py), stamped with
+the digest of the sources and flags it was built from. On another CPU, or after an upgrade changed
+the kernel sources (the stamp no longer matches), the executor would compile it at start (about
 1-2 minutes, silently); this wrapper does it first and logs ``kernel_compile_started`` /
 ``kernel_compile_finished`` with the time taken. Where it cannot compile (no compiler: the
 ``runtime-slim`` image) it logs ``kernel_compile_failed`` and the executor falls back to plain
@@ -46,6 +47,7 @@ def build_script():
 
 
 def _stale(output: Path, sources: list[Path]) -> bool:
+    """For the GPU kernels, whose builds carry no stamp: judged by file times."""
     if not output.is_file():
         return True
     built = output.stat().st_mtime
@@ -62,41 +64,49 @@ class _TorchVersionOnly:
         self.__version__ = version
 
 
-def _cpu_build_dir(build) -> Path:
-    """``build.cpu_build_dir()`` without importing torch where its distribution says its version."""
+def _reading_torch_version(call):
+    """``call()`` (of csrc/build.py, reading only ``torch.__version__``) without importing torch
+    where its distribution says its version."""
     import importlib.metadata
 
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
-        return build.cpu_build_dir()
-    real = sys.modules.get("torch")
-    if real is not None:
-        return build.cpu_build_dir()
+        return call()
+    if sys.modules.get("torch") is not None:
+        return call()
     sys.modules["torch"] = _TorchVersionOnly(version)  # type: ignore[assignment]
     try:
-        return build.cpu_build_dir()
+        return call()
     finally:
         del sys.modules["torch"]
 
 
-def plan(build, kernel: str) -> tuple[Path, list[Path]]:
-    """(the library the build writes, the sources it depends on) for ``kernel``."""
+def _cpu_build_dir(build) -> Path:
+    return _reading_torch_version(build.cpu_build_dir)
+
+
+def plan(build, kernel: str) -> tuple[Path, bool]:
+    """(the library the build writes, whether it is there and built from the current sources) for ``kernel``."""
     root = build.build_root()
     if kernel == "cpu":
-        return _cpu_build_dir(build) / f"{build.CPU_LIBRARY}.so", [*build.CPU_SOURCES, *build.CPU_HEADERS]
+        directory, digest = _cpu_build_dir(build), _reading_torch_version(build.cpu_inputs_digest)
+        library = f"{build.CPU_LIBRARY}.so"
+        return directory / library, build.built_from(directory, library, digest) is not None
     sources = [build.CSRC / name for name in [build.BINDING, *build.KERNEL_UNITS, *build.HEADERS]]
     if kernel == "cuda":
-        return root / "cuda" / "kvserve_kernels.so", sources
-    if kernel == "musa":
-        return root / "musa" / "build" / "kvserve_kernels_musa.so", sources
-    raise SystemExit(f"ensure-kernels: unknown kernel {kernel!r} (cpu, cuda, musa or none)")
+        output = root / "cuda" / "kvserve_kernels.so"
+    elif kernel == "musa":
+        output = root / "musa" / "build" / "kvserve_kernels_musa.so"
+    else:
+        raise SystemExit(f"ensure-kernels: unknown kernel {kernel!r} (cpu, cuda, musa or none)")
+    return output, not _stale(output, sources)
 
 
 def ensure(kernel: str) -> None:
     build = build_script()
-    output, sources = plan(build, kernel)
-    if not _stale(output, sources):
+    output, ready = plan(build, kernel)
+    if ready:
         log("kernel_ready", kernel=kernel, path=str(output))
         return
     log("kernel_compile_started", kernel=kernel, directory=str(output.parent),

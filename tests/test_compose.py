@@ -377,6 +377,36 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_ensure_kernels_takes_a_cpu_library_as_ready_by_its_stamp_not_its_times(tmp_path):
+    """A volume's library counts as built when its stamp holds the digest of the current sources
+    and flags (what the executor's load_cpu checks), whatever the files' times: a library older
+    than the sources with the right stamp is ready, a newer one with another stamp is not."""
+    pytest.importorskip("torch")
+    code = f"""
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("ek", {str(REPO_ROOT / "docker" / "ensure-kernels.py")!r})
+ek = importlib.util.module_from_spec(spec); spec.loader.exec_module(ek)
+build = ek.build_script()
+library, ready = ek.plan(build, "cpu")
+assert not ready, "an empty volume holds no kernel"
+library.parent.mkdir(parents=True)
+library.write_bytes(b"")
+stamp = library.parent / build.CPU_STAMP
+stamp.write_text("0" * 64)
+assert not ek.plan(build, "cpu")[1], "a stamp of other sources"
+stamp.write_text(ek._reading_torch_version(build.cpu_inputs_digest))
+os.utime(library, (0, 0))
+assert ek.plan(build, "cpu") == (library, True)
+assert "torch" not in sys.modules, "imported torch"
+import torch
+assert stamp.read_text() == build.cpu_inputs_digest()
+print("ok")
+"""
+    env = {**os.environ, "KVSERVE_APP_DIR": str(REPO_ROOT), "KVSERVE_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
 # ------------------------------------------------------------------------------------------
 # End to end: build, `docker compose up`, ask a question.
 
