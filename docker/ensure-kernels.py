@@ -56,9 +56,9 @@ def _stale(output: Path, sources: list[Path]) -> bool:
 
 class _TorchVersionOnly:
     """Stands in for ``torch`` while csrc/build.py's ``cpu_build_dir`` and ``cpu_inputs_digest``
-    read ``torch.__version__``: importing torch costs 3 s of CPU (10 s on a loaded 2-core machine) on every executor start,
-    and the executor imports it again right after. The installed distribution's version is the
-    same string (``2.13.0+cpu``)."""
+    read ``torch.__version__``: importing torch costs 3 s of CPU (10 s on a loaded 2-core machine)
+    on every executor start, and the executor imports it again right after. The installed
+    distribution's version is the same string (``2.13.0+cpu``)."""
 
     def __init__(self, version: str):
         self.__version__ = version
