@@ -360,7 +360,9 @@ class Transformer(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         # token_ids, positions: [num_tokens] int64 → hidden states [num_tokens, hidden] (final-normed)
         x = self.embed_tokens(token_ids)
-        cos_sin = self.rope_cache[positions]  # [num_tokens, 2, head_dim]
+        # index_select, not indexing: on the CPU torch's advanced indexing opens an OpenMP region
+        # (wakes every thread and joins them) at any size, here a few KiB once a step.
+        cos_sin = self.rope_cache.index_select(0, positions)  # [num_tokens, 2, head_dim]
         residual = None
         fused = self.fused_decode
         step = fused.step_inputs(x, meta, kv_caches[0], backend) if fused is not None else None
