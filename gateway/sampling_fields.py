@@ -28,12 +28,12 @@ def fill_sampling(params: executor_pb2.SamplingParams, entry: ScheduledSeq, voca
         params.seed = (options.seed + seq.index) % (1 << 64)
     if options.logprobs:
         params.top_logprobs = options.logprobs
-    suppressed = suppressed_token_ids(seq) if options.min_tokens else []
+    suppressed = suppressed_token_ids(seq) if options.min_tokens else ()
     if seq.grammar is not None:
         mask = seq.grammar.allowed_bitmask(vocab_size)
         params.allowed_token_bitmask = mask
         if suppressed and not _allows_other_than(mask, suppressed, vocab_size):
-            suppressed = []  # the grammar is complete: ending it wins over min_tokens
+            suppressed = ()  # the grammar is complete: ending it wins over min_tokens
     params.suppressed_token_ids.extend(suppressed)
     if options.logit_bias:
         params.logit_bias_token_ids.extend(t for t, _ in options.logit_bias)
@@ -58,7 +58,7 @@ def penalty_counts(seq: Sequence) -> tuple[list[int], list[int]]:
     return list(counts), list(counts.values())
 
 
-def _allows_other_than(mask: bytes, excluded: list[int], vocab_size: int) -> bool:
+def _allows_other_than(mask: bytes, excluded: tuple[int, ...], vocab_size: int) -> bool:
     bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab_size]
     bits[np.asarray(excluded, dtype=np.int64)] = 0
     return bool(bits.any())

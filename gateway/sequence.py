@@ -234,9 +234,9 @@ class GenerationRequest:
         return self._distinct_prompt
 
     @functools.cached_property
-    def end_token_ids(self) -> list[int]:
+    def end_token_ids(self) -> tuple[int, ...]:
         """EOS and the stop token ids, sorted: what ``min_tokens`` keeps from being sampled."""
-        return sorted(set(self.eos_token_ids) | set(self.options.stop_token_ids))
+        return tuple(sorted(set(self.eos_token_ids) | set(self.options.stop_token_ids)))
 
     def record_prompt_logprobs(self, first_position: int, scores: list[PromptTokenLogprob]) -> None:
         """Scores of the prompt tokens at ``first_position`` + 1 onwards (a recomputed chunk scores

@@ -12,11 +12,11 @@ from __future__ import annotations
 from gateway.sequence import ChoiceDelta, FinishReason, Sequence
 
 
-def suppressed_token_ids(seq: Sequence) -> list[int]:
+def suppressed_token_ids(seq: Sequence) -> tuple[int, ...]:
     """EOS and stop token ids may not be sampled until ``min_tokens`` exist."""
     options = seq.request.options
     if seq.num_output_tokens >= options.min_tokens:
-        return []
+        return ()
     return seq.request.end_token_ids
 
 
