@@ -311,7 +311,9 @@ class ChatCompletionBody(_GenerationBody):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages for the chat template: content parts (all of type text, see ``_content``) are joined."""
+    """Messages for the chat template: content parts (all of type text, see ``_content``) are joined;
+    ``name`` and ``tool_call_id`` go to the template as sent, for templates that render them (a
+    participant's name, which call a tool result answers)."""
     out = []
     for message in messages:
         content = message.content
@@ -320,6 +322,10 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         rendered = {"role": message.role, "content": content or ""}
         if message.tool_calls:
             rendered["tool_calls"] = message.tool_calls
+        if message.name is not None:
+            rendered["name"] = message.name
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
         out.append(rendered)
     return out
 

@@ -1,9 +1,12 @@
 """Incremental detokenization and the chat template, with the default model's real tokenizer."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from gateway.detokenizer import ModelTokenizer
+from gateway.openai_protocol import ChatCompletionBody, message_dicts
 from kvserve.errors import InvalidArgument
 
 TEXTS = [
@@ -84,3 +87,21 @@ def test_continue_final_message_leaves_the_assistant_turn_open_after_its_prefix(
                                                   (False, "  ", "no content to continue")]:
         with pytest.raises(InvalidArgument, match=needle):
             tokenizer.apply_chat_template(asked + [{"role": "assistant", "content": final}], add_generation_prompt, True)
+
+
+def test_a_template_reads_the_name_and_tool_call_id_a_client_sends(default_model_dir, tmp_path):
+    """OpenAI clients send a participant's ``name`` and a tool result's ``tool_call_id``; a chat
+    template that renders them gets them as sent (the default model's ignores both)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}[{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}"
+        "{% if m.tool_call_id %} answers {{ m.tool_call_id }}{% endif %}] {{ m['content'] }}\n{% endfor %}")
+    body = ChatCompletionBody.model_validate({"model": "m", "messages": [
+        {"role": "user", "name": "ada", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}]})
+    rendered = ModelTokenizer(tmp_path).apply_chat_template(message_dicts(body.messages), False)
+    assert "[user ada] Weather?" in rendered and "[tool answers call_7] sunny" in rendered
+    assert "[assistant]" in rendered  # no name, no id: nothing added
