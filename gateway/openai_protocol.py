@@ -280,6 +280,13 @@ def _tool_calls(value: Any) -> list[dict] | None:
     return value
 
 
+def _function_call(value: Any) -> dict | None:
+    """The legacy form of one tool call on an assistant message: {"name": ..., "arguments": ...}."""
+    if value is not None:
+        _tool_calls([{"function": value}])
+    return value
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -289,11 +296,12 @@ class ChatMessage(BaseModel):
     name: Text | None = None
     tool_calls: Annotated[Any, AfterValidator(_tool_calls)] = None
     tool_call_id: Text | None = None
-    # What a client echoes back from an earlier response; nothing to render.
+    # What a client echoes back from an earlier response: a refusal is the turn's text where it has
+    # no content, a legacy function_call one more tool call; annotations and audio render nothing.
     refusal: Text | None = None
     annotations: list | None = None
     audio: dict | None = None
-    function_call: dict | None = None
+    function_call: Annotated[Any, AfterValidator(_function_call)] = None
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -319,9 +327,12 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
         content = message.content
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
-        rendered = {"role": message.role, "content": content or ""}
-        if message.tool_calls:
-            rendered["tool_calls"] = message.tool_calls
+        rendered = {"role": message.role, "content": content or message.refusal or ""}
+        calls = list(message.tool_calls or [])
+        if message.function_call is not None:
+            calls.append({"type": "function", "function": message.function_call})
+        if calls:
+            rendered["tool_calls"] = calls
         if message.name is not None:
             rendered["name"] = message.name
         if message.tool_call_id is not None:

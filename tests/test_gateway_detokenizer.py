@@ -4,9 +4,11 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.detokenizer import ModelTokenizer
 from gateway.openai_protocol import ChatCompletionBody, message_dicts
+from gateway.tool_calls import render_tool_messages
 from kvserve.errors import InvalidArgument
 
 TEXTS = [
@@ -105,3 +107,23 @@ def test_a_template_reads_the_name_and_tool_call_id_a_client_sends(default_model
     rendered = ModelTokenizer(tmp_path).apply_chat_template(message_dicts(body.messages), False)
     assert "[user ada] Weather?" in rendered and "[tool answers call_7] sunny" in rendered
     assert "[assistant]" in rendered  # no name, no id: nothing added
+
+
+def test_an_echoed_refusal_and_a_legacy_function_call_stay_in_the_history(tokenizer):
+    """A history that carries an assistant turn as ``refusal`` (content null) or a call in the legacy
+    ``function_call`` form renders that turn, as the same history with content or ``tool_calls``
+    does; a malformed legacy call is a 400, as a malformed tool call is."""
+    def rendered(*messages):
+        body = ChatCompletionBody.model_validate({"model": "m", "messages": [
+            {"role": "user", "content": "Weather in Oslo?"}, *messages]})
+        return tokenizer.apply_chat_template(render_tool_messages(message_dicts(body.messages), None), True)
+
+    call = {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert rendered({"role": "assistant", "content": None, "function_call": call}) == rendered(
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": call}]})
+    assert '"weather"' in rendered({"role": "assistant", "content": None, "function_call": call})
+    assert rendered({"role": "assistant", "content": None, "refusal": "I can't say."}) == rendered(
+        {"role": "assistant", "content": "I can't say."})
+    with pytest.raises(ValidationError, match="function_call"):
+        ChatCompletionBody.model_validate({"model": "m", "messages": [
+            {"role": "assistant", "function_call": {"name": "weather"}}]})
