@@ -235,7 +235,18 @@ async def _validation(request: Request, exc: RequestValidationError):
 
 
 async def _http(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404 and exc.detail == "Not Found":  # no route matched (routes' own 404s say more)
+        return error_response(404, f"no route {request.method} {request.url.path}; this server offers "
+                                   f"{', '.join(_offered_routes())}", "not_found_error")
+    if exc.status_code == 405:
+        return error_response(405, f"{request.url.path} does not take {request.method}", "invalid_request_error")
     return error_response(exc.status_code, str(exc.detail), "invalid_request_error")
+
+
+def _offered_routes() -> list[str]:
+    """'POST /v1/completions', ... for the public routes (the admin API's are left out)."""
+    return [f"{'/'.join(sorted(route.methods - {'HEAD'}))} {route.path.replace(':path}', '}')}"
+            for routes in (router.routes, tokenizer_router.routes) for route in routes]
 
 
 async def _domain(request: Request, exc: KVServeError):

@@ -227,6 +227,19 @@ def test_hostile_http_body_is_refused_with_a_message(http, route, body, needle):
     assert_refused(post(http, route, body), needle)
 
 
+def test_a_route_this_server_does_not_offer_is_refused_naming_the_ones_it_does(http):
+    """What an OpenAI client's ``embeddings.create`` (or a typo, or GET on a POST route) gets: an
+    OpenAI-style error that says what was asked and what is served, not a bare "Not Found"."""
+    missing = http.post("/v1/embeddings", json={"model": "m", "input": "hi"})
+    assert missing.status_code == 404
+    message = missing.json()["error"]["message"]
+    assert "POST /v1/embeddings" in message and "POST /v1/chat/completions" in message
+    assert "GET /v1/models/{model_id}" in message and "/admin/" not in message
+    wrong_method = http.get(f"/v1/{CHAT}")
+    assert wrong_method.status_code == 405 and "does not take GET" in wrong_method.json()["error"]["message"]
+    assert http.get("/v1/models/no-such-model").json()["error"]["message"] != message  # a route's own 404
+
+
 @pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
 def test_a_json_body_not_sent_as_json_is_refused_saying_so(http, content_type):
     """What ``curl -d '{...}'`` sends without ``-H 'Content-Type: application/json'``."""
