@@ -33,7 +33,8 @@ from gateway.openai_protocol import (
     ChatCompletionBody, ChoiceAccumulator, CompletionBody, EchoedPrompt, ResponseFormatter, message_dicts, usage_dict,
 )
 from gateway.params import build_options
-from gateway.responses_api import ResponsesBody, ResponseWriter
+from gateway.response_store import DEFAULT_CAPACITY_BYTES, ResponseStore, items_page
+from gateway.responses_api import ResponsesBody, ResponseWriter, messages_of
 from gateway.scheduler import RequestTooLarge
 from gateway.sequence import RequestOutput
 from gateway.streams import MergedStream, RequestStream
@@ -338,14 +339,51 @@ async def chat_completions(body: ChatCompletionBody, request: Request):
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesBody, request: Request):
-    """OpenAI's Responses API as a chat completion (gateway/responses_api.py)."""
-    chat = body.chat_body()
-    started = await _start_chat(chat, request)
-    writer = ResponseWriter(body, started.engine.model_name)
+    """OpenAI's Responses API as a chat completion (gateway/responses_api.py), kept and gone on
+    from as gateway/response_store.py says."""
+    store, tenant = _response_store(request), _tenant(request)
+    previous = store.previous(tenant, body.previous_response_id)
+    kept = store.keeps(body.store)
+    started = await _start_chat(body.chat_body(previous), request)
+    writer = ResponseWriter(body, started.engine.model_name, stored=kept)
+
+    def keep(response: dict) -> None:
+        conversation = previous + body.turn_messages() + messages_of(response["output"], "output")
+        store.put(tenant, response, body.stored_input_items(), conversation)
+
+    on_finished = keep if kept else None
     if body.stream:
-        return StreamingResponse(_response_events(started, writer), media_type="text/event-stream")
+        return StreamingResponse(_response_events(started, writer, on_finished), media_type="text/event-stream")
     choices, last = await _collect_choices(started, request)
-    return JSONResponse(writer.complete(started.formatter.response(choices, last)))
+    response = writer.complete(started.formatter.response(choices, last))
+    if on_finished is not None:
+        on_finished(response)
+    return JSONResponse(response)
+
+
+@router.get("/v1/responses/{response_id}")
+async def stored_response(response_id: str, request: Request):
+    """A stored response as it was returned (404 where this tenant has none by that id)."""
+    return JSONResponse(_response_store(request).get(_tenant(request), response_id).response)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def stored_input_items(response_id: str, request: Request, order: str = "desc", limit: int = 20,
+                             after: str | None = None):
+    """A stored response's input items, a page of OpenAI's list (``items_page``)."""
+    items = _response_store(request).get(_tenant(request), response_id).input_items
+    return JSONResponse(items_page(items, order, limit, after))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request):
+    """Forgets a stored response (404 where this tenant has none by that id)."""
+    _response_store(request).delete(_tenant(request), response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _response_store(request: Request) -> ResponseStore:
+    return request.app.state.responses
 
 
 async def _start_chat(body: ChatCompletionBody, request: Request) -> Started:
@@ -518,9 +556,10 @@ async def _collect_choices(started: Started, request: Request) -> tuple[list[Cho
     return choices, last
 
 
-async def _response_events(started: Started, writer: ResponseWriter):
+async def _response_events(started: Started, writer: ResponseWriter, on_finished=None):
     """The Responses stream: the chat chunks as typed events, ``response.completed`` (or
-    ``.incomplete``) last with usage; an ``error`` event when the request fails."""
+    ``.incomplete``) last with usage; an ``error`` event when the request fails. ``on_finished``
+    (if any) is given the finished response before its last event goes out."""
     engine, stream, formatter = started.engine, started.stream, started.formatter
     finished = False
     try:
@@ -533,7 +572,10 @@ async def _response_events(started: Started, writer: ResponseWriter):
             if output.finished:
                 finished = True
                 reason = next((c.finish_reason.value for c in output.choices if c.finish_reason), None)
-                for event in writer.finish(reason, usage_dict(output)):
+                events = writer.finish(reason, usage_dict(output))
+                if on_finished is not None:
+                    on_finished(events[-1]["response"])
+                for event in events:
                     yield _event_line(event)
     except KVServeError as exc:
         finished = True
@@ -550,12 +592,13 @@ def _event_line(event: dict) -> str:
 
 def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int = MAX_BODY_BYTES,
                api_key=None, grammars: GrammarCompiler | None = None, tenants: TenantResolver | None = None,
-               admin_key: str | None = None) -> FastAPI:
+               admin_key: str | None = None, responses: ResponseStore | None = None) -> FastAPI:
     """The app: the routes reach ``engine``, ``tokenizer`` and ``grammars`` (structured outputs)
     through ``request.app.state``. ``api_key``: ``/v1/*`` requires it (see ``ApiKeyAuth``): a
     ``BearerToken``, or ``gateway.tenants.ApiKeys`` whose keys name tenants. ``tenants``: how a
     request's tenant is found (default: the keys', or the default tenant). ``admin_key``: enables
-    ``/admin/v1/*`` (``gateway.admin_api``)."""
+    ``/admin/v1/*`` (``gateway.admin_api``). ``responses``: where the Responses API keeps what it
+    stores (default: a store of ``DEFAULT_CAPACITY_BYTES``)."""
     from gateway.admin_api import admin_router  # it imports this module's error helpers
 
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
@@ -564,6 +607,7 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int
     app.state.grammars = grammars or GrammarCompiler.for_tokenizer(tokenizer)
     app.state.tenants = tenants or TenantResolver(api_key if hasattr(api_key, "tenant_of_header") else None)
     app.state.admin_key = admin_key or None
+    app.state.responses = responses if responses is not None else ResponseStore(DEFAULT_CAPACITY_BYTES)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     # Added last = outermost: nobody unauthenticated gets a body buffered.
     app.add_middleware(AdminAuth, admin_key=BearerToken(admin_key) if admin_key else None)

@@ -5,8 +5,8 @@ message (``function_call`` items the assistant's tool calls, ``function_call_out
 tool messages), ``tools`` and ``text.format`` the chat path's tools and ``response_format``.
 Its chat completion (or each streamed chunk of it) becomes a ``response`` object (or the
 Responses stream's typed events), so tools, structured outputs and sampling behave exactly
-as on ``/v1/chat/completions``. Nothing is stored: ``store: true`` and
-``previous_response_id`` are refused, as is any input or tool this server cannot run.
+as on ``/v1/chat/completions``. ``store`` and ``previous_response_id``: gateway/response_store.py.
+Any input or tool this server cannot run is refused.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kvserve.errors import InvalidArgument
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # What clients send that changes nothing here at these values.
-NEUTRAL = {"store": (None, False), "previous_response_id": (None,), "reasoning": (None,),
+NEUTRAL = {"reasoning": (None,),
            "truncation": (None, "disabled"), "background": (None, False), "service_tier": (None, "auto", "default"),
            "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,)}
 # ``include`` values this server can add to a response.
@@ -60,16 +60,18 @@ class ResponsesBody(BaseModel):
     prompt: dict | None = None
     conversation: Any = None
 
-    def chat_body(self) -> ChatCompletionBody:
-        """The chat completion this request asks for; InvalidArgument naming what cannot be one."""
+    def chat_body(self, previous: list[dict] = ()) -> ChatCompletionBody:
+        """The chat completion this request asks for, going on from the ``previous`` conversation's
+        messages (its ``previous_response_id``'s); InvalidArgument naming what cannot be one."""
         for name, allowed in NEUTRAL.items():
             if getattr(self, name) not in allowed:
-                raise InvalidArgument(f"{name}: not supported by this server at {getattr(self, name)!r} "
-                                      "(responses are not stored; send each turn's whole input)")
+                raise InvalidArgument(f"{name}: not supported by this server at {getattr(self, name)!r}")
         unknown = next((value for value in self.include or () if value != TEXT_LOGPROBS), None)
         if unknown is not None:
             raise InvalidArgument(f"include: {unknown!r} is not supported (only {TEXT_LOGPROBS!r})")
-        chat: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        messages = system + list(previous) + self.turn_messages()
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "user": self.user or self.safety_identifier}
         if self.wants_logprobs:
@@ -96,22 +98,45 @@ class ResponsesBody(BaseModel):
         ``top_logprobs``."""
         return TEXT_LOGPROBS in (self.include or ()) or self.top_logprobs is not None
 
-    def _messages(self) -> list[dict]:
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        if not items:
-            raise InvalidArgument("input: at least one item is needed")
-        for i, item in enumerate(items):
-            where = f"input[{i}]"
-            if not isinstance(item, dict):
-                raise InvalidArgument(f"{where}: must be an object, got {type(item).__name__}")
+    def input_items(self) -> list[dict]:
+        """The input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
+        return self.input
+
+    def stored_input_items(self) -> list[dict]:
+        """The input items as a stored response lists them: each with an id (one made up where the
+        client sent none), a message's type and a string content as a text part."""
+        stored = []
+        for item in self.input_items():
             kind = item.get("type", "message")
-            convert = ITEM_CONVERTERS.get(kind)
-            if convert is None:
-                raise InvalidArgument(f"{where}.type: {kind!r} is not supported ({', '.join(ITEM_CONVERTERS)} "
-                                      "items are)")
-            convert(where, item, messages)
-        return messages
+            item = {"id": f"{ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}", "type": kind, **item}
+            if kind == "message" and isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            stored.append(item)
+        return stored
+
+    def turn_messages(self) -> list[dict]:
+        """This request's input as chat messages (the instructions apart)."""
+        if self.input == []:
+            raise InvalidArgument("input: at least one item is needed")
+        return messages_of(self.input_items(), "input")
+
+
+def messages_of(items: list[Any], where: str) -> list[dict]:
+    """Items (a request's input, or a response's output) as the chat messages they stand for."""
+    messages: list[dict] = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"{at}: must be an object, got {type(item).__name__}")
+        kind = item.get("type", "message")
+        convert = ITEM_CONVERTERS.get(kind)
+        if convert is None:
+            raise InvalidArgument(f"{at}.type: {kind!r} is not supported ({', '.join(ITEM_CONVERTERS)} items are)")
+        convert(at, item, messages)
+    return messages
 
 
 def _message(where: str, item: dict, messages: list[dict]) -> None:
@@ -141,6 +166,7 @@ def _function_call_output(where: str, item: dict, messages: list[dict]) -> None:
 
 
 ITEM_CONVERTERS = {"message": _message, "function_call": _function_call, "function_call_output": _function_call_output}
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 def _only(where: str, item: dict, allowed: tuple[str, ...]) -> None:
@@ -222,8 +248,9 @@ class ResponseWriter:
     """Builds one response object, whole or as the Responses stream's events, from the chat path's
     completion (``complete``) or its chunks (``start``, ``chunk``, ``finish``)."""
 
-    def __init__(self, body: ResponsesBody, model: str):
+    def __init__(self, body: ResponsesBody, model: str, stored: bool = False):
         self.body = body
+        self.stored = stored
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.model = model
@@ -242,7 +269,8 @@ class ResponseWriter:
             "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": body.text or {"format": {"type": "text"}},
-            "previous_response_id": None, "store": False, "truncation": "disabled", "user": body.user,
+            "previous_response_id": body.previous_response_id, "store": self.stored, "truncation": "disabled",
+            "user": body.user,
             "metadata": body.metadata or {}, "usage": usage,
         }
 

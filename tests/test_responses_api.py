@@ -17,7 +17,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def stack(module_stack, tiny_model_dir):
-    return module_stack(tiny_model_dir, executor_args=["--dtype", "float32"])
+    return module_stack(tiny_model_dir, executor_args=["--dtype", "float32"], gateway_args=["--tenants", "alice,bob"])
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +146,8 @@ def test_output_text_logprobs_are_the_chat_completion_s(client, model):
 
 @pytest.mark.parametrize("body, needle", [
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
-    ({"input": "hi", "store": True}, "store"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
@@ -162,3 +162,98 @@ def test_what_cannot_be_served_is_a_400_naming_it(stack, body, needle):
     reply = httpx.post(stack.http_url + "/v1/responses", json=body, timeout=30)
     assert reply.status_code == 400, reply.text
     assert needle in reply.json()["error"]["message"], reply.text
+
+
+# ---- stored responses: store, previous_response_id, retrieve, input items, delete ----------------
+
+
+def test_previous_response_id_goes_on_from_the_stored_conversation(client, model):
+    """The second turn is the chat completion of the whole conversation (the first turn's
+    instructions not carried over, as OpenAI's are not), and its earlier turns' KV comes from the
+    prefix cache."""
+    first = client.responses.create(model=model, input="My name is Ada. Say hello.", instructions="Be brief.",
+                                    max_output_tokens=8, temperature=0)
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model=model, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=8, temperature=0)
+    assert second.previous_response_id == first.id and second.store is True
+    expected = client.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=[
+        {"role": "user", "content": "My name is Ada. Say hello."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    assert second.output_text == expected.choices[0].message.content
+    assert second.usage.input_tokens == expected.usage.prompt_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= 16  # at least the first turn's whole block
+    third = client.responses.create(model=model, input="And again?", previous_response_id=second.id,
+                                    max_output_tokens=4, temperature=0)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_a_tool_call_s_output_goes_on_from_the_stored_call(client, model):
+    """The call's output sent with previous_response_id is the conversation sent whole."""
+    asked = client.responses.create(model=model, input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=64, temperature=0)
+    call = asked.output[0]
+    assert call.type == "function_call"
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    continued = client.responses.create(model=model, tools=[WEATHER], max_output_tokens=6, temperature=0,
+                                        previous_response_id=asked.id, input=[output])
+    whole = client.responses.create(model=model, tools=[WEATHER], max_output_tokens=6, temperature=0, store=False,
+                                    input=[{"role": "user", "content": "Weather in Paris?"},
+                                           {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                            "arguments": call.arguments}, output])
+    assert continued.output_text == whole.output_text
+    assert continued.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_a_stored_response_is_retrieved_listed_and_deleted(client, model):
+    items = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye"}], "id": "msg_mine"}]
+    response = client.responses.create(model=model, input=items, max_output_tokens=5, temperature=0)
+    assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
+    listed = client.responses.input_items.list(response.id, order="asc")
+    assert [(item.role, item.content[0].text) for item in listed.data] == [("user", "Hello"), ("assistant", "Hi"),
+                                                                           ("user", "Bye")]
+    assert listed.data[2].id == "msg_mine" and len({item.id for item in listed.data}) == 3
+    newest_first = client.responses.input_items.list(response.id, limit=2)
+    assert [item.id for item in newest_first.data] == [listed.data[2].id, listed.data[1].id] and newest_first.has_more
+    assert [item.id for item in client.responses.input_items.list(response.id, limit=2, after=listed.data[1].id).data] \
+        == [listed.data[0].id]
+    client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(response.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(model=model, input="Again", previous_response_id=response.id)
+
+
+def test_a_streamed_response_is_stored_as_its_last_event_carries_it(client, model):
+    events = list(client.responses.create(model=model, input="Count to three.", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    final = events[-1].response
+    assert events[0].response.store is True and final.store is True
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_store_false_keeps_nothing(client, model):
+    response = client.responses.create(model=model, input="Hello", max_output_tokens=3, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(model=model, input="Again", previous_response_id=response.id)
+
+
+def test_a_tenant_s_stored_responses_do_not_exist_for_another(stack, model):
+    alice, bob = ({"X-Kvserve-Tenant": name} for name in ("alice", "bob"))
+    url = stack.http_url + "/v1/responses"
+    stored = httpx.post(url, json={"input": "A secret.", "max_output_tokens": 3}, headers=alice, timeout=60).json()
+    for headers in (bob, {}):
+        assert httpx.get(f"{url}/{stored['id']}", headers=headers).status_code == 404
+        assert httpx.get(f"{url}/{stored['id']}/input_items", headers=headers).status_code == 404
+        assert httpx.delete(f"{url}/{stored['id']}", headers=headers).status_code == 404
+        going_on = httpx.post(url, json={"input": "Tell me.", "previous_response_id": stored["id"]}, headers=headers)
+        assert going_on.status_code == 400 and "not found" in going_on.json()["error"]["message"]
+    assert httpx.get(f"{url}/{stored['id']}", headers=alice).json()["output"] == stored["output"]
+    assert httpx.delete(f"{url}/{stored['id']}", headers=alice).json() == {"id": stored["id"], "object": "response",
+                                                                           "deleted": True}
