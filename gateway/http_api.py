@@ -305,9 +305,10 @@ async def health(request: Request):
 async def metrics(request: Request):
     """Every metric, or with ``?name[]=...`` (repeatable) only those named, as Prometheus' own
     exposition handlers filter: a scraper polling a few gauges does not pay for every histogram."""
-    engine = _engine(request)
+    engine, responses = _engine(request), _response_store(request)
     with contextlib.suppress(Exception):
         await wait_within(engine.refresh_pool_stats(), 1.0)
+    engine.metrics.on_response_store(len(responses), responses.size_bytes)
     return Response(engine.metrics.render(request.query_params.getlist("name[]")), media_type=CONTENT_TYPE_LATEST)
 
 

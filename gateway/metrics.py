@@ -74,6 +74,10 @@ class GatewayMetrics:
         self.allocated_slots = Gauge("kvserve:kv_allocated_slots", "Slots in blocks held (kvmanager)", labels,
                                      registry=r)
         self.used_blocks = Gauge("kvserve:kv_used_blocks", "Blocks in use (kvmanager)", labels, registry=r)
+        self.responses_stored = Gauge("kvserve:responses_stored", "Responses API responses stored for "
+                                      "previous_response_id", labels, registry=r)
+        self.responses_stored_bytes = Gauge("kvserve:responses_stored_bytes", "Bytes of the stored responses "
+                                            "(at most --responses-store-mib)", labels, registry=r)
         self.dependency_up = Gauge("kvserve:dependency_up", "Whether kvmanager/executor answer health checks",
                                    labels + ["service"], registry=r)
         executor = labels + ["executor"]
@@ -176,6 +180,10 @@ class GatewayMetrics:
         self._m["stored_tokens"].set(stats.num_stored_tokens)
         self._m["allocated_slots"].set(stats.num_allocated_slots)
         self._m["used_blocks"].set(stats.num_used_blocks)
+
+    def on_response_store(self, entries: int, size_bytes: int) -> None:
+        self._m["responses_stored"].set(entries)
+        self._m["responses_stored_bytes"].set(size_bytes)
 
     def on_tenant_request(self, tenant: str) -> None:
         self.tenant_requests.labels(self.model_name, self._tenant_labels(tenant)).inc()

@@ -235,8 +235,16 @@ def test_a_streamed_response_is_stored_as_its_last_event_carries_it(client, mode
     assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
 
 
-def test_store_false_keeps_nothing(client, model):
+def test_store_false_keeps_nothing(stack, client, model):
+    def stored() -> float:
+        metrics = httpx.get(stack.http_url + "/metrics", params={"name[]": "kvserve:responses_stored"}).text
+        return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("kvserve:responses_stored{")))
+
+    before = stored()
     response = client.responses.create(model=model, input="Hello", max_output_tokens=3, store=False)
+    assert stored() == before
+    assert client.responses.create(model=model, input="Hello", max_output_tokens=3).store is True
+    assert stored() == before + 1
     assert response.store is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
