@@ -39,7 +39,7 @@ class ResponseStore:
 
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 0:
-            raise ValueError(f"responses_store_bytes: must be >= 0, got {capacity_bytes}")
+            raise ValueError(f"capacity_bytes: must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()
         self._bytes = 0
