@@ -15,7 +15,7 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, EngineConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
-from gateway.response_store import DEFAULT_CAPACITY_BYTES, ResponseStore
+from gateway.response_store import DEFAULT_CAPACITY_BYTES, DEFAULT_TTL_S, open_response_store
 from gateway.metrics import GatewayMetrics
 from gateway.routing import ROUTING_POLICIES
 from gateway.scheduler import SchedulerConfig
@@ -75,9 +75,15 @@ def build_parser() -> EnvArgumentParser:
                         help="kvmanager pool policy: blocks on demand or max_model_len reserved at admission")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True, help="reuse cached KV blocks of shared prompt prefixes")
+    parser.add_argument("--responses-store", default="memory",
+                        help="where the Responses API keeps stored responses (previous_response_id, GET "
+                             "/v1/responses/{id}): memory (this gateway's), or a Redis URL (redis://host:port/db, "
+                             "rediss://..., unix:///path.sock) shared by every gateway on it and kept across restarts")
     parser.add_argument("--responses-store-mib", type=int, default=DEFAULT_CAPACITY_BYTES >> 20,
-                        help="MiB of stored responses the Responses API keeps in memory for previous_response_id "
-                             "and GET /v1/responses/{id} (least recently used forgotten first; 0: none stored)")
+                        help="memory store: MiB of stored responses (least recently used forgotten first; 0: none "
+                             "stored)")
+    parser.add_argument("--responses-store-ttl", type=int, default=DEFAULT_TTL_S,
+                        help="Redis store: seconds a stored response is kept (default 30 days, as OpenAI's)")
     parser.add_argument("--max-queue-len", type=int, default=1024,
                         help="most requests waiting; more get HTTP 429 / RESOURCE_EXHAUSTED")
     parser.add_argument("--request-timeout", dest="request_timeout_s", type=float, default=None,
@@ -159,10 +165,12 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     grpc_server = GrpcServer("gateway", args.host, args.port, [Service(
         gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name, servicer,
         gateway_pb2_grpc.add_GatewayServicer_to_server)], auth=api_key, auth_what="API key", tls=tls)
-    if args.responses_store_mib < 0:
-        raise StartupError(f"--responses-store-mib: must be >= 0, got {args.responses_store_mib}")
+    try:
+        responses = open_response_store(args.responses_store, args.responses_store_mib, args.responses_store_ttl)
+    except ValueError as exc:
+        raise StartupError(parser.in_flag_terms(str(exc))) from exc
     app = create_app(engine, tokenizer, api_key=api_key, grammars=grammars, tenants=tenants,
-                     admin_key=args.admin_key or None, responses=ResponseStore(args.responses_store_mib << 20))
+                     admin_key=args.admin_key or None, responses=responses)
     ssl = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls else {}
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
@@ -190,6 +198,7 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     await grpc_server.stop(args.shutdown_grace)
     with contextlib.suppress(Exception):
         await wait_within(http_task, args.shutdown_grace + 1)
+    await responses.close()
     signal_task.cancel()
     log.info("gateway_stopped")
 

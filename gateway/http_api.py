@@ -33,7 +33,7 @@ from gateway.openai_protocol import (
     ChatCompletionBody, ChoiceAccumulator, CompletionBody, EchoedPrompt, ResponseFormatter, message_dicts, usage_dict,
 )
 from gateway.params import build_options
-from gateway.response_store import DEFAULT_CAPACITY_BYTES, ResponseStore, items_page
+from gateway.response_store import MemoryResponseStore, ResponseStore, StoredResponse, items_page
 from gateway.responses_api import ResponsesBody, ResponseWriter, messages_of
 from gateway.scheduler import RequestTooLarge
 from gateway.sequence import RequestOutput
@@ -308,7 +308,9 @@ async def metrics(request: Request):
     engine, responses = _engine(request), _response_store(request)
     with contextlib.suppress(Exception):
         await wait_within(engine.refresh_pool_stats(), 1.0)
-    engine.metrics.on_response_store(len(responses), responses.size_bytes)
+    stats = responses.stats()
+    if stats is not None:
+        engine.metrics.on_response_store(*stats)
     return Response(engine.metrics.render(request.query_params.getlist("name[]")), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -343,14 +345,15 @@ async def responses(body: ResponsesBody, request: Request):
     """OpenAI's Responses API as a chat completion (gateway/responses_api.py), kept and gone on
     from as gateway/response_store.py says."""
     store, tenant = _response_store(request), _tenant(request)
-    previous = store.previous(tenant, body.previous_response_id)
+    previous = await store.previous(tenant, body.previous_response_id)
     kept = store.keeps(body.store)
     started = await _start_chat(body.chat_body(previous), request)
     writer = ResponseWriter(body, started.engine.model_name, stored=kept)
 
-    def keep(response: dict) -> None:
+    async def keep(response: dict) -> None:
         conversation = previous + body.turn_messages() + messages_of(response["output"], "output")
-        store.put(tenant, response, body.stored_input_items(), conversation)
+        if not await store.put(tenant, StoredResponse(response, body.stored_input_items(), conversation)):
+            response["store"] = False  # the client learns it cannot go on from this one
 
     on_finished = keep if kept else None
     if body.stream:
@@ -358,28 +361,28 @@ async def responses(body: ResponsesBody, request: Request):
     choices, last = await _collect_choices(started, request)
     response = writer.complete(started.formatter.response(choices, last))
     if on_finished is not None:
-        on_finished(response)
+        await on_finished(response)
     return JSONResponse(response)
 
 
 @router.get("/v1/responses/{response_id}")
 async def stored_response(response_id: str, request: Request):
     """A stored response as it was returned (404 where this tenant has none by that id)."""
-    return JSONResponse(_response_store(request).get(_tenant(request), response_id).response)
+    return JSONResponse((await _response_store(request).get(_tenant(request), response_id)).response)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def stored_input_items(response_id: str, request: Request, order: str = "desc", limit: int = 20,
                              after: str | None = None):
     """A stored response's input items, a page of OpenAI's list (``items_page``)."""
-    items = _response_store(request).get(_tenant(request), response_id).input_items
+    items = (await _response_store(request).get(_tenant(request), response_id)).input_items
     return JSONResponse(items_page(items, order, limit, after))
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: str, request: Request):
     """Forgets a stored response (404 where this tenant has none by that id)."""
-    _response_store(request).delete(_tenant(request), response_id)
+    await _response_store(request).delete(_tenant(request), response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
@@ -575,7 +578,7 @@ async def _response_events(started: Started, writer: ResponseWriter, on_finished
                 reason = next((c.finish_reason.value for c in output.choices if c.finish_reason), None)
                 events = writer.finish(reason, usage_dict(output))
                 if on_finished is not None:
-                    on_finished(events[-1]["response"])
+                    await on_finished(events[-1]["response"])
                 for event in events:
                     yield _event_line(event)
     except KVServeError as exc:
@@ -599,7 +602,7 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int
     ``BearerToken``, or ``gateway.tenants.ApiKeys`` whose keys name tenants. ``tenants``: how a
     request's tenant is found (default: the keys', or the default tenant). ``admin_key``: enables
     ``/admin/v1/*`` (``gateway.admin_api``). ``responses``: where the Responses API keeps what it
-    stores (default: a store of ``DEFAULT_CAPACITY_BYTES``)."""
+    stores (default: in memory, ``MemoryResponseStore``'s default capacity)."""
     from gateway.admin_api import admin_router  # it imports this module's error helpers
 
     app = FastAPI(title="kvserve gateway", docs_url=None, redoc_url=None)
@@ -608,7 +611,7 @@ def create_app(engine: Engine, tokenizer: ModelTokenizer, *, max_body_bytes: int
     app.state.grammars = grammars or GrammarCompiler.for_tokenizer(tokenizer)
     app.state.tenants = tenants or TenantResolver(api_key if hasattr(api_key, "tenant_of_header") else None)
     app.state.admin_key = admin_key or None
-    app.state.responses = responses if responses is not None else ResponseStore(DEFAULT_CAPACITY_BYTES)
+    app.state.responses = responses if responses is not None else MemoryResponseStore()
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     # Added last = outermost: nobody unauthenticated gets a body buffered.
     app.add_middleware(AdminAuth, admin_key=BearerToken(admin_key) if admin_key else None)

@@ -238,7 +238,8 @@ def test_a_streamed_response_is_stored_as_its_last_event_carries_it(client, mode
 def test_store_false_keeps_nothing(stack, client, model):
     def stored() -> float:
         metrics = httpx.get(stack.http_url + "/metrics", params={"name[]": "kvserve:responses_stored"}).text
-        return float(next(line.split()[-1] for line in metrics.splitlines() if line.startswith("kvserve:responses_stored{")))
+        line = next(line for line in metrics.splitlines() if line.startswith("kvserve:responses_stored{"))
+        return float(line.split()[-1])
 
     before = stored()
     response = client.responses.create(model=model, input="Hello", max_output_tokens=3, store=False)
