@@ -13,7 +13,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_gateways_on_one_redis_share_stored_responses_and_outlive_a_gateway(service_stack, start_service,
-                                                                               tiny_model_dir, redis_url):
+                                                                           tiny_model_dir, redis_server, redis_url):
     store_args = ("--responses-store", redis_url, "--tenants", "alice")
     stack = service_stack(tiny_model_dir, *store_args, executor_args=("--dtype", "float32"))
 
@@ -50,3 +50,15 @@ def test_gateways_on_one_redis_share_stored_responses_and_outlive_a_gateway(serv
     assert httpx.get(f"{restarted_url}/{second['id']}", headers=alice).json()["id"] == second["id"]
     assert httpx.delete(f"{restarted_url}/{second['id']}", headers=alice).json()["deleted"] is True
     assert httpx.get(f"{other_url}/{second['id']}", headers=alice).status_code == 404
+
+    # Redis gone: a response is still answered, saying it was not stored; reading the store is a 503.
+    redis_server.stop()
+    try:
+        unkept = create(restarted_url, input="Hello?")
+        assert unkept["store"] is False and unkept["output"]
+        going_on = httpx.post(restarted_url, json={"input": "Again", "previous_response_id": first["id"]},
+                              headers=alice, timeout=30)
+        assert going_on.status_code == 503 and "responses store" in going_on.json()["error"]["message"]
+    finally:
+        redis_server.start()
+    assert create(restarted_url, input="Back?")["store"] is True
