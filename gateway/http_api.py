@@ -463,6 +463,9 @@ async def _start(kind: str, body, prompts: list[list[int]], logprobs: int | None
     if unsupported:
         raise InvalidArgument(f"{unsupported}: not supported by this server at {getattr(body, unsupported)!r}")
     compiled = await request.app.state.grammars.compile(constraint) if constraint is not None else None
+    predicted = None
+    if body.prediction is not None:  # beyond max_model_len tokens it could never be the output
+        predicted = (await _tokenizer(request).encode_async(body.prediction.text()))[:engine.max_model_len]
     options = build_options(
         max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
@@ -472,7 +475,7 @@ async def _start(kind: str, body, prompts: list[list[int]], logprobs: int | None
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias, min_p=body.min_p, constraint=compiled, tenant=tenant,
         kv_shared_prefix_tokens=body.kv_shared_prefix_tokens, kv_cache_ttl_s=body.kv_cache_ttl_s,
-        kv_cache_priority=body.kv_cache_priority,
+        kv_cache_priority=body.kv_cache_priority, predicted_token_ids=predicted,
     )
     engine.metrics.on_tenant_request(tenant)
     prefix = "chatcmpl" if kind == "chat" else "cmpl"

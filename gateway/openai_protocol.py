@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, field_validator
 
@@ -61,13 +61,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: ``{"type": "content", "content": text or text parts}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Annotated[Any, AfterValidator(_predicted_content)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
+
+
 # Fields OpenAI clients send that change nothing here at these values; any other value is refused.
 NEUTRAL_VALUES = {
     "store": (None, False),  # nothing is stored for distillation or evals
     "service_tier": (None, "auto", "default"),
     "modalities": (None, ["text"]),
     "audio": (None,),
-    "prediction": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
 }
@@ -119,7 +130,7 @@ class _GenerationBody(BaseModel):
     service_tier: Text | None = None
     modalities: list[Text] | None = None
     audio: Any = None
-    prediction: Any = None
+    prediction: Prediction | None = None  # drafts for speculative decoding: gateway/prompt_lookup.py
     functions: Any = None
     function_call: Any = None
 
@@ -266,6 +277,12 @@ def _content(value: Any) -> str | list[dict] | None:
     return value
 
 
+def _predicted_content(value: Any) -> str | list[dict]:
+    if value is None:
+        raise ValueError("must be a string or a list of text parts")
+    return _content(value)
+
+
 def _tool_calls(value: Any) -> list[dict] | None:
     if value is None:
         return None
@@ -342,12 +359,17 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
 
 
 def usage_dict(output: RequestOutput) -> dict:
-    return {
+    usage = {
         "prompt_tokens": output.prompt_tokens,
         "completion_tokens": output.completion_tokens,
         "total_tokens": output.prompt_tokens + output.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
     }
+    predicted = output.prediction_tokens
+    if predicted is not None:
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": predicted.accepted,
+                                              "rejected_prediction_tokens": predicted.rejected}
+    return usage
 
 
 def _finish(delta: ChoiceDelta) -> str | None:

@@ -83,7 +83,8 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
                   repetition_penalty: float | None = None, logit_bias: Mapping | None = None,
                   min_p: float | None = None, constraint=None, tenant: str = "",
                   kv_shared_prefix_tokens: int | None = None, kv_cache_ttl_s: float | None = None,
-                  kv_cache_priority: str | None = None) -> SamplingOptions:
+                  kv_cache_priority: str | None = None,
+                  predicted_token_ids: Sequence[int] | None = None) -> SamplingOptions:
     """Checks every value and returns the options; InvalidArgument names the bad field.
 
     ``top_p`` None means 1 (off); the gRPC front end passes None for its proto default 0.
@@ -94,6 +95,7 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
     ``prompt_only``: ``max_tokens`` may be 0 (completions' echo: the prompt, and its scores, alone).
     ``tenant``: already resolved and checked (gateway.tenants); the ``kv_*`` cache terms are
     checked here (``kv_shared_prefix_tokens`` against the prompt in ``validate_request``).
+    ``predicted_token_ids``: OpenAI's ``prediction``, tokenized (drafts only; None: none sent).
     """
     if max_tokens is not None:
         max_tokens = _integer("max_tokens", max_tokens)
@@ -166,6 +168,7 @@ def build_options(*, max_tokens: int | None, temperature: float | None, top_p: f
         prompt_logprobs=prompt_logprobs,
         enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         skip_special_tokens=skip_special_tokens,
+        predicted_token_ids=None if predicted_token_ids is None else tuple(predicted_token_ids),
     )
 
 

@@ -17,11 +17,17 @@ almost nothing on a memory-bound decode, wrong ones cost compute, so:
   several tokens can cost 2.5 steps of one): a sequence drafts only while the tokens its
   drafted steps emit (a running average) pay for that.
 
+A request that sends OpenAI's ``prediction`` (the output it expects: code with a small edit,
+a document to rewrite) drafts from it first (``PredictedOutput``), from its own text where the
+prediction has nothing to offer.
+
 Pure Python, no I/O: the index is updated incrementally as tokens are appended, so a
 proposal costs O(1) per step, not a scan of the sequence.
 """
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_NGRAM = 3
@@ -62,6 +68,55 @@ class NgramIndex:
             if start is not None:
                 return tokens[start:start + max_drafts]
         return []
+
+
+@dataclass
+class PredictedOutput:
+    """The client's predicted output as drafts: while the output follows the prediction, the
+    prediction's next tokens; where it departs, the prediction after the occurrence of the
+    output's last n-gram (n = 3, then 2, then 1) nearest after where they last agreed, as a diff
+    realigns two texts."""
+
+    tokens: tuple[int, ...]
+    # n-gram -> the positions right after each of its occurrences in ``tokens``, ascending
+    continuations: dict[tuple[int, ...], list[int]]
+    cursor: int = 0  # the prediction's token the output's next one should be; -1 where they parted
+    hint: int = 0  # where they last agreed (realignment looks from here)
+    walked: int = 0  # output tokens compared with the prediction so far
+
+    @classmethod
+    def of(cls, tokens: Sequence[int]) -> PredictedOutput:
+        continuations: dict[tuple[int, ...], list[int]] = {}
+        for end in range(1, len(tokens) + 1):
+            for n in range(1, min(MAX_NGRAM, end) + 1):
+                continuations.setdefault(tuple(tokens[end - n:end]), []).append(end)
+        return cls(tuple(tokens), continuations)
+
+    def propose(self, output: Sequence[int], max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` tokens of the prediction that should follow ``output`` (the
+        sequence's generated tokens so far); [] where none does."""
+        for token in output[self.walked:]:
+            if 0 <= self.cursor < len(self.tokens) and self.tokens[self.cursor] == token:
+                self.cursor += 1
+                self.hint = self.cursor
+            else:
+                self.cursor = -1
+        self.walked = len(output)
+        if self.cursor < 0:
+            self.cursor = self._realigned(output)
+            if self.cursor >= 0:
+                self.hint = self.cursor
+        if max_drafts <= 0 or self.cursor < 0:
+            return []
+        return list(self.tokens[self.cursor:self.cursor + max_drafts])
+
+    def _realigned(self, output: Sequence[int]) -> int:
+        for n in range(min(MAX_NGRAM, len(output)), 0, -1):
+            positions = self.continuations.get(tuple(output[-n:]))
+            if positions:
+                after = bisect.bisect_left(positions, self.hint)
+                return positions[after] if after < len(positions) else positions[-1]
+        return -1
 
 
 @dataclass
@@ -135,6 +190,16 @@ class SpeculationState:
 
     index: NgramIndex
     length: DraftLength
+    prediction: PredictedOutput | None = None
+
+    def propose(self, tokens: list[int], num_prompt_tokens: int, max_drafts: int) -> tuple[list[int], bool]:
+        """Drafts for the sequence's ``tokens`` (prompt, then output), and whether they are the
+        prediction's."""
+        if self.prediction is not None:
+            drafts = self.prediction.propose(tokens[num_prompt_tokens:], max_drafts)
+            if drafts:
+                return drafts, True
+        return self.index.propose(tokens, max_drafts), False
 
 
 def plan_drafts(entries, num_speculative_tokens: int, budget: int, cost_ratio: float = 1.0,
@@ -163,9 +228,11 @@ def plan_drafts(entries, num_speculative_tokens: int, budget: int, cost_ratio: f
             if room <= 0:
                 continue
         if seq.speculation is None:
-            seq.speculation = SpeculationState(NgramIndex(), DraftLength(num_speculative_tokens))
-        drafts = seq.speculation.index.propose(seq.token_ids, min(seq.speculation.length.next(cost_ratio), budget,
-                                                                  room))
+            predicted = options.predicted_token_ids
+            seq.speculation = SpeculationState(NgramIndex(), DraftLength(num_speculative_tokens),
+                                               PredictedOutput.of(predicted) if predicted else None)
+        drafts, entry.drafts_predicted = seq.speculation.propose(
+            seq.token_ids, seq.num_prompt_tokens, min(seq.speculation.length.next(cost_ratio), budget, room))
         if drafts:
             entry.draft_token_ids = drafts
             # Slots for these drafts and for the next step's (an overlapped step has only the blocks

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from gateway.prompt_lookup import DraftCost, cap_drafts, plan_drafts
 from gateway.sequence import (
-    FinishReason, GenerationRequest, PromptTokenLogprob, RequestOutput, Sequence, SeqStatus,
+    FinishReason, GenerationRequest, PredictionTokens, PromptTokenLogprob, RequestOutput, Sequence, SeqStatus,
 )
 from gateway.stopping import append_token, finish_with, take_delta
 from kvserve.errors import InvalidArgument, ResourceExhausted
@@ -123,6 +123,7 @@ class ScheduledSeq:
     # Execute (capped to the slots held once the allocation is known), and how many leading
     # new_token_ids are accepted drafts of an earlier step whose KV is written already.
     draft_token_ids: list[int] = field(default_factory=list)
+    drafts_predicted: bool = False  # the drafts are the request's prediction's (not its own text's)
     num_precomputed_tokens: int = 0
 
     def compute_token_ids(self) -> list[int]:
@@ -520,6 +521,8 @@ class Scheduler:
         seq.speculation.length.record(len(entry.draft_token_ids), num_accepted)
         self.counters.num_draft_tokens += len(entry.draft_token_ids)
         self.counters.num_accepted_draft_tokens += num_accepted
+        if entry.drafts_predicted:
+            seq.request.prediction_tokens += PredictionTokens(num_accepted, len(entry.draft_token_ids) - num_accepted)
 
     def preempt_all(self) -> None:
         """Every running sequence lost its KV: requeue all of them for recompute, in
@@ -640,5 +643,5 @@ class Scheduler:
         self._outputs.append(RequestOutput(
             request_id=request.request_id, choices=deltas, finished=finished, error=error,
             prompt_tokens=request.num_prompt_tokens, completion_tokens=request.num_completion_tokens,
-            cached_tokens=request.num_cached_tokens or 0,
+            cached_tokens=request.num_cached_tokens or 0, prediction_tokens=request.prediction_tokens,
         ))

@@ -62,6 +62,9 @@ class SamplingOptions:
     min_p: float = 0.0
     # A compiled structured-output constraint (gateway.constraints.CompiledGrammar) or None.
     constraint: object | None = None
+    # OpenAI's ``prediction``: what the client expects the output to be, tokenized; a draft source
+    # (gateway.prompt_lookup.PredictedOutput), never a constraint. None: the request sent none.
+    predicted_token_ids: tuple[int, ...] | None = None
 
     @property
     def routing_salt(self) -> str:
@@ -116,6 +119,18 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # With a ``prediction``: its drafted tokens the model accepted and rejected (OpenAI's
+    # completion_tokens_details); None without one.
+    prediction_tokens: PredictionTokens | None = None
+
+
+@dataclass
+class PredictionTokens:
+    accepted: int = 0
+    rejected: int = 0
+
+    def __add__(self, other: PredictionTokens) -> PredictionTokens:
+        return PredictionTokens(self.accepted + other.accepted, self.rejected + other.rejected)
 
 
 class TextDecoder:
@@ -221,7 +236,13 @@ class GenerationRequest:
     max_stop_len: int = 0
     # Per prompt position 1.., once scored (options.prompt_logprobs): what the executor returned.
     prompt_logprobs: list[PromptTokenLogprob | None] | None = None
+    # Drafts from options.predicted_token_ids, accepted and rejected (None without a prediction).
+    prediction_tokens: PredictionTokens | None = None
     _distinct_prompt: list[int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.options.predicted_token_ids is not None:
+            self.prediction_tokens = PredictionTokens()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-from gateway.sequence import GenerationRequest, RequestOutput
+from gateway.sequence import GenerationRequest, PredictionTokens, RequestOutput
 
 
 @dataclass(eq=False)
@@ -82,7 +82,14 @@ class MergedStream:
                     prompt_tokens=sum(o.prompt_tokens for o in last.values()) if done else 0,
                     completion_tokens=sum(o.completion_tokens for o in last.values()) if done else 0,
                     cached_tokens=sum(o.cached_tokens for o in last.values()) if done else 0,
+                    prediction_tokens=_summed_prediction(list(last.values())) if done else None,
                 )
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def _summed_prediction(outputs: list[RequestOutput]) -> PredictionTokens | None:
+    """The prompts' prediction counts together (None where the request sent no prediction)."""
+    counts = [o.prediction_tokens for o in outputs if o.prediction_tokens is not None]
+    return sum(counts, PredictionTokens()) if counts else None

@@ -61,6 +61,13 @@ REACHED_THE_STEP = [
      "stop_token_ids"),
 ]
 HOSTILE = REACHED_THE_STEP + [
+    # OpenAI's prediction: content text or text parts only
+    (CHAT, {"messages": MSG, "prediction": {"type": "content", "content": None}}, "prediction.content"),
+    (CHAT, {"messages": MSG, "prediction": {"type": "diff", "content": "x"}}, "prediction.type"),
+    (CHAT, {"messages": MSG, "prediction": {"type": "content", "content": [{"type": "image_url"}]}},
+     "prediction.content"),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], "prediction": {"type": "content", '
+               '"content": "\\ud800"}}'), "prediction.content"),
     # non-finite or out-of-range numbers that would not fit (or would overflow) the wire fields
     (C, raw('{"prompt": "hi", "temperature": -Infinity}'), "temperature"),
     (C, raw('{"prompt": "hi", "temperature": 1e400}'), "temperature"),

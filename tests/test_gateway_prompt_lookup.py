@@ -5,7 +5,8 @@ import itertools
 
 import pytest
 
-from gateway.prompt_lookup import COST_SAMPLES, MISSES_TO_STOP, REPROBE_STEPS, DraftCost, DraftLength, NgramIndex
+from gateway.prompt_lookup import (COST_SAMPLES, MISSES_TO_STOP, REPROBE_STEPS, DraftCost, DraftLength, NgramIndex,
+                                   PredictedOutput, SpeculationState)
 from gateway.sampling_fields import fill_sampling
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import GenerationRequest, SamplingOptions
@@ -30,6 +31,27 @@ def test_the_longest_suffix_ngram_s_latest_earlier_occurrence_gives_the_drafts()
     assert index.propose(tokens, 2) == [4, 5]
     assert index.propose(tokens + [42], 4) == []  # 42 never occurred before
     assert index.propose([5], 4) == [] and index.propose([1, 2], 0) == []
+
+
+def test_a_prediction_is_drafted_while_followed_and_realigned_after_an_edit():
+    predicted = PredictedOutput.of([10, 11, 12, 13, 14, 15, 16, 10, 11, 12, 17])
+    assert predicted.propose([], 3) == [10, 11, 12]  # nothing generated yet: its beginning
+    assert predicted.propose([10, 11], 3) == [12, 13, 14]
+    # An insertion (99) the prediction lacks: the output's last n-gram is nowhere in it, no drafts;
+    # once the output is back on it ("13 14"), drafts go on from there.
+    assert predicted.propose([10, 11, 12, 99], 3) == []
+    assert predicted.propose([10, 11, 12, 99, 13, 14], 3) == [15, 16, 10]
+    # A deletion (15 16 skipped): "10 11 12" occurs twice; the occurrence after where the two last
+    # agreed is taken, not the first.
+    assert predicted.propose([10, 11, 12, 99, 13, 14, 10, 11, 12], 5) == [17]
+    assert predicted.propose([10, 11, 12, 99, 13, 14, 10, 11, 12, 17], 5) == []  # its end
+
+
+def test_a_prediction_drafts_first_and_the_sequence_s_own_text_where_it_has_nothing():
+    state = SpeculationState(NgramIndex(), DraftLength(4), PredictedOutput.of([7, 8, 9]))
+    prompt = [1, 2, 3, 1, 2]
+    assert state.propose(prompt + [7], len(prompt), 2) == ([8, 9], True)
+    assert state.propose(prompt + [7, 5, 1, 2], len(prompt), 2) == ([7, 5], False)  # off the prediction: lookup
 
 
 def test_the_index_matches_a_scan_as_tokens_are_appended():

@@ -48,10 +48,14 @@ def stacks(default_model_dir, tmp_path_factory):
 
 
 def complete(url: str, **extra) -> dict:
-    body = {"model": "m", "prompt": COPY_PROMPT, "max_tokens": 48, "temperature": 0, **extra}
+    return answer(url, "/v1/completions", {"model": "m", "prompt": COPY_PROMPT, "max_tokens": 48, "temperature": 0,
+                                            **extra})
+
+
+def answer(url: str, route: str, body: dict) -> dict:
     for _ in range(120):
         try:
-            reply = httpx.post(url + "/v1/completions", json=body, timeout=300)
+            reply = httpx.post(url + route, json=body, timeout=300)
         except httpx.TransportError:
             time.sleep(1)  # the second gateway is still starting
             continue
@@ -99,3 +103,31 @@ def test_a_request_short_of_min_tokens_drafts_and_answers_the_plain_text(stacks)
     assert accepted > 0
     assert drafted["usage"]["completion_tokens"] == 48
     assert complete(plain_url, model=model, min_tokens=48)["choices"][0]["text"] == drafted["choices"][0]["text"]
+
+
+def chat(url: str, model: str, **extra) -> dict:
+    return answer(url, "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+        "max_tokens": 40, "temperature": 0, **extra})
+
+
+def test_a_prediction_drafts_the_output_it_expects_and_changes_no_token(stacks):
+    """OpenAI's Predicted Outputs: the prediction's tokens are drafts, verified like any other, so the
+    answer is the plain greedy one whatever was predicted; a right prediction is mostly accepted."""
+    spec_url, plain_url, _ = stacks
+    model = httpx.get(spec_url + "/v1/models").json()["data"][0]["id"]
+    plain = chat(plain_url, model)
+    text = plain["choices"][0]["message"]["content"]
+    assert "completion_tokens_details" not in plain["usage"]  # no prediction, nothing to report
+    right = chat(spec_url, model, prediction={"type": "content", "content": text})
+    assert right["choices"][0]["message"]["content"] == text
+    details = right["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] >= right["usage"]["completion_tokens"] // 2, details
+    wrong = chat(spec_url, model, prediction={"type": "content", "content": [
+        {"type": "text", "text": "Roses are red, violets are blue, "}, {"type": "text", "text": "sugar is sweet."}]})
+    assert wrong["choices"][0]["message"]["content"] == text
+    assert set(wrong["usage"]["completion_tokens_details"]) == {"accepted_prediction_tokens",
+                                                                "rejected_prediction_tokens"}
+    sampled = chat(spec_url, model, prediction={"type": "content", "content": text}, logprobs=True)
+    assert sampled["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
+                                                             "rejected_prediction_tokens": 0}  # never drafts
