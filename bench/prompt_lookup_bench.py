@@ -7,7 +7,9 @@ finds the prompts the other computed. Every measurement runs both arms back to b
 
 * copy-heavy, single stream: chat requests that ask the model to repeat a text exactly
   (real ShareGPT answers as the texts) or to return a code snippet with one name changed;
-  greedy, up to the text's length + 24 tokens, stopping at EOS;
+  greedy, up to the text's length + 24 tokens, stopping at EOS; a third arm sends them to the
+  prompt-lookup gateway with OpenAI's ``prediction`` (the text, or the snippet as it was: what a
+  client expects back), the drafts then following the prediction first;
 * ShareGPT, single stream: real first turns, greedy, a fixed number of output tokens;
 * ShareGPT at concurrency 32: output tokens per second over the whole run.
 
@@ -44,19 +46,20 @@ CODE_SNIPPETS = [
 ]
 
 
-def copy_prompts(tokenizer, count: int) -> list[tuple[str, int]]:
-    """(user message, max_tokens): repeat-this-text over ShareGPT answers of 40..110 tokens, and code edits."""
+def copy_prompts(tokenizer, count: int) -> list[tuple[str, int, str]]:
+    """(user message, max_tokens, the output a client would predict): repeat-this-text over ShareGPT
+    answers of 40..110 tokens, and code edits."""
     prompts = []
     for _, answer in load_pairs():
         n = len(tokenizer.encode(answer, add_special_tokens=False).ids)
         if 40 <= n <= 110 and "```" not in answer:
-            prompts.append((f"Repeat the following text exactly, word for word.\n\nText:\n{answer}", n + 24))
+            prompts.append((f"Repeat the following text exactly, word for word.\n\nText:\n{answer}", n + 24, answer))
         if len(prompts) == count - count // 3:
             break
     for snippet in CODE_SNIPPETS[:count // 3]:
         n = len(tokenizer.encode(snippet, add_special_tokens=False).ids)
         prompts.append((f"Rewrite this Python code with the function or class name in capital letters, and "
-                        f"nothing else changed:\n\n{snippet}", n + 24))
+                        f"nothing else changed:\n\n{snippet}", n + 24, snippet))
     return prompts
 
 
@@ -100,15 +103,19 @@ def summarize(results: list[dict], wall: float | None = None) -> dict:
             "output_tok_s": tokens / busy, "output_tokens": tokens, "requests": len(results)}
 
 
-async def single_stream(urls: dict[str, str], bodies: list[dict], tokenizer) -> dict:
-    """Each body on both arms back to back, the first arm alternating."""
+async def single_stream(urls: dict[str, str], bodies: list[dict], tokenizer,
+                        extra: dict[str, list[dict]] | None = None) -> dict:
+    """Each body on every arm back to back, the order of the arms alternating; ``extra``: fields
+    an arm adds to each body (one dict a body)."""
     results: dict[str, list[dict]] = {arm: [] for arm in urls}
     arms = list(urls)
+    extra = extra or {}
     async with httpx.AsyncClient(timeout=600) as client:
         for i, body in enumerate(bodies):
             for arm in (arms if i % 2 == 0 else arms[::-1]):
-                results[arm].append(await stream(client, urls[arm], body, tokenizer))
-    same = sum(a["text"] == b["text"] for a, b in zip(*results.values()))
+                sent = {**body, **extra[arm][i]} if arm in extra else body
+                results[arm].append(await stream(client, urls[arm], sent, tokenizer))
+    same = sum(len({r["text"] for r in texts}) == 1 for texts in zip(*results.values()))
     return {**{arm: summarize(r) for arm, r in results.items()}, "identical_texts": f"{same}/{len(bodies)}"}
 
 
@@ -190,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(bases["prompt-lookup"])
         chat = {arm: base + "/v1/chat/completions" for arm, base in bases.items()}
         completions = {arm: base + "/v1/completions" for arm, base in bases.items()}
+        copies = copy_prompts(tokenizer, args.copy_prompts)
         copy_bodies = [{"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": n,
-                        "temperature": 0} for text, n in copy_prompts(tokenizer, args.copy_prompts)]
+                        "temperature": 0} for text, n, _ in copies]
+        predictions = [{"prediction": {"type": "content", "content": expected}} for _, _, expected in copies]
         model = httpx.get(bases["plain"] + "/v1/models").json()["data"][0]["id"]
         for body in copy_bodies:
             body["model"] = model
@@ -205,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    "quantization": args.quantization,
                    "num_speculative_tokens": args.num_speculative_tokens}
         before = spec_counters(bases["prompt-lookup"])
-        results["copy_heavy"] = asyncio.run(single_stream(chat, copy_bodies, tokenizer))
+        results["copy_heavy"] = asyncio.run(single_stream(
+            {**chat, "prediction": chat["prompt-lookup"]}, copy_bodies, tokenizer, {"prediction": predictions}))
         after = spec_counters(bases["prompt-lookup"])
         results["copy_heavy"]["drafted_accepted"] = [after[0] - before[0], after[1] - before[1]]
         print("copy-heavy", json.dumps(results["copy_heavy"]), flush=True)
@@ -231,9 +241,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(r: dict, concurrency: int) -> str:
-    rows = ["| workload | metric | plain | prompt-lookup | ratio |", "|---|---|---|---|---|"]
-    for name, key in (("copy-heavy, 1 stream", "copy_heavy"), ("ShareGPT, 1 stream", "sharegpt")):
-        p, s = r[key]["plain"], r[key]["prompt-lookup"]
+    """The drafting arm against plain decoding: prompt lookup alone, and with ``prediction``."""
+    rows = ["| workload | metric | plain | drafted | ratio |", "|---|---|---|---|---|"]
+    for name, key, arm in (("copy-heavy, 1 stream", "copy_heavy", "prompt-lookup"),
+                           ("copy-heavy, 1 stream, with `prediction`", "copy_heavy", "prediction"),
+                           ("ShareGPT, 1 stream", "sharegpt", "prompt-lookup")):
+        p, s = r[key]["plain"], r[key][arm]
         rows.append(f"| {name} | ITL mean (ms) | {p['itl_mean_ms']:.1f} | {s['itl_mean_ms']:.1f} | "
                     f"{p['itl_mean_ms'] / s['itl_mean_ms']:.2f}x lower |")
         rows.append(f"| {name} | ITL P50 (ms) | {p['itl_p50_ms']:.1f} | {s['itl_p50_ms']:.1f} | "
@@ -242,7 +255,7 @@ def table(r: dict, concurrency: int) -> str:
                     f"{s['output_tok_s'] / p['output_tok_s']:.2f}x |")
     c = r.get("sharegpt_concurrent")
     if c:
-        rows.append(f"| ShareGPT, concurrency {concurrency} | output tok/s | {c['plain']:.1f} | "
+        rows.append(f"| ShareGPT, concurrency {concurrency} (prompt lookup) | output tok/s | {c['plain']:.1f} | "
                     f"{c['prompt-lookup']:.1f} | {c['prompt-lookup'] / c['plain']:.2f}x |")
     return "\n".join(rows)
 
