@@ -5,7 +5,7 @@ from gateway.constraints import ConstraintSpec, GrammarCompiler
 from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine
 from gateway.params import build_options
-from gateway.sequence import FinishReason, RequestOutput
+from gateway.sequence import FinishReason, PredictionTokens, RequestOutput
 from gateway.model_name import check_model_name
 from gateway.tenants import TENANT_HEADER, TenantResolver
 from kvserve.errors import InvalidArgument, Unavailable
@@ -60,6 +60,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         p = request.params
         spec = _constraint_spec(p.constraint) if p.HasField("constraint") else None
         compiled = await self._grammars.compile(spec) if spec is not None else None
+        predicted = (await self._tokenizer.encode_async(p.prediction))[:limit] if p.HasField("prediction") else None
         options = build_options(
             max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or None, top_k=p.top_k,
             seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,
@@ -72,6 +73,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             kv_shared_prefix_tokens=p.kv_shared_prefix_tokens,
             kv_cache_ttl_s=p.kv_cache_ttl_s if p.HasField("kv_cache_ttl_s") else None,
             kv_cache_priority=CACHE_PRIORITIES.get(p.kv_cache_priority, p.kv_cache_priority),
+            predicted_token_ids=predicted,
         )
         engine.metrics.on_tenant_request(tenant)
         # The client's deadline: the request fails (and frees its blocks) when it passes.
@@ -144,7 +146,9 @@ def _messages(output: RequestOutput) -> list[gateway_pb2.GenerateResponse]:
     if output.finished:
         if not messages:
             messages.append(gateway_pb2.GenerateResponse(request_id=output.request_id))
+        predicted = output.prediction_tokens or PredictionTokens()
         messages[-1].usage.CopyFrom(gateway_pb2.Usage(
             prompt_tokens=output.prompt_tokens, completion_tokens=output.completion_tokens,
-            cached_tokens=output.cached_tokens))
+            cached_tokens=output.cached_tokens, accepted_prediction_tokens=predicted.accepted,
+            rejected_prediction_tokens=predicted.rejected))
     return messages

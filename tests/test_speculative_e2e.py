@@ -12,10 +12,12 @@ from __future__ import annotations
 import re
 import time
 
+import grpc
 import httpx
 import pytest
 
 from conftest import service_env, start_stack
+from kvserve.v1 import gateway_pb2, gateway_pb2_grpc
 from kvserve.launcher import spawn
 from loopback_ports import free_port
 
@@ -42,7 +44,7 @@ def stacks(default_model_dir, tmp_path_factory):
                               "--speculative-decoding", "off"],
                   port=free_port(), log_path=log_dir / "plain-gateway.log", env=service_env())
     # No --pool-id: both gateways use the executor's one pool in kvmanager (executor@<address>).
-    yield stack.http_url, f"http://127.0.0.1:{http_port}", plain
+    yield stack.http_url, f"http://127.0.0.1:{http_port}", stack.grpc_address
     plain.stop()
     assert stack.stop()["gateway"] == 0
 
@@ -131,3 +133,16 @@ def test_a_prediction_drafts_the_output_it_expects_and_changes_no_token(stacks):
     sampled = chat(spec_url, model, prediction={"type": "content", "content": text}, logprobs=True)
     assert sampled["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0,
                                                              "rejected_prediction_tokens": 0}  # never drafts
+
+
+def test_a_prediction_over_grpc_drafts_as_over_http(stacks):
+    spec_url, plain_url, grpc_address = stacks
+    model = httpx.get(spec_url + "/v1/models").json()["data"][0]["id"]
+    text = complete(plain_url, model=model)["choices"][0]["text"]
+    request = gateway_pb2.GenerateRequest(text=COPY_PROMPT, params=gateway_pb2.GenerationParams(
+        max_tokens=48, prediction=text))
+    with grpc.insecure_channel(grpc_address) as channel:
+        replies = list(gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=300))
+    assert "".join(reply.text for reply in replies) == text
+    usage = replies[-1].usage
+    assert usage.accepted_prediction_tokens >= usage.completion_tokens // 2, usage

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/gateway.proto\x12\nkvserve.v1\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xcf\x05\n\x10GenerationParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\x07 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x14\x64isable_prefix_cache\x18\x0c \x01(\x08\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x10 \x01(\x02\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.kvserve.v1.GenerationParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x30\n\nconstraint\x18\x13 \x01(\x0b\x32\x1c.kvserve.v1.OutputConstraint\x12\x1f\n\x17kv_shared_prefix_tokens\x18\x14 \x01(\r\x12\x1b\n\x0ekv_cache_ttl_s\x18\x15 \x01(\x01H\x02\x88\x01\x01\x12\x36\n\x11kv_cache_priority\x18\x16 \x01(\x0e\x32\x1b.kvserve.v1.KvCachePriority\x12\x17\n\x0fprompt_logprobs\x18\x17 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_kv_cache_ttl_s\"\x96\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.GenerationParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x14\n\x08logprobs\x18\x07 \x03(\x02\x42\x02\x10\x01\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x1b\n\x0fprompt_logprobs\x18\t \x03(\x02\x42\x02\x10\x01\x12\x33\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1d.kvserve.v1.TokenAlternatives\"@\n\x11TokenAlternatives\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x10\n\x08\x62\x61tching\x18\t \x01(\t\x12\x15\n\rkv_allocation\x18\n \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0b \x01(\x08*m\n\x0fKvCachePriority\x12!\n\x1dKV_CACHE_PRIORITY_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_CACHE_PRIORITY_NORMAL\x10\x01\x12\x19\n\x15KV_CACHE_PRIORITY_LOW\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd8\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/v1/gateway.proto\x12\nkvserve.v1\"\x1b\n\x08TokenIds\x12\x0f\n\x03ids\x18\x01 \x03(\x05\x42\x02\x10\x01\"\xf7\x05\n\x10GenerationParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x1a\n\x0estop_token_ids\x18\x07 \x03(\x05\x42\x02\x10\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\t\n\x01n\x18\n \x01(\r\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x14\x64isable_prefix_cache\x18\x0c \x01(\x08\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x10 \x01(\x02\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.kvserve.v1.GenerationParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x30\n\nconstraint\x18\x13 \x01(\x0b\x32\x1c.kvserve.v1.OutputConstraint\x12\x1f\n\x17kv_shared_prefix_tokens\x18\x14 \x01(\r\x12\x1b\n\x0ekv_cache_ttl_s\x18\x15 \x01(\x01H\x02\x88\x01\x01\x12\x36\n\x11kv_cache_priority\x18\x16 \x01(\x0e\x32\x1b.kvserve.v1.KvCachePriority\x12\x17\n\x0fprompt_logprobs\x18\x17 \x01(\x08\x12\x17\n\nprediction\x18\x18 \x01(\tH\x03\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x11\n\x0f_kv_cache_ttl_sB\r\n\x0b_prediction\"\x96\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.kvserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xa7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12,\n\x06params\x18\x04 \x01(\x0b\x32\x1c.kvserve.v1.GenerationParams\x12\r\n\x05model\x18\x05 \x01(\tB\x08\n\x06prompt\"\x98\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x04 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x05 \x01(\r\"\xaa\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x15\n\ttoken_ids\x18\x03 \x03(\x05\x42\x02\x10\x01\x12\x0c\n\x04text\x18\x04 \x01(\t\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x14\n\x08logprobs\x18\x07 \x03(\x02\x42\x02\x10\x01\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x1b\n\x0fprompt_logprobs\x18\t \x03(\x02\x42\x02\x10\x01\x12\x33\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1d.kvserve.v1.TokenAlternatives\"@\n\x11TokenAlternatives\x12\x15\n\ttoken_ids\x18\x01 \x03(\x05\x42\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x08 \x01(\t\x12\x10\n\x08\x62\x61tching\x18\t \x01(\t\x12\x15\n\rkv_allocation\x18\n \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0b \x01(\x08*m\n\x0fKvCachePriority\x12!\n\x1dKV_CACHE_PRIORITY_UNSPECIFIED\x10\x00\x12\x1c\n\x18KV_CACHE_PRIORITY_NORMAL\x10\x01\x12\x19\n\x15KV_CACHE_PRIORITY_LOW\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd8\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvserve.v1.AbortRequest\x1a\x19.kvserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.kvserve.v1.GetModelInfoRequest\x1a\x15.kvserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,36 +47,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENALTERNATIVES'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_TOKENALTERNATIVES'].fields_by_name['logprobs']._loaded_options = None
   _globals['_TOKENALTERNATIVES'].fields_by_name['logprobs']._serialized_options = b'\020\001'
-  _globals['_KVCACHEPRIORITY']._serialized_start=1934
-  _globals['_KVCACHEPRIORITY']._serialized_end=2043
-  _globals['_FINISHREASON']._serialized_start=2045
-  _globals['_FINISHREASON']._serialized_end=2165
+  _globals['_KVCACHEPRIORITY']._serialized_start=2047
+  _globals['_KVCACHEPRIORITY']._serialized_end=2156
+  _globals['_FINISHREASON']._serialized_start=2158
+  _globals['_FINISHREASON']._serialized_end=2278
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_GENERATIONPARAMS']._serialized_start=70
-  _globals['_GENERATIONPARAMS']._serialized_end=789
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=700
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=748
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=792
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=942
-  _globals['_CHOICELIST']._serialized_start=944
-  _globals['_CHOICELIST']._serialized_end=973
-  _globals['_GENERATEREQUEST']._serialized_start=976
-  _globals['_GENERATEREQUEST']._serialized_end=1143
-  _globals['_USAGE']._serialized_start=1145
-  _globals['_USAGE']._serialized_end=1225
-  _globals['_GENERATERESPONSE']._serialized_start=1228
-  _globals['_GENERATERESPONSE']._serialized_end=1526
-  _globals['_TOKENALTERNATIVES']._serialized_start=1528
-  _globals['_TOKENALTERNATIVES']._serialized_end=1592
-  _globals['_ABORTREQUEST']._serialized_start=1594
-  _globals['_ABORTREQUEST']._serialized_end=1628
-  _globals['_ABORTRESPONSE']._serialized_start=1630
-  _globals['_ABORTRESPONSE']._serialized_end=1662
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1664
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1685
-  _globals['_MODELINFO']._serialized_start=1688
-  _globals['_MODELINFO']._serialized_end=1932
-  _globals['_GATEWAY']._serialized_start=2168
-  _globals['_GATEWAY']._serialized_end=2384
+  _globals['_GENERATIONPARAMS']._serialized_end=829
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=725
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=773
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=832
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=982
+  _globals['_CHOICELIST']._serialized_start=984
+  _globals['_CHOICELIST']._serialized_end=1013
+  _globals['_GENERATEREQUEST']._serialized_start=1016
+  _globals['_GENERATEREQUEST']._serialized_end=1183
+  _globals['_USAGE']._serialized_start=1186
+  _globals['_USAGE']._serialized_end=1338
+  _globals['_GENERATERESPONSE']._serialized_start=1341
+  _globals['_GENERATERESPONSE']._serialized_end=1639
+  _globals['_TOKENALTERNATIVES']._serialized_start=1641
+  _globals['_TOKENALTERNATIVES']._serialized_end=1705
+  _globals['_ABORTREQUEST']._serialized_start=1707
+  _globals['_ABORTREQUEST']._serialized_end=1741
+  _globals['_ABORTRESPONSE']._serialized_start=1743
+  _globals['_ABORTRESPONSE']._serialized_end=1775
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1777
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1798
+  _globals['_MODELINFO']._serialized_start=1801
+  _globals['_MODELINFO']._serialized_end=2045
+  _globals['_GATEWAY']._serialized_start=2281
+  _globals['_GATEWAY']._serialized_end=2497
 # @@protoc_insertion_point(module_scope)
