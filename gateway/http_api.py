@@ -34,7 +34,7 @@ from gateway.openai_protocol import (
 )
 from gateway.params import build_options
 from gateway.response_store import MemoryResponseStore, ResponseStore, StoredResponse, items_page
-from gateway.responses_api import ResponsesBody, ResponseWriter, messages_of
+from gateway.responses_api import ResponsesBody, ResponseWriter, droppable_turns, messages_of
 from gateway.scheduler import RequestTooLarge
 from gateway.sequence import RequestOutput
 from gateway.streams import MergedStream, RequestStream
@@ -347,7 +347,10 @@ async def responses(body: ResponsesBody, request: Request):
     store, tenant = _response_store(request), _tenant(request)
     previous = await store.previous(tenant, body.previous_response_id)
     kept = store.keeps(body.store)
-    started = await _start_chat(body.chat_body(previous), request)
+    chat = body.chat_body(previous)
+    if body.truncation == "auto":
+        chat = await _fitted(chat, request, body.max_output_tokens)
+    started = await _start_chat(chat, request)
     writer = ResponseWriter(body, started.engine.model_name, stored=kept)
 
     async def keep(response: dict) -> None:
@@ -384,6 +387,32 @@ async def delete_response(response_id: str, request: Request):
     """Forgets a stored response (404 where this tenant has none by that id)."""
     await _response_store(request).delete(_tenant(request), response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def _fitted(chat: ChatCompletionBody, request: Request, max_output_tokens: int | None) -> ChatCompletionBody:
+    """``truncation: auto``: the chat without as few of its oldest turns after the system messages
+    as it must lose to leave ``max_output_tokens`` (at least one) within max_model_len; its last
+    turn always stays (a chat that does not fit even so fails as it would untruncated)."""
+    engine, tokenizer = _engine(request), _tokenizer(request)
+    tools = ToolCalling.parse(chat.tools, chat.tool_choice, chat.parallel_tool_calls)
+    room = engine.max_model_len - (max_output_tokens or 1)
+    lead, turns = droppable_turns([message.role for message in chat.messages])
+
+    async def fits(dropped: int) -> bool:
+        kept = chat.messages[:lead] + chat.messages[turns[dropped]:] if dropped else chat.messages
+        rendered = render_tool_messages(message_dicts(kept), tools)
+        return len(await tokenizer.chat_prompt_async(rendered, True)) <= room
+
+    if len(turns) < 2 or await fits(0):
+        return chat
+    low, high = 1, len(turns) - 1  # the fewest turns dropped that fit, or all but the last
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return chat.model_copy(update={"messages": chat.messages[:lead] + chat.messages[turns[low]:]})
 
 
 def _response_store(request: Request) -> ResponseStore:

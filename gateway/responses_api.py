@@ -22,8 +22,7 @@ from kvserve.errors import InvalidArgument
 MESSAGE_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 # What clients send that changes nothing here at these values.
-NEUTRAL = {"reasoning": (None,),
-           "truncation": (None, "disabled"), "background": (None, False), "service_tier": (None, "auto", "default"),
+NEUTRAL = {"reasoning": (None,), "background": (None, False), "service_tier": (None, "auto", "default"),
            "max_tool_calls": (None,), "prompt": (None,), "conversation": (None,)}
 # ``include`` values this server can add to a response.
 TEXT_LOGPROBS = "message.output_text.logprobs"
@@ -66,6 +65,8 @@ class ResponsesBody(BaseModel):
         for name, allowed in NEUTRAL.items():
             if getattr(self, name) not in allowed:
                 raise InvalidArgument(f"{name}: not supported by this server at {getattr(self, name)!r}")
+        if self.truncation not in (None, "disabled", "auto"):
+            raise InvalidArgument(f"truncation: disabled or auto, got {self.truncation!r}")
         unknown = next((value for value in self.include or () if value != TEXT_LOGPROBS), None)
         if unknown is not None:
             raise InvalidArgument(f"include: {unknown!r} is not supported (only {TEXT_LOGPROBS!r})")
@@ -137,6 +138,15 @@ def messages_of(items: list[Any], where: str) -> list[dict]:
             raise InvalidArgument(f"{at}.type: {kind!r} is not supported ({', '.join(ITEM_CONVERTERS)} items are)")
         convert(at, item, messages)
     return messages
+
+
+def droppable_turns(roles: list[str]) -> tuple[int, list[int]]:
+    """For ``truncation: auto``: where the leading system messages end, and where each turn after
+    them starts (a tool result belongs to the turn of the call it answers), oldest first."""
+    lead = 0
+    while lead < len(roles) and roles[lead] == "system":
+        lead += 1
+    return lead, [i for i in range(lead, len(roles)) if i == lead or roles[i] != "tool"]
 
 
 def _message(where: str, item: dict, messages: list[dict]) -> None:
@@ -269,7 +279,8 @@ class ResponseWriter:
             "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": body.text or {"format": {"type": "text"}},
-            "previous_response_id": body.previous_response_id, "store": self.stored, "truncation": "disabled",
+            "previous_response_id": body.previous_response_id, "store": self.stored,
+            "truncation": body.truncation or "disabled",
             "user": body.user,
             "metadata": body.metadata or {}, "usage": usage,
         }

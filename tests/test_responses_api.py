@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.responses_api import droppable_turns
+
 pytestmark = pytest.mark.timeout(300)
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -148,6 +150,7 @@ def test_output_text_logprobs_are_the_chat_completion_s(client, model):
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
+    ({"input": "hi", "truncation": "middle"}, "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
@@ -266,3 +269,31 @@ def test_a_tenant_s_stored_responses_do_not_exist_for_another(stack, model):
     assert httpx.get(f"{url}/{stored['id']}", headers=alice).json()["output"] == stored["output"]
     assert httpx.delete(f"{url}/{stored['id']}", headers=alice).json() == {"id": stored["id"], "object": "response",
                                                                            "deleted": True}
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits(client, model):
+    """A conversation gone on past max_model_len: a 400 as it is, and with truncation auto the
+    chat completion of its newest turns (the instructions kept), as few turns dropped as fit."""
+    limit = client.models.list().data[0].model_extra["max_model_len"]
+    long_text = "The quick brown fox jumps over the lazy dog. " * (limit // 16)  # ~5/8 of max_model_len
+    first = client.responses.create(model=model, input="One: " + long_text, max_output_tokens=4, temperature=0)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.responses.create(model=model, input="Two: " + long_text, previous_response_id=first.id,
+                                max_output_tokens=4, temperature=0)
+    cut = client.responses.create(model=model, input="Two: " + long_text, previous_response_id=first.id,
+                                  instructions="Be brief.", truncation="auto", max_output_tokens=4, temperature=0)
+    assert cut.truncation == "auto" and cut.usage.input_tokens + 4 <= limit
+    expected = client.chat.completions.create(model=model, temperature=0, max_tokens=4, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Two: " + long_text}])
+    assert cut.output_text == expected.choices[0].message.content
+    assert cut.usage.input_tokens == expected.usage.prompt_tokens
+    short = client.responses.create(model=model, input="Hi", previous_response_id=first.id, truncation="auto",
+                                    max_output_tokens=4, temperature=0)
+    assert short.usage.input_tokens > limit // 2  # it fits: nothing dropped
+
+
+def test_the_turns_truncation_may_drop_keep_a_call_with_its_results():
+    assert droppable_turns(["system", "user", "assistant", "tool", "tool", "user"]) == (1, [1, 2, 5])
+    assert droppable_turns(["user"]) == (0, [0])
+    assert droppable_turns(["system", "system"]) == (2, [])
