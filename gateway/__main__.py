@@ -15,8 +15,8 @@ from gateway.detokenizer import ModelTokenizer
 from gateway.engine import Engine, EngineConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.http_api import create_app
-from gateway.response_store import DEFAULT_CAPACITY_BYTES, DEFAULT_TTL_S, open_response_store
 from gateway.metrics import GatewayMetrics
+from gateway.response_store import DEFAULT_CAPACITY_BYTES, DEFAULT_TTL_S, open_response_store
 from gateway.routing import ROUTING_POLICIES
 from gateway.scheduler import SchedulerConfig
 from gateway.tenants import TenantResolver, load_api_keys, parse_tenant_list

@@ -60,7 +60,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         p = request.params
         spec = _constraint_spec(p.constraint) if p.HasField("constraint") else None
         compiled = await self._grammars.compile(spec) if spec is not None else None
-        predicted = (await self._tokenizer.encode_async(p.prediction))[:limit] if p.HasField("prediction") else None
+        predicted = None
+        if p.HasField("prediction"):
+            if len(p.prediction) > MAX_TEXT_CHARS:
+                raise InvalidArgument(f"prediction: at most {MAX_TEXT_CHARS} characters, got {len(p.prediction)}")
+            predicted = (await self._tokenizer.encode_async(p.prediction))[:limit]
         options = build_options(
             max_tokens=p.max_tokens or None, temperature=p.temperature, top_p=p.top_p or None, top_k=p.top_k,
             seed=p.seed if p.HasField("seed") else None, stop=p.stop, stop_token_ids=p.stop_token_ids,

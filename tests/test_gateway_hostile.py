@@ -284,6 +284,7 @@ HOSTILE_GRPC = [
     (gateway_pb2.GenerateRequest(params=gateway_pb2.GenerationParams(max_tokens=3)), "prompt"),
     (grpc_request(text="word " * 200_000), "too long"),
     (grpc_request(text="x" * (4 * 2**20 + 1)), "text"),
+    (grpc_request(prediction="x" * (4 * 2**20 + 1)), "prediction"),
     (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[7] * 1_000_000)), "too long"),
     (grpc_request(stop_token_ids=[3] * 300_000), "stop_token_ids"),
     (grpc_request(stop=["s"] * 100_000), "stop"),
