@@ -369,8 +369,10 @@ async def responses(body: ResponsesBody, request: Request):
 
 
 @router.get("/v1/responses/{response_id}")
-async def stored_response(response_id: str, request: Request):
+async def stored_response(response_id: str, request: Request, stream: bool = False):
     """A stored response as it was returned (404 where this tenant has none by that id)."""
+    if stream:
+        raise InvalidArgument("stream: a stored response is returned whole; its events are not replayed")
     return JSONResponse((await _response_store(request).get(_tenant(request), response_id)).response)
 
 

@@ -221,6 +221,8 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(client, model):
     assert [item.id for item in newest_first.data] == [listed.data[2].id, listed.data[1].id] and newest_first.has_more
     assert [item.id for item in client.responses.input_items.list(response.id, limit=2, after=listed.data[1].id).data] \
         == [listed.data[0].id]
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        list(client.responses.retrieve(response.id, stream=True))
     client.responses.delete(response.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(response.id)
