@@ -175,6 +175,9 @@ async def serve(args, parser: EnvArgumentParser) -> None:
     http = _EmbeddedUvicorn(uvicorn.Config(app, host=args.host, port=args.http_port, log_level="warning",
                                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                                            timeout_keep_alive=args.http_keep_alive_s, **ssl))
+    problem = await responses.unreachable()
+    if problem is not None:  # served all the same: the store is read per request, and may come back
+        log.warning("responses_store_unreachable", error=problem)
     await engine.start()
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())

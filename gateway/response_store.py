@@ -67,6 +67,10 @@ class ResponseStore(ABC):
     async def close(self) -> None:
         """Lets go of connections (nothing for the memory store)."""
 
+    async def unreachable(self) -> str | None:
+        """Why the store cannot be reached now (None: it can), for the start-up log."""
+        return None
+
     def keeps(self, store: bool | None) -> bool:
         """Whether a request's response is kept: ``store`` as sent, by default (OpenAI's) yes where
         this gateway stores responses."""
@@ -200,6 +204,13 @@ class RedisResponseStore(ResponseStore):
 
     async def close(self) -> None:
         await self._client.aclose()
+
+    async def unreachable(self) -> str | None:
+        try:
+            await self._call("answer", self._client.ping())
+        except Unavailable as exc:
+            return str(exc)
+        return None
 
     async def _call(self, what: str, command):
         try:

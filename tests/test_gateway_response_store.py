@@ -111,10 +111,19 @@ def test_a_redis_that_is_gone_is_unavailable_and_a_response_it_cannot_keep_says_
             await store.previous("", "resp_lost")
         await store.close()
 
+    async def unreachable(store):
+        try:
+            return await store.unreachable()
+        finally:
+            await store.close()
+
     try:
         run(scenario())
+        assert "responses store" in run(unreachable(RedisResponseStore(redis_url)))
     finally:
         redis_server.start()
+    assert run(unreachable(RedisResponseStore(redis_url))) is None
+    assert run(unreachable(MemoryResponseStore())) is None
 
 
 def test_store_defaults_to_on_where_there_is_room_and_is_refused_where_there_is_none():
