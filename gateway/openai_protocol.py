@@ -70,7 +70,7 @@ class Prediction(BaseModel):
     content: Annotated[Any, AfterValidator(_predicted_content)]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
+        return content_text(self.content)
 
 
 # Fields OpenAI clients send that change nothing here at these values; any other value is refused.
@@ -277,6 +277,11 @@ def _content(value: Any) -> str | list[dict] | None:
     return value
 
 
+def content_text(content: str | list[dict] | None) -> str | None:
+    """A content that ``_content`` accepted as its text: a string as it is, text parts joined."""
+    return "".join(part["text"] for part in content) if isinstance(content, list) else content
+
+
 def _predicted_content(value: Any) -> str | list[dict]:
     if value is None:
         raise ValueError("must be a string or a list of text parts")
@@ -341,10 +346,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     participant's name, which call a tool result answers)."""
     out = []
     for message in messages:
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part["text"] for part in content)
-        rendered = {"role": message.role, "content": content or message.refusal or ""}
+        rendered = {"role": message.role, "content": content_text(message.content) or message.refusal or ""}
         calls = list(message.tool_calls or [])
         if message.function_call is not None:
             calls.append({"type": "function", "function": message.function_call})
