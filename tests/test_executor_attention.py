@@ -341,7 +341,7 @@ PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS = (torch.tensor([[1, 2]], dtype=torch
 
 
 def assert_refuses_bad_tables(attend, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    """What both prefill kernels refuse of a step's tables and shapes, for one sequence of 4 query tokens
+    """What the float32 prefill kernel refuses of a step's tables and shapes, for one sequence of 4 query tokens
     (``q`` [1, 1, 4, d]) in blocks 1 and 2 of a one-KV-head cache: a seq_len past its blocks, a block id
     outside the cache, rows that are not whole query lengths, another number of KV heads than the caches'."""
     table, first, lens = PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS
@@ -356,16 +356,60 @@ def assert_refuses_bad_tables(attend, q: torch.Tensor, key_cache: torch.Tensor, 
 
 
 def test_fused_prefill_refuses_what_it_cannot_compute(prefill_ops):
+    """paged_prefill_attention's tables and shapes (one sequence of 4 query tokens in blocks 1 and 2 of a
+    one-KV-head cache): each refusal names what is wrong, and nothing is written."""
     backend = CpuAttentionBackend(torch.device("cpu"))
     key_cache, value_cache = backend.allocate_kv_cache(4, 16, 1, 64, torch.bfloat16, torch.device("cpu"))
-    q = torch.zeros(1, 1, 4, 64).bfloat16()
+    q, out = torch.zeros(4, 1, 64).bfloat16(), torch.full((4, 1, 64), 7.0).bfloat16()
+    start = torch.tensor([0], dtype=torch.int32)
     attend = prefill_ops.paged_prefill_attention
-    assert_refuses_bad_tables(attend, q, key_cache, value_cache)
-    with pytest.raises(RuntimeError, match="q must be bfloat16"):
-        attend(q.float(), key_cache, value_cache, PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS, 4, 0.125)
+
+    def refused(match, q=q, caches=(key_cache, value_cache), table=PREFILL_TABLE, start=start, first=PREFILL_FIRST,
+                lens=PREFILL_LENS, out=out):
+        with pytest.raises(RuntimeError, match=match):
+            attend(q, *caches, table, start, first, lens, 0.125, out)
+
+    refused("seq_len 33 .* for 2 blocks", lens=torch.tensor([33], dtype=torch.int32))
+    refused("block id 9 out of range", table=torch.tensor([[9, 1]], dtype=torch.int32))
+    refused("4 query rows from row 1 are not all among q's 4", start=torch.tensor([1], dtype=torch.int32))
+    refused("query_starts must be int32", start=torch.tensor([0, 0], dtype=torch.int32))
+    two_kv = backend.allocate_kv_cache(4, 16, 2, 64, torch.bfloat16, torch.device("cpu"))
+    refused("q's 1 heads are not a whole number of query heads for each of the caches' 2 KV heads", caches=two_kv)
+    refused("q must be bfloat16", q=q.float())
+    refused("q's heads must be contiguous", q=torch.zeros(4, 64, 2).bfloat16().transpose(1, 2))
+    refused("out must be contiguous bfloat16 of q's shape", out=out[:3])
     odd_k, odd_v = backend.allocate_kv_cache(4, 16, 1, 48, torch.bfloat16, torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="head_size must be a multiple of 32"):
-        attend(torch.zeros(1, 1, 4, 48).bfloat16(), odd_k, odd_v, PREFILL_TABLE, PREFILL_FIRST, PREFILL_LENS, 4, 0.125)
+    refused("head_size must be a multiple of 32", q=torch.zeros(4, 1, 48).bfloat16(), caches=(odd_k, odd_v),
+            out=torch.zeros(4, 1, 48).bfloat16())
+    assert bool((out == 7).all())
+
+
+def test_fused_prefill_reads_q_where_the_projection_left_it_and_writes_only_its_rows(prefill_ops):
+    """The step's q as a view of the q/k/v projection (tokens further apart than their heads), two
+    sequences' query rows with another token between them: each sequence's rows are its causal
+    attention (float64 reference), the row between is not touched."""
+    torch.manual_seed(13)
+    heads, kv_heads, d = 9, 3, 64
+    backend = CpuAttentionBackend(torch.device("cpu"))
+    key_cache, value_cache = backend.allocate_kv_cache(8, 16, kv_heads, d, torch.bfloat16, torch.device("cpu"))
+    tables, seq_lens, query_lens, starts = [[3, 5], [6]], [20, 7], [5, 7], [0, 6]
+    keys = [torch.randn(n, kv_heads, d).bfloat16() for n in seq_lens]
+    values = [torch.randn(n, kv_heads, d).bfloat16() for n in seq_lens]
+    meta = make_meta(seq_lens, seq_lens, tables, 16)
+    backend.write_kv((key_cache, value_cache), torch.cat(keys), torch.cat(values), meta.slot_mapping)
+    qkv = torch.randn(13, (heads + 2 * kv_heads) * d).bfloat16()
+    q = qkv[:, :heads * d].view(13, heads, d)
+    out = torch.full((13, heads, d), 7.0).bfloat16()
+    prefill_ops.paged_prefill_attention(
+        q, key_cache, value_cache, torch.tensor([[3, 5], [6, 0]], dtype=torch.int32),
+        torch.tensor(starts, dtype=torch.int32), torch.tensor([n - m for n, m in zip(seq_lens, query_lens)],
+                                                              dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), d**-0.5, out)
+    rows = torch.cat([q[start:start + m] for start, m in zip(starts, query_lens)])
+    expected = reference(rows.float(), [k.float() for k in keys], [v.float() for v in values], query_lens, d**-0.5)
+    got = torch.cat([out[start:start + m] for start, m in zip(starts, query_lens)]).float()
+    torch.testing.assert_close(got, expected.float(), atol=3e-2, rtol=2e-2)
+    assert bool((out[5] == 7).all())
 
 
 def test_auto_falls_back_to_torch_where_the_cpu_kernel_cannot_build(monkeypatch):

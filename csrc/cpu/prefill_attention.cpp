@@ -425,7 +425,7 @@ struct VectorProducts {
 // VectorProducts, the chunk's two matrix products.
 template <typename Products>
 void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_t rows, const uint32_t* packed_k,
-                  const uint16_t* packed_v, const BlockShape& shape, float* scratch, c10::BFloat16* out) {
+                  const uint16_t* packed_v, const BlockShape& shape, float* scratch, c10::BFloat16* const* out) {
   const int64_t d = shape.d, slices = d / 32, dblocks = d / 16;
   int64_t limit[kRows], chunk_limit[kRows], block_limit = 0;
   for (int64_t r = 0; r < kRows; ++r) {
@@ -456,7 +456,7 @@ void attend_block(const uint16_t* q, int64_t q_stride, int64_t first_row, int64_
   }
   for (int64_t r = 0; r < rows; ++r) {
     const Vec16 inv = splat(1.f / reduce_sum(load16(state.sum[r])));
-    for (int64_t i = 0; i < d; i += kLanes) store16(out + r * d + i, load16(acc + r * d + i) * inv);
+    for (int64_t i = 0; i < d; i += kLanes) store16(out[r] + i, load16(acc + r * d + i) * inv);
   }
 }
 #endif
@@ -471,97 +471,170 @@ bool has_prefill_attention() {
 }
 
 #if defined(KVSERVE_PREFILL_ATTENTION)
-// Packs every (sequence, KV head), then attends every block of 16 query rows; both spread over
-// the threads.
+// Where a step's query rows lie. Sequence s's query_len = seq_len - first_query_pos tokens are rows
+// start[s] .. of q [tokens, heads, d] (token_stride elements apart); its KV head h attends the rows
+// (g, t) of its query heads h * group + g, t < query_len, 16 at a time: block b of the pair (s, h)
+// holds its rows 16b .. 16b + 15 in that order (g major), so a short chunk's query heads share tiles.
+struct QueryRows {
+  const uint16_t* q;
+  int64_t token_stride, heads, kv_heads, group, d;
+  const int32_t *start, *first, *lens;
+
+  int64_t query_len(int64_t s) const { return lens[s] - first[s]; }
+  int64_t blocks(int64_t s) const { return (group * query_len(s) + kRows - 1) / kRows; }
+  // Row r of pair (s, h): its query head and token.
+  const uint16_t* row(int64_t s, int64_t h, int64_t r) const {
+    const int64_t len = query_len(s);
+    return q + (start[s] + r % len) * token_stride + (h * group + r / len) * d;
+  }
+  int64_t out_offset(int64_t s, int64_t h, int64_t r) const {
+    const int64_t len = query_len(s);
+    return ((start[s] + r % len) * heads + h * group + r / len) * d;
+  }
+  // The keys block b's rows see at most, in chunks visited: its work, for splitting it over threads.
+  int64_t block_chunks(int64_t s, int64_t b) const {
+    const int64_t len = query_len(s), r0 = b * kRows, r1 = std::min(r0 + kRows, group * len);
+    const int64_t last_token = r0 / len == (r1 - 1) / len ? (r1 - 1) % len : len - 1;
+    return (first[s] + last_token + 1 + kChunk - 1) / kChunk;
+  }
+};
+
+// body(begin, end) over runs of [0, n), one run a thread, of about the same cost: cost_at[i] is the
+// cost of the items before i. A step's prompts differ by far in their keys, which an even split of
+// the items does not see (a 573-token prompt's blocks beside 20-token ones).
+template <typename Body>
+void parallel_by_cost(const std::vector<int64_t>& cost_at, const Body& body) {
+  const int64_t n = static_cast<int64_t>(cost_at.size()) - 1;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  const auto start_of = [&](int64_t run) -> int64_t {
+    if (run == runs) return n;
+    return std::lower_bound(cost_at.begin(), cost_at.end(), cost_at.back() * run / runs) - cost_at.begin();
+  };
+  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t run = begin; run < end; ++run) body(start_of(run), start_of(run + 1));
+  });
+}
+
+// Packs every (sequence, KV head), then attends every block of 16 query rows, each spread over the
+// threads by its cost (keys packed; key chunks visited).
 template <typename Products, typename Cache>
-void attend_all(const Cache& cache, const at::Tensor& q, const int32_t* tables, int64_t max_blocks,
-                const int32_t* first_ptr, const int32_t* lens_ptr, int64_t query_len, float scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1), rows = q.size(2), d = q.size(3);
-  int64_t longest = 0;
-  for (int64_t s = 0; s < num_seqs; ++s) longest = std::max<int64_t>(longest, lens_ptr[s]);
-  const int64_t padded = (longest + kChunk - 1) / kChunk * kChunk, pairs = num_seqs * heads;
-  std::vector<uint16_t> packed(static_cast<size_t>(2 * pairs * padded * d));
-  auto packed_k = [&](int64_t pair) { return packed.data() + 2 * pair * padded * d; };
-  auto packed_v = [&](int64_t pair) { return packed.data() + (2 * pair + 1) * padded * d; };
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+void attend_all(const Cache& cache, const QueryRows& rows, const int32_t* tables, int64_t max_blocks,
+                int64_t num_seqs, float scale, c10::BFloat16* out) {
+  const int64_t d = rows.d, pairs = num_seqs * rows.kv_heads;
+  std::vector<int64_t> packed_at(pairs + 1, 0), blocks_at(pairs + 1, 0);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t s = pair / rows.kv_heads, padded = (rows.lens[s] + kChunk - 1) / kChunk * kChunk;
+    packed_at[pair + 1] = packed_at[pair] + 2 * padded * d;
+    blocks_at[pair + 1] = blocks_at[pair] + rows.blocks(s);
+  }
+  std::vector<uint16_t> packed(static_cast<size_t>(packed_at[pairs]));
+  parallel_by_cost(packed_at, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t s = pair / heads;
-      pack_sequence(cache, tables + s * max_blocks, pair % heads, lens_ptr[s], padded, packed_k(pair), packed_v(pair));
+      const int64_t s = pair / rows.kv_heads, half = (packed_at[pair + 1] - packed_at[pair]) / 2;
+      pack_sequence(cache, tables + s * max_blocks, pair % rows.kv_heads, rows.lens[s], half / d,
+                    packed.data() + packed_at[pair], packed.data() + packed_at[pair] + half);
     }
   });
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t blocks_per_pair = (rows + kRows - 1) / kRows;
-  at::parallel_for(0, pairs * blocks_per_pair, 1, [&](int64_t begin, int64_t end) {
+  const int64_t total_blocks = blocks_at[pairs];
+  std::vector<int64_t> work_at(total_blocks + 1, 0);  // a block's work: the key chunks it visits, plus one
+  for (int64_t pair = 0, item = 0; pair < pairs; ++pair) {
+    for (int64_t b = 0; b < blocks_at[pair + 1] - blocks_at[pair]; ++b, ++item) {
+      work_at[item + 1] = work_at[item] + rows.block_chunks(pair / rows.kv_heads, b) + 1;
+    }
+  }
+  parallel_by_cost(work_at, [&](int64_t first_item, int64_t end_item) {
     Products::prepare_thread();
-    alignas(64) uint16_t padded_q[kRows * kMaxHeadSize];
+    alignas(64) uint16_t block_q[kRows * kMaxHeadSize];
+    c10::BFloat16* block_out[kRows];
     std::vector<float> scratch(static_cast<size_t>(2 * kRows * d));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / blocks_per_pair, r0 = (item % blocks_per_pair) * kRows, s = pair / heads;
-      const int64_t block_rows = std::min(kRows, rows - r0);
-      const uint16_t* block_q = qp + (pair * rows + r0) * d;
-      if (block_rows < kRows) {  // the tile load reads 16 rows: the rest zeros
-        std::fill(padded_q, padded_q + kRows * d, uint16_t{0});
-        for (int64_t r = 0; r < block_rows; ++r) std::memcpy(padded_q + r * d, block_q + r * d, d * 2);
-        block_q = padded_q;
+    int64_t pair = std::upper_bound(blocks_at.begin(), blocks_at.end(), first_item) - blocks_at.begin() - 1;
+    for (int64_t item = first_item; item < end_item; ++item) {
+      while (item >= blocks_at[pair + 1]) ++pair;
+      const int64_t s = pair / rows.kv_heads, h = pair % rows.kv_heads, r0 = (item - blocks_at[pair]) * kRows;
+      const int64_t block_rows = std::min(kRows, rows.group * rows.query_len(s) - r0);
+      for (int64_t r = 0; r < block_rows; ++r) {
+        std::memcpy(block_q + r * d, rows.row(s, h, r0 + r), d * 2);
+        block_out[r] = out + rows.out_offset(s, h, r0 + r);
       }
-      const BlockShape shape{d, query_len, first_ptr[s], lens_ptr[s], scale};
-      attend_block<Products>(block_q, d, r0, block_rows, reinterpret_cast<const uint32_t*>(packed_k(pair)), packed_v(pair),
-                   shape, scratch.data(), op + (pair * rows + r0) * d);
+      if (block_rows < kRows) std::fill(block_q + block_rows * d, block_q + kRows * d, uint16_t{0});
+      const int64_t half = (packed_at[pair + 1] - packed_at[pair]) / 2;
+      const BlockShape shape{d, rows.query_len(s), rows.first[s], rows.lens[s], scale};
+      attend_block<Products>(block_q, d, r0, block_rows,
+                             reinterpret_cast<const uint32_t*>(packed.data() + packed_at[pair]),
+                             packed.data() + packed_at[pair] + half, shape, scratch.data(), block_out);
     }
   });
 }
 
 // On AMX tiles where this process may use them, else as VDPBF16PS.
 template <typename Cache>
-void attend_all_fastest(const Cache& cache, const at::Tensor& q, const int32_t* tables, int64_t max_blocks,
-                        const int32_t* first_ptr, const int32_t* lens_ptr, int64_t query_len, float scale,
-                        at::Tensor& out) {
+void attend_all_fastest(const Cache& cache, const QueryRows& rows, const int32_t* tables, int64_t max_blocks,
+                        int64_t num_seqs, float scale, c10::BFloat16* out) {
 #if defined(KVSERVE_PREFILL_ATTENTION_AMX)
   if (amx_bf16_usable()) {
-    attend_all<AmxProducts>(cache, q, tables, max_blocks, first_ptr, lens_ptr, query_len, scale, out);
+    attend_all<AmxProducts>(cache, rows, tables, max_blocks, num_seqs, scale, out);
     return;
   }
 #endif
-  attend_all<VectorProducts>(cache, q, tables, max_blocks, first_ptr, lens_ptr, query_len, scale, out);
+  attend_all<VectorProducts>(cache, rows, tables, max_blocks, num_seqs, scale, out);
 }
 #endif
 
-// q: [num_seqs, kv_heads, rows, d] bf16, rows = group * query_len (the query heads of a KV head,
-//   query_len rows each: row r is query token r % query_len);
+// q: [tokens, heads, d] bf16 (any stride between tokens: a view of the step's q/k/v projection);
 // key_cache, value_cache: the cpu backend's, bf16 (K [num_blocks, kv_heads, d, 16], V [num_blocks,
 //   kv_heads, 16, d]) or int8 records ([num_blocks, kv_heads, 16 d codes + 16 float32 scales]);
-// block_tables [num_seqs, max_blocks] int32; first_query_pos, seq_lens [num_seqs] int32.
-// Row r of sequence s attends to keys [0, min(first_query_pos[s] + r % query_len + 1, seq_lens[s])).
-// Returns [num_seqs, kv_heads, rows, d] bf16.
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                   const at::Tensor& block_tables, const at::Tensor& first_query_pos,
-                                   const at::Tensor& seq_lens, int64_t query_len, double scale) {
+// block_tables [num_seqs, max_blocks], query_starts, first_query_pos, seq_lens [num_seqs], int32.
+// Sequence s's query tokens are q's rows query_starts[s] .. + seq_lens[s] - first_query_pos[s], at
+// positions first_query_pos[s] ..; token t of them attends to keys [0, first_query_pos[s] + t + 1).
+// Writes those rows of out [tokens, heads, d] bf16 (contiguous); the other rows are left as they are.
+// The sequences' rows must not overlap.
+void paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_starts,
+                             const at::Tensor& first_query_pos, const at::Tensor& seq_lens, double scale,
+                             const at::Tensor& out) {
   const char* op = "paged_prefill_attention";
   TORCH_CHECK(has_prefill_attention(), op, ": needs AVX-512 BF16, which this CPU or build lacks");
-  check_prefill_query(op, q, key_cache, value_cache, at::kBFloat16, "bfloat16", 32, kMaxHeadSize, query_len);
-  const int64_t num_seqs = q.size(0);
+  TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu() &&
+                  out.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && q.dim() == 3, op, ": q must be bfloat16 [tokens, heads, d]");
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  TORCH_CHECK(d % 32 == 0 && d > 0 && d <= kMaxHeadSize, op, ": head_size must be a multiple of 32 up to ",
+              kMaxHeadSize, ", got ", d);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == d && q.stride(0) >= heads * d, op,
+              ": q's heads must be contiguous within a token");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.sizes() == q.sizes() && out.is_contiguous(), op,
+              ": out must be contiguous bfloat16 of q's shape");
+  const int64_t kv_heads = key_cache.dim() >= 2 ? key_cache.size(1) : 0;
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, op, ": q's ", heads,
+              " heads are not a whole number of query heads for each of the caches' ", kv_heads, " KV heads");
   const bool int8 = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() && (int8 || key_cache.scalar_type() == at::kBFloat16),
               op, ": the caches must be bfloat16 tiles or int8 records");
-  check_prefill_caches(op, q, key_cache, value_cache, kBlock);
+  check_prefill_caches(op, kv_heads, d, key_cache, value_cache, kBlock);
+  const int64_t num_seqs = block_tables.dim() == 2 ? block_tables.size(0) : 0;
   const PrefillTables t = checked_prefill_tables(op, block_tables, first_query_pos, seq_lens, num_seqs,
                                                   key_cache.size(0), kBlock);
-  at::Tensor out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(query_starts.scalar_type() == at::kInt && query_starts.numel() == num_seqs, op,
+              ": query_starts must be int32 [seqs]");
+  const at::Tensor starts = query_starts.contiguous();
+  const int32_t* start_ptr = starts.data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = t.lens_ptr()[s] - t.first_ptr()[s];
+    TORCH_CHECK(start_ptr[s] >= 0 && start_ptr[s] + query_len <= tokens, op, ": sequence ", s, "'s ", query_len,
+                " query rows from row ", start_ptr[s], " are not all among q's ", tokens);
+  }
 #if defined(KVSERVE_PREFILL_ATTENTION)
-  const auto qc = q.contiguous();
-  const int64_t d = q.size(3);
+  const QueryRows rows{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), q.stride(0), heads, kv_heads,
+                       heads / kv_heads, d, start_ptr, t.first_ptr(), t.lens_ptr()};
   const TileCache k{key_cache.data_ptr(), key_cache.stride(0), key_cache.stride(1)};
   const TileCache v{value_cache.data_ptr(), value_cache.stride(0), value_cache.stride(1)};
+  auto* dst = out.data_ptr<at::BFloat16>();
   if (int8) {
-    attend_all_fastest(Int8Cache{k, v, d}, qc, t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
-                       static_cast<float>(scale), out);
+    attend_all_fastest(Int8Cache{k, v, d}, rows, t.table_ptr(), t.max_blocks, num_seqs, static_cast<float>(scale), dst);
   } else {
-    attend_all_fastest(Bf16Cache{k, v, d}, qc, t.table_ptr(), t.max_blocks, t.first_ptr(), t.lens_ptr(), query_len,
-                       static_cast<float>(scale), out);
+    attend_all_fastest(Bf16Cache{k, v, d}, rows, t.table_ptr(), t.max_blocks, num_seqs, static_cast<float>(scale), dst);
   }
 #endif
-  return out;
 }
 
 }  // namespace
@@ -569,7 +642,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& key_ca
 TORCH_LIBRARY_FRAGMENT(kvserve_cpu, m) {
   m.def("has_prefill_attention", &has_prefill_attention);
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor first_query_pos, Tensor seq_lens, int query_len, float scale) -> Tensor");
+        "Tensor query_starts, Tensor first_query_pos, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) { m.impl("paged_prefill_attention", &paged_prefill_attention); }

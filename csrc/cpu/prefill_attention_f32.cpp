@@ -294,7 +294,7 @@ at::Tensor paged_prefill_attention_f32(const at::Tensor& q, const at::Tensor& ke
   TORCH_CHECK(value_cache.scalar_type() == cache_type &&
                   (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kChar),
               op, ": the caches must be float32 or bfloat16 tiles or int8 records");
-  check_prefill_caches(op, q, key_cache, value_cache, kBlock);
+  check_prefill_caches(op, q.size(1), q.size(3), key_cache, value_cache, kBlock);
   // attend_all addresses K and V tiles with one pair of strides.
   TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(1) == value_cache.stride(1), op,
               ": K and V must share their block and head strides");

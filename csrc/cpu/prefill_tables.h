@@ -23,11 +23,10 @@ inline void check_prefill_query(const char* op, const at::Tensor& q, const at::T
               query_len, ")");
 }
 
-// The cpu backend's tiles for q's kv_heads and head size d: K [num_blocks, kv_heads, d, block] and V
-// [num_blocks, kv_heads, block, d], each tile contiguous.
-inline void check_prefill_tile_caches(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+// The cpu backend's tiles for the query's kv_heads and head size d: K [num_blocks, kv_heads, d, block]
+// and V [num_blocks, kv_heads, block, d], each tile contiguous.
+inline void check_prefill_tile_caches(const char* op, int64_t heads, int64_t d, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache, int64_t block) {
-  const int64_t heads = q.size(1), d = q.size(3);
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.size(2) == d && key_cache.size(3) == block &&
                   value_cache.size(2) == block && value_cache.size(3) == d && key_cache.size(0) == value_cache.size(0) &&
                   key_cache.stride(3) == 1 && key_cache.stride(2) == block && value_cache.stride(3) == 1 &&
@@ -38,11 +37,10 @@ inline void check_prefill_tile_caches(const char* op, const at::Tensor& q, const
               " KV heads, the caches ", key_cache.size(1));
 }
 
-// The int8 cache's records for q's kv_heads and head size d: [num_blocks, kv_heads, block x d codes +
-// block float32 scales], each record contiguous.
-inline void check_prefill_int8_records(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+// The int8 cache's records for the query's kv_heads and head size d: [num_blocks, kv_heads, block x d
+// codes + block float32 scales], each record contiguous.
+inline void check_prefill_int8_records(const char* op, int64_t heads, int64_t d, const at::Tensor& key_cache,
                                        const at::Tensor& value_cache, int64_t block) {
-  const int64_t heads = q.size(1), d = q.size(3);
   TORCH_CHECK(key_cache.dim() == 3 && value_cache.sizes() == key_cache.sizes() &&
                   key_cache.size(2) == block * d + block * 4 && key_cache.stride(2) == 1 && value_cache.stride(2) == 1,
               op, ": int8 caches must be [num_blocks, kv_heads, 16 x head_size codes + 16 float32 scales]");
@@ -50,13 +48,13 @@ inline void check_prefill_int8_records(const char* op, const at::Tensor& q, cons
               " KV heads, the caches ", key_cache.size(1));
 }
 
-// The caches' layout for their type: int8 records, else tiles.
-inline void check_prefill_caches(const char* op, const at::Tensor& q, const at::Tensor& key_cache,
+// The caches' layout for their type (int8 records, else tiles), for kv_heads KV heads of size d.
+inline void check_prefill_caches(const char* op, int64_t kv_heads, int64_t d, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, int64_t block) {
   if (key_cache.scalar_type() == at::kChar) {
-    check_prefill_int8_records(op, q, key_cache, value_cache, block);
+    check_prefill_int8_records(op, kv_heads, d, key_cache, value_cache, block);
   } else {
-    check_prefill_tile_caches(op, q, key_cache, value_cache, block);
+    check_prefill_tile_caches(op, kv_heads, d, key_cache, value_cache, block);
   }
 }
 

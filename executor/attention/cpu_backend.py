@@ -18,7 +18,8 @@ Prefill chunks (more than one new token per sequence), where the CPU has AVX-512
 on AMX bf16 tiles where there are some) and the model computes in bf16, go to
 ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``): per 16 query rows, scores, an
 online softmax and the values in one pass over 64-key chunks read from the blocks where they lie, so
-neither the gathered K/V nor the [rows, ctx_len] scores go through memory. A float32 model's prefill chunks
+neither the gathered K/V nor the [rows, ctx_len] scores go through memory; a step's chunks go in one
+call, their query rows read and their outputs written where the step's tokens lie (no groups). A float32 model's prefill chunks
 on a CPU with AVX2 and no AVX-512 (bf16 emulated: the model computes in float32) go to
 ``paged_prefill_attention_f32`` (``csrc/cpu/prefill_attention_f32.cpp``), the same idea in float32 FMAs over
 a float32, bf16 or int8 cache. Elsewhere they gather their blocks as the torch backend does and attend with two
@@ -39,17 +40,31 @@ backend with a warning where no compiler is available.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from executor.attention.base import KVCache, zeroed_cache
+from executor.attention.base import AttentionMetadata, KVCache, zeroed_cache
 from executor.attention.csrc_loader import csrc_build_script
-from executor.attention.torch_backend import (MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group, rows_per_kv_head,
-                                             tokens_from_rows)
+from executor.attention.torch_backend import (MATMUL_ATTENTION_MAX_SCORES, TorchAttentionBackend, _Group, _make_group,
+                                             rows_per_kv_head, tokens_from_rows)
 from executor.layer_ops import CpuLayerOps
 
 KERNEL_BLOCK_SIZE = 16
 # Prefill chunks of more query tokens than this take the attention's GEMMs in chunks of this many.
 CAUSAL_QUERY_CHUNK = 128
+
+
+@dataclass
+class _PrefillRows:
+    """A step's sequences of more than one query token, as ``paged_prefill_attention`` takes them in one
+    call, and its decode tokens (a group for the decode kernel), the same in every layer."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_starts: torch.Tensor  # [num_seqs] int32: each sequence's first query row among the step's tokens
+    first_query_pos: torch.Tensor  # [num_seqs] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    decode: _Group | None
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -70,6 +85,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # A float32 model's prefill chunks fused on a CPU with AVX2 and no AVX-512, over a float32 or
         # bf16 cache (set once the cache is allocated).
         self._fused_prefill_f32 = False
+        self._prefill_meta: AttentionMetadata | None = None
+        self._prefill_rows: _PrefillRows | None = None
 
     def allocate_kv_cache(self, num_blocks, block_size, num_kv_heads, head_size, dtype, device) -> KVCache:
         self._kernel_fits = block_size == KERNEL_BLOCK_SIZE and head_size % KERNEL_BLOCK_SIZE == 0
@@ -92,6 +109,38 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: [num_tokens]
         key_cache, value_cache = kv_cache
         self._ops.write_kv(key, value, key_cache, value_cache, slot_mapping)  # rounded to the cache's dtype
+
+    def attend(self, query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # query: [num_tokens, num_heads, head_size] → [num_tokens, num_heads, head_size]
+        if not self._fused_prefill or query.dtype != torch.bfloat16 or meta.max_query_len == 1:
+            return super().attend(query, kv_cache, meta, scale)
+        # Every prefill chunk in one call, read and written where its tokens lie (no groups, no padding).
+        rows = self._prefill_plan(meta)
+        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            query = query.contiguous()
+        key_cache, value_cache = kv_cache
+        out = torch.empty(query.shape, dtype=query.dtype)
+        self._ops.paged_prefill_attention(query, key_cache, value_cache, rows.block_tables, rows.query_starts,
+                                          rows.first_query_pos, rows.seq_lens, scale, out)
+        if rows.decode is not None:
+            index = rows.decode.token_index
+            out.index_copy_(0, index, self._attend_group(query.index_select(0, index), kv_cache, rows.decode, scale))
+        return out
+
+    def _prefill_plan(self, meta: AttentionMetadata) -> _PrefillRows:
+        if meta is not self._prefill_meta:
+            prefill = [s for s, n in enumerate(meta.query_lens_cpu) if n > 1]
+            decode = [s for s, n in enumerate(meta.query_lens_cpu) if n == 1]
+            index = torch.tensor(prefill, dtype=torch.long)
+            lens = [meta.seq_lens_cpu[s] for s in prefill]
+            first = [n - meta.query_lens_cpu[s] for s, n in zip(prefill, lens)]
+            self._prefill_rows = _PrefillRows(
+                meta.block_tables.index_select(0, index).contiguous(),
+                meta.query_start_loc.index_select(0, index).to(torch.int32),
+                torch.tensor(first, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
+                _make_group(meta, decode, self.device) if decode else None)
+            self._prefill_meta = meta
+        return self._prefill_rows
 
     def decode_kernel_inputs(self, meta, kv_cache, dtype):
         # decode_layer takes the int8 cache's records too (its _int8 kernels, the same arguments)
@@ -123,24 +172,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # query: [n_tokens, num_heads, head_size], the group's tokens in flat order
         # A float32 model over a bf16 cache (--dtype float32 where the CPU has bf16) is not rounded to
         # bf16 queries: its prompt attends in float32 over the widened K/V, as over a float32 cache.
-        if g.query_len != 1 and self._fused_prefill and query.dtype == torch.bfloat16:
-            return self._fused_prefill_group(query, kv_cache, g, scale)
         if g.query_len != 1 and self._fused_prefill_f32 and query.dtype == torch.float32:
             return self._fused_prefill_f32_group(query, kv_cache, g, scale)
         if g.query_len != 1 or not self._kernel_fits:
             return super()._attend_group(query, kv_cache, g, scale)
         key_cache, value_cache = kv_cache
         return self._ops.paged_decode_attention(query, key_cache, value_cache, g.block_tables, g.seq_lens, scale)
-
-    def _fused_prefill_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
-        """A prefill group's attention in paged_prefill_attention (csrc/cpu/prefill_attention.cpp):
-        scores, softmax and values (the products on AMX tiles or as VDPBF16PS), K and V read from the
-        blocks where they lie."""
-        key_cache, value_cache = kv_cache
-        q = rows_per_kv_head(query.to(torch.bfloat16), g, key_cache.shape[1])
-        out = self._ops.paged_prefill_attention(q, key_cache, value_cache, g.block_tables, g.first_query_pos,
-                                                g.seq_lens, g.query_len, scale)
-        return tokens_from_rows(out, g, query.shape[1]).to(query.dtype)
 
     def _fused_prefill_f32_group(self, query: torch.Tensor, kv_cache: KVCache, g: _Group, scale: float) -> torch.Tensor:
         """A float32 prefill group's attention in paged_prefill_attention_f32
