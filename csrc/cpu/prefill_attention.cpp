@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "claims.h"
 #include "prefill_tables.h"
 #include "vec16.h"
 
@@ -491,7 +492,7 @@ struct QueryRows {
     const int64_t len = query_len(s);
     return ((start[s] + r % len) * heads + h * group + r / len) * d;
   }
-  // The keys block b's rows see at most, in chunks visited: its work, for splitting it over threads.
+  // The key chunks block b visits (its rows see at most that many): its work, which orders the claims.
   int64_t block_chunks(int64_t s, int64_t b) const {
     const int64_t len = query_len(s), r0 = b * kRows, r1 = std::min(r0 + kRows, group * len);
     const int64_t last_token = r0 / len == (r1 - 1) / len ? (r1 - 1) % len : len - 1;
@@ -499,24 +500,10 @@ struct QueryRows {
   }
 };
 
-// body(begin, end) over runs of [0, n), one run a thread, of about the same cost: cost_at[i] is the
-// cost of the items before i. A step's prompts differ by far in their keys, which an even split of
-// the items does not see (a 573-token prompt's blocks beside 20-token ones).
-template <typename Body>
-void parallel_by_cost(const std::vector<int64_t>& cost_at, const Body& body) {
-  const int64_t n = static_cast<int64_t>(cost_at.size()) - 1;
-  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  const auto start_of = [&](int64_t run) -> int64_t {
-    if (run == runs) return n;
-    return std::lower_bound(cost_at.begin(), cost_at.end(), cost_at.back() * run / runs) - cost_at.begin();
-  };
-  at::parallel_for(0, runs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t run = begin; run < end; ++run) body(start_of(run), start_of(run + 1));
-  });
-}
-
-// Packs every (sequence, KV head), then attends every block of 16 query rows, each spread over the
-// threads by its cost (keys packed; key chunks visited).
+// Packs every (sequence, KV head), then attends every block of 16 query rows: the threads claim the
+// pairs, then the blocks, one at a time (claims.h), the blocks that visit the most key chunks first
+// (a step's prompts differ by far in their keys: a 573-token prompt's last blocks beside 20-token
+// ones), so that no thread is left with a long one at the end.
 template <typename Products, typename Cache>
 void attend_all(const Cache& cache, const QueryRows& rows, const int32_t* tables, int64_t max_blocks,
                 int64_t num_seqs, float scale, c10::BFloat16* out) {
@@ -528,40 +515,49 @@ void attend_all(const Cache& cache, const QueryRows& rows, const int32_t* tables
     blocks_at[pair + 1] = blocks_at[pair] + rows.blocks(s);
   }
   std::vector<uint16_t> packed(static_cast<size_t>(packed_at[pairs]));
-  parallel_by_cost(packed_at, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t s = pair / rows.kv_heads, half = (packed_at[pair + 1] - packed_at[pair]) / 2;
-      pack_sequence(cache, tables + s * max_blocks, pair % rows.kv_heads, rows.lens[s], half / d,
-                    packed.data() + packed_at[pair], packed.data() + packed_at[pair] + half);
+  parallel_claims(pairs, 1, [&](Claims& claims) {
+    int64_t begin, end;
+    while (claims(begin, end)) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t s = pair / rows.kv_heads, half = (packed_at[pair + 1] - packed_at[pair]) / 2;
+        pack_sequence(cache, tables + s * max_blocks, pair % rows.kv_heads, rows.lens[s], half / d,
+                      packed.data() + packed_at[pair], packed.data() + packed_at[pair] + half);
+      }
     }
   });
-  const int64_t total_blocks = blocks_at[pairs];
-  std::vector<int64_t> work_at(total_blocks + 1, 0);  // a block's work: the key chunks it visits, plus one
-  for (int64_t pair = 0, item = 0; pair < pairs; ++pair) {
-    for (int64_t b = 0; b < blocks_at[pair + 1] - blocks_at[pair]; ++b, ++item) {
-      work_at[item + 1] = work_at[item] + rows.block_chunks(pair / rows.kv_heads, b) + 1;
+  struct Block {
+    int64_t chunks, pair, index;
+  };
+  std::vector<Block> order;
+  order.reserve(static_cast<size_t>(blocks_at[pairs]));
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    for (int64_t b = 0; b < blocks_at[pair + 1] - blocks_at[pair]; ++b) {
+      order.push_back({rows.block_chunks(pair / rows.kv_heads, b), pair, b});
     }
   }
-  parallel_by_cost(work_at, [&](int64_t first_item, int64_t end_item) {
+  std::stable_sort(order.begin(), order.end(), [](const Block& x, const Block& y) { return x.chunks > y.chunks; });
+  parallel_claims(static_cast<int64_t>(order.size()), 1, [&](Claims& claims) {
     Products::prepare_thread();
     alignas(64) uint16_t block_q[kRows * kMaxHeadSize];
     c10::BFloat16* block_out[kRows];
     std::vector<float> scratch(static_cast<size_t>(2 * kRows * d));
-    int64_t pair = std::upper_bound(blocks_at.begin(), blocks_at.end(), first_item) - blocks_at.begin() - 1;
-    for (int64_t item = first_item; item < end_item; ++item) {
-      while (item >= blocks_at[pair + 1]) ++pair;
-      const int64_t s = pair / rows.kv_heads, h = pair % rows.kv_heads, r0 = (item - blocks_at[pair]) * kRows;
-      const int64_t block_rows = std::min(kRows, rows.group * rows.query_len(s) - r0);
-      for (int64_t r = 0; r < block_rows; ++r) {
-        std::memcpy(block_q + r * d, rows.row(s, h, r0 + r), d * 2);
-        block_out[r] = out + rows.out_offset(s, h, r0 + r);
+    int64_t begin, end;
+    while (claims(begin, end)) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t pair = order[item].pair, s = pair / rows.kv_heads, h = pair % rows.kv_heads;
+        const int64_t r0 = order[item].index * kRows;
+        const int64_t block_rows = std::min(kRows, rows.group * rows.query_len(s) - r0);
+        for (int64_t r = 0; r < block_rows; ++r) {
+          std::memcpy(block_q + r * d, rows.row(s, h, r0 + r), d * 2);
+          block_out[r] = out + rows.out_offset(s, h, r0 + r);
+        }
+        if (block_rows < kRows) std::fill(block_q + block_rows * d, block_q + kRows * d, uint16_t{0});
+        const int64_t half = (packed_at[pair + 1] - packed_at[pair]) / 2;
+        const BlockShape shape{d, rows.query_len(s), rows.first[s], rows.lens[s], scale};
+        attend_block<Products>(block_q, d, r0, block_rows,
+                               reinterpret_cast<const uint32_t*>(packed.data() + packed_at[pair]),
+                               packed.data() + packed_at[pair] + half, shape, scratch.data(), block_out);
       }
-      if (block_rows < kRows) std::fill(block_q + block_rows * d, block_q + kRows * d, uint16_t{0});
-      const int64_t half = (packed_at[pair + 1] - packed_at[pair]) / 2;
-      const BlockShape shape{d, rows.query_len(s), rows.first[s], rows.lens[s], scale};
-      attend_block<Products>(block_q, d, r0, block_rows,
-                             reinterpret_cast<const uint32_t*>(packed.data() + packed_at[pair]),
-                             packed.data() + packed_at[pair] + half, shape, scratch.data(), block_out);
     }
   });
 }
