@@ -19,8 +19,9 @@ on AMX bf16 tiles where there are some) and the model computes in bf16, go to
 ``paged_prefill_attention`` (``csrc/cpu/prefill_attention.cpp``): per 16 query rows, scores, an
 online softmax and the values in one pass over 64-key chunks read from the blocks where they lie, so
 neither the gathered K/V nor the [rows, ctx_len] scores go through memory; a step's chunks go in one
-call, their query rows read and their outputs written where the step's tokens lie (no groups). A float32 model's prefill chunks
-on a CPU with AVX2 and no AVX-512 (bf16 emulated: the model computes in float32) go to
+call, their query rows read and their outputs written where the step's tokens lie (no groups). A
+float32 model's prefill chunks on a CPU with AVX2 and no AVX-512 (bf16 emulated: the model computes
+in float32) go to
 ``paged_prefill_attention_f32`` (``csrc/cpu/prefill_attention_f32.cpp``), the same idea in float32 FMAs over
 a float32, bf16 or int8 cache. Elsewhere they gather their blocks as the torch backend does and attend with two
 oneDNN GEMMs around ``causal_softmax_`` (``csrc/cpu/causal_softmax.cpp``), which masks and
