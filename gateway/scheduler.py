@@ -4,9 +4,11 @@ Pure Python: no grpc, no tensors. One step is
 
 1. ``schedule()``: running sequences first (decodes, then prefill chunks), then
    waiting ones FCFS, within ``max_num_seqs`` and ``max_num_batched_tokens``
-   (a long prompt is split across steps, so decodes are never starved); a prompt
-   whose first KV block equals one admitted in the same step waits a step, so
-   that it hits that block instead of computing it again;
+   (a long prompt is split across steps, so decodes are never starved); the
+   budget counts the tokens a step computes, a new prompt's after the prefix
+   hit it is expected to get (``gateway.computed_prefixes``); a prompt whose
+   first KV block equals one admitted in the same step waits a step, so that it
+   hits that block instead of computing it again;
 2. the engine sends the plan to kvmanager ``Allocate`` and hands the results to
    ``apply_allocation()``: NO_ROOM preempts the most recently admitted running
    sequence (recompute: freed, requeued at the head) and asks for a retry; a
@@ -25,10 +27,11 @@ last token) in sequence 0, then the engine ``Fork``s the other choices from it.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.computed_prefixes import ComputedPrefixes
 from gateway.prompt_lookup import DraftCost, cap_drafts, plan_drafts
 from gateway.sequence import (
     FinishReason, GenerationRequest, PredictionTokens, PromptTokenLogprob, RequestOutput, Sequence, SeqStatus,
@@ -52,7 +55,6 @@ def create_sequences(request: GenerationRequest, make_decoder: Callable[[], obje
 
 SPECULATIVE_MODES = ("off", "prompt-lookup")
 MAX_SPECULATIVE_TOKENS = 64
-COMPUTED_FIRST_BLOCKS = 4096  # first blocks remembered as computed (least recently used forgotten)
 
 
 class RequestTooLarge(ResourceExhausted):
@@ -180,9 +182,10 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._pending_frees: list[int] = []
         self._written: dict[int, int] = {}  # seq_id -> tokens whose KV an Execute that returned wrote
-        # First blocks (``_first_block_key``) of prompts computed whole: kvmanager has them (the next
-        # Allocate reports them written before it allocates), so prompts sharing one need not wait.
-        self._computed_first_blocks: OrderedDict[tuple, None] = OrderedDict()
+        # The blocks of prompts computed whole: kvmanager has them (the next Allocate reports them
+        # written before it allocates), so prompts starting with them need not wait, and are
+        # expected to hit them. Made for the executor's block size once it is known.
+        self._computed_prefixes: ComputedPrefixes | None = None
         self._pending_forks: list[GenerationRequest] = []
         self._outputs: list[RequestOutput] = []
         self._admissions = 0
@@ -318,21 +321,20 @@ class Scheduler:
                         budget -= plan[-1].num_new_tokens
             return plan
         deferred: list[Sequence] = []
-        first_blocks: set[tuple] = set()  # of the prompts admitted in this step
+        first_blocks: set[bytes] = set()  # of the prompts admitted in this step
         while self.waiting and budget > 0 and self._running_slots() + self._slots(self.waiting[0]) <= \
                 self.config.max_num_seqs:
             seq = self.waiting.popleft()
-            first_block = self._first_block(seq)
-            if first_block in self._computed_first_blocks:
-                self._computed_first_blocks.move_to_end(first_block)
-                first_block = None  # every prompt sharing it hits it: none waits
-            if first_block is not None and first_block in first_blocks:
-                deferred.append(seq)
-                continue
-            if first_block is not None:
-                first_blocks.add(first_block)
+            hashes = self._lookup_hashes(seq)
+            cached_blocks = self._computed_prefixes.num_leading(hashes) if hashes else 0
+            if hashes and not cached_blocks:  # its first block is not computed yet
+                if hashes[0] in first_blocks:
+                    deferred.append(seq)
+                    continue
+                first_blocks.add(hashes[0])
             self._admit(seq)
-            plan.append(self._entry(seq, min(seq.num_to_compute(), budget)))
+            expected_hit = self._expected_hit(seq, cached_blocks)
+            plan.append(self._entry(seq, min(seq.num_to_compute() - expected_hit, budget), expected_hit))
             budget -= plan[-1].num_new_tokens
         self.waiting.extendleft(reversed(deferred))
         if self.drafts_enabled:
@@ -348,34 +350,39 @@ class Scheduler:
     def _cap_drafts(self, entry: ScheduledSeq) -> None:
         cap_drafts(entry, self.kv_block_size or 0)
 
-    def _first_block(self, seq: Sequence) -> tuple | None:
-        """The first full block of a prompt about to be computed from scratch, when
-        prefix caching may reuse it: a second prompt starting with the same block
-        waits one step, then hits what the first wrote (no same-step hits), instead
-        of computing the same prefix again beside it."""
-        if not self.block_size or seq.known_to_kvmanager or seq.num_sendable() <= self.block_size:
-            return None
-        return self._first_block_key(seq)
-
-    def _first_block_key(self, seq: Sequence) -> tuple | None:
+    def _block_hashes(self, seq: Sequence, tokens: int) -> list[bytes]:
+        """The hashes of the full blocks a lookup of the sequence's first ``tokens`` tokens walks,
+        as kvmanager hashes them; [] where prefix caching is off for it."""
         bs = self.block_size
         options = seq.request.options
-        if not bs or not options.enable_prefix_caching or len(seq.token_ids) < bs:
-            return None
-        # The first block is the shared namespace's when the shareable range covers it.
-        owner = "" if options.num_shared_tokens >= bs else options.tenant
-        return (options.cache_salt, owner, options.num_shared_tokens >= bs, tuple(seq.token_ids[:bs]))
+        if not bs or not options.enable_prefix_caching or tokens <= bs:
+            return []
+        if self._computed_prefixes is None or self._computed_prefixes.block_size != bs:
+            self._computed_prefixes = ComputedPrefixes(bs)
+        return self._computed_prefixes.hashes(seq.token_ids[:tokens], options.cache_salt, options.tenant,
+                                              options.num_shared_tokens)
+
+    def _lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """What the Allocate that creates the sequence looks up: a prompt sharing its first block
+        with one admitted in the same step waits one step, then hits what the first wrote (no
+        same-step hits), instead of computing the same prefix again beside it."""
+        return [] if seq.known_to_kvmanager else self._block_hashes(seq, seq.num_sendable())
+
+    def _expected_hit(self, seq: Sequence, cached_blocks: int) -> int:
+        """The prefix-cache hit planned for a new sequence: the blocks this scheduler saw computed,
+        or the router's expectation where that is longer (whole blocks before the last token)."""
+        if not self.block_size or seq.known_to_kvmanager or not seq.request.options.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        most = max(0, seq.num_sendable() - 1) // bs * bs
+        return min(most, max(cached_blocks * bs, seq.request.expected_cached_tokens // bs * bs))
 
     def _prompt_computed(self, seq: Sequence) -> None:
-        """A prompt's last chunk was written: its first block (and any prefix of it that another
-        prompt shares) is kvmanager's once the next Allocate reports it."""
-        key = self._first_block_key(seq)
-        if key is None:
-            return
-        self._computed_first_blocks[key] = None
-        self._computed_first_blocks.move_to_end(key)
-        if len(self._computed_first_blocks) > COMPUTED_FIRST_BLOCKS:
-            self._computed_first_blocks.popitem(last=False)
+        """A prompt's last chunk was written: its blocks are kvmanager's once the next Allocate
+        reports them, for prompts that start with them to hit."""
+        hashes = self._block_hashes(seq, seq.num_prompt_tokens)
+        if hashes:
+            self._computed_prefixes.record(hashes)
 
     def predict_decodes(self, plan: list[ScheduledSeq]) -> list[tuple[int, int]] | None:
         """For a step of plain decodes, each into a slot its sequence already holds alone, kvmanager's
@@ -567,13 +574,14 @@ class Scheduler:
 
     # --- helpers -------------------------------------------------------------
 
-    def _entry(self, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        """A step that computes all a sequence knows and ends on a block boundary asks for one slot
-        past its end: the next decode step then needs no new block, so its answer can be predicted
-        (``predict_decodes``)."""
+    def _entry(self, seq: Sequence, num_new_tokens: int, expected_hit: int = 0) -> ScheduledSeq:
+        """``num_new_tokens`` to compute after the ``expected_hit`` a new sequence is planned to
+        get. A step that computes all a sequence knows and ends on a block boundary asks for one
+        slot past its end: the next decode step then needs no new block, so its answer can be
+        predicted (``predict_decodes``)."""
         num_sendable = seq.num_sendable()
         new_ids = seq.token_ids[seq.num_known_by_manager:num_sendable]
-        end = seq.num_computed + num_new_tokens
+        end = seq.num_computed + expected_hit + num_new_tokens
         bs = self.kv_block_size
         lookahead = int(bool(bs) and end >= num_sendable and end % bs == 0 and seq.request.options.n == 1)
         # Accepted drafts of the last step: known here, not yet to kvmanager, their KV written.

@@ -155,6 +155,11 @@ class InProcessKVManager:
         results, usage = await self._with_store(self.manager.allocate, pool_id, session_id, store,
                                                 list(free_seq_ids), requests, *written)
         self._check_hits_are_the_tenants_own(self.manager.pools[pool_id], results)
+        for entry, result in zip(plan, results):
+            # Asked for less than its prompt, it computed the rest: the scheduler planned the hit.
+            if result.ok and result.num_cached_tokens and entry.num_new_tokens < entry.seq.num_sendable() == \
+                    result.start_position + result.num_tokens:
+                self.seen.update(["a prompt planned after its expected hit"])
         return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
                                  list(r.block_table), list(r.copy_src), list(r.copy_dst), r.num_store_tokens,
                                  list(r.store_load_block_ids), list(r.store_load_hashes)) for r in results], usage
@@ -194,8 +199,10 @@ class ShadowKVExecutor:
     """``gateway.clients.ExecutorClient``'s interface over a KV store of token ids."""
 
     def __init__(self, name: str, num_blocks: int, block_size: int, fingerprint: str, refused_requests: set[str],
-                 store: dict | None = None, store_capacity: int = 0, model=next_token, verifies_drafts: bool = False):
-        self.model = model  # what it samples after a context (greedy: drafts are verified against it)
+                 store: dict | None = None, store_capacity: int = 0, model=next_token, verifies_drafts: bool = False,
+                 max_batched_tokens: int | None = None):
+        self.model = model
+        self.max_batched_tokens = max_batched_tokens  # what one step may compute (the scheduler's budget)  # what it samples after a context (greedy: drafts are verified against it)
         self.verifies_drafts = verifies_drafts
         self.store = store  # hash -> a block's slots as saved; shared by the executors
         self.store_capacity = store_capacity
@@ -268,6 +275,9 @@ class ShadowKVExecutor:
         for entry in ready:
             for src, dst in entry.copies:
                 self.slots[dst] = list(self.slots[src])
+        computed_in_step = sum(e.num_tokens for e in ready)
+        assert self.max_batched_tokens is None or computed_in_step <= self.max_batched_tokens, (
+            f"a step computes {computed_in_step} tokens, its budget is {self.max_batched_tokens}")
         sampled, prompt_logprobs = [], {}
         for entry in ready:
             if entry.seq_id in dropped:
@@ -358,7 +368,8 @@ class GatewayKVMachine(RuleBasedStateMachine):
         self.lost_store_hashes: set[bytes] = set()  # entries removed behind kvmanager's back
         self.executors = {f"shadow-{i}:1": ShadowKVExecutor(f"shadow-{i}", num_blocks, block_size, fingerprint, refused,
                                                             self.store, store_capacity, self.model,
-                                                            verifies_drafts=bool(speculative))
+                                                            verifies_drafts=bool(speculative),
+                                                            max_batched_tokens=max_batched)
                           for i in range(num_executors)}
         self.executor = next(iter(self.executors.values()))
         config = EngineConfig(pool_id=POOL_ID, executor_address=",".join(self.executors), routing=routing,
@@ -750,6 +761,7 @@ def test_with_the_store_tier_no_load_brings_kv_other_than_the_prompt_s(default_m
 def test_gateway_and_kvmanager_never_attend_to_unwritten_kv(default_model_dir):
     run_machine(GatewayKVMachine, default_model_dir, {
         "finished with the reference output": 200, "finished after a prefix hit": 20,
+        "a prompt planned after its expected hit": 10,
         "finished across an executor failure": 10, "finished across a failure with two executors": 10,
         "refused request failed alone": 10, "aborted": 10, "decode steps overlapped with their Allocate": 20,
         "prompt scored": 10, "prompt scored alone (max_tokens 0)": 5})

@@ -1,4 +1,5 @@
-"""Scheduler unit tests: a fake block pool and a fake paged 'model' drive it like the engine.
+"""Scheduler unit tests: a fake block pool (or kvmanager's domain, where prefix hits matter) and a
+fake paged 'model' drive it like the engine.
 
 The fake model reads every token of a sequence back out of its KV slots through the
 block table before it "samples", so a wrong block table, start position or
@@ -12,6 +13,8 @@ import pytest
 
 from gateway.scheduler import AllocationResult, SampledToken, Scheduler, SchedulerConfig
 from gateway.sequence import FinishReason, GenerationRequest, SamplingOptions, SeqStatus, TextDecoder
+from kvmanager.manager import KVManager
+from kvmanager.pool import AllocationRequest, PoolConfig
 
 BLOCK = 4
 EOS = 0
@@ -430,3 +433,69 @@ def test_predicted_decode_steps_get_exactly_the_predicted_answer(num_blocks):
     for request in requests:
         for index, tokens in outputs[request.request_id].items():
             assert tokens == reference_output(request.prompt_token_ids, request.options.max_tokens, index)
+
+
+class ManagerPool:
+    """kvmanager's own domain (``KVManager``: prefix cache, written-KV reports) behind the
+    ``FakePool.allocate`` the tests drive, for what depends on real prefix hits."""
+
+    def __init__(self, num_blocks: int):
+        self.manager = KVManager()
+        self.manager.register_pool(PoolConfig("p", num_blocks, BLOCK, "model"))
+        self.session = self.manager.open_session("p").session_id
+        self.scheduler: Scheduler | None = None  # whose written-KV reports go with each call
+        self.hits: list[int] = []
+
+    def allocate(self, frees, plan) -> list[AllocationResult]:
+        requests = [AllocationRequest(e.seq_id, list(e.new_token_ids), e.num_new_tokens,
+                                      e.seq.request.options.enable_prefix_caching,
+                                      num_lookahead_slots=e.num_lookahead_slots) for e in plan]
+        written = self.scheduler.take_written_reports()
+        results, _ = self.manager.allocate("p", self.session, list(frees), requests, *written)
+        self.hits += [r.num_cached_tokens for r in results if r.ok and r.num_cached_tokens]
+        return [AllocationResult(r.ok, r.num_cached_tokens, r.start_position, r.num_tokens, r.block_table_offset,
+                                 list(r.block_table), list(r.copy_src), list(r.copy_dst)) for r in results]
+
+
+SYSTEM_PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three blocks
+
+
+def shared_prompt_run(budget: int, reset_before_burst: bool = False):
+    """Prompt "a", then seven prompts behind the same system prompt, against kvmanager's domain:
+    (scheduler, pool, model, tokens computed per step, outputs)."""
+    scheduler = new_scheduler(max_num_seqs=8, max_num_batched_tokens=budget)
+    scheduler.block_size = scheduler.kv_block_size = BLOCK
+    pool, model = ManagerPool(64), FakeModel()
+    pool.scheduler = scheduler
+    requests = [add(scheduler, make_request("a", SYSTEM_PROMPT + [40, 41, 42, 43, 44], max_tokens=3))]
+    requests += [add(scheduler, make_request(f"b{i}", SYSTEM_PROMPT + [50 + i] * 5, max_tokens=3)) for i in range(7)]
+    if reset_before_burst:
+        plan = scheduler.schedule()  # "a" alone: the others share its first block
+        ready = scheduler.apply_allocation(plan, pool.allocate(scheduler.take_pending_frees(), plan)).ready
+        scheduler.apply_samples(ready, model.execute(ready))
+        pool.manager.reset_prefix_cache("p")  # what the scheduler saw computed is gone from the cache
+    outputs, _, _, errors = run_to_completion(scheduler, pool, model)
+    assert not errors
+    for request in requests:
+        assert outputs[request.request_id][0] == reference_output(request.prompt_token_ids, 3)
+    return pool, model
+
+
+def test_a_step_budget_counts_the_tokens_computed_after_the_expected_prefix_hit():
+    """Seven prompts whose 12-token system prompt an earlier prompt computed each have 5 tokens
+    to compute: with 40 tokens a step they are admitted in one step (35 tokens computed beside
+    a decode), where charging each its whole 17-token prompt took three steps."""
+    pool, model = shared_prompt_run(budget=40)
+    assert pool.hits == [12] * 7
+    assert 36 in model.tokens_per_step, model.tokens_per_step  # 7 x 5 prompt tokens + 1 decode
+    assert max(model.tokens_per_step) <= 40
+
+
+def test_an_expected_hit_the_cache_no_longer_holds_costs_a_step_never_a_token():
+    """The scheduler saw the system prompt computed, then the prefix cache was reset: each prompt
+    gets the 5 tokens planned after the hit it expected, from position 0, and its rest in later
+    steps; the outputs are the reference ones and no step computes past its budget."""
+    pool, model = shared_prompt_run(budget=40, reset_before_burst=True)
+    assert not pool.hits
+    assert model.tokens_per_step[1] == 36, model.tokens_per_step  # 7 x 5 from position 0, and a decode
+    assert max(model.tokens_per_step) <= 40, model.tokens_per_step

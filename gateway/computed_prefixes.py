@@ -1,0 +1,61 @@
+"""What the scheduler expects a new prompt to hit in kvmanager's prefix cache, before the Allocate
+that creates its sequence says.
+
+A step's token budget counts the tokens it computes. A new sequence's Allocate asks for
+``num_new_tokens`` counted after its prefix-cache hit, and the hit is known only from the answer;
+a scheduler that asked for the whole prompt and charged it to the budget would leave the hit's
+share of the step unused (32 prompts behind one 128-token system prompt: steps of 1,024-1,375
+computed tokens where 2,048 were planned). So it remembers the full blocks of the prompts it saw
+computed, hashed as kvmanager hashes them (``kvmanager.hashing.prefix_block_hashes``: cache salt,
+tenant and shared range included), and plans each new prompt's chunk after the longest run of
+them it starts with. A guess that is too high leaves a prompt's tail to the next step; one too
+low leaves budget unused, as without a guess. Neither changes a token: kvmanager's answer decides
+what is computed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvmanager.hashing import prefix_block_hashes
+
+# Blocks remembered (least recently used forgotten): 64k blocks of 16 are a million prompt tokens,
+# more than a CPU pool holds, at ~100 bytes each.
+DEFAULT_CAPACITY = 65536
+
+
+class ComputedPrefixes:
+    """The hashes of full prompt blocks this scheduler saw computed, most recently used last."""
+
+    def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY):
+        if block_size <= 0 or capacity <= 0:
+            raise ValueError(f"block_size {block_size} and capacity {capacity} must be > 0")
+        self.block_size = block_size
+        self.capacity = capacity
+        self._hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str = "", tenant: str = "",
+               num_shared_tokens: int = 0) -> list[bytes]:
+        """The hashes of the blocks a lookup of ``token_ids`` walks (all full blocks but one that
+        ends the prompt: a hit always leaves its last token to compute)."""
+        return prefix_block_hashes("", self.block_size, token_ids, cache_salt, "", tenant, num_shared_tokens)
+
+    def record(self, hashes: Sequence[bytes]) -> None:
+        for block_hash in hashes:
+            self._hashes[block_hash] = None
+            self._hashes.move_to_end(block_hash)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def num_leading(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, were recorded (and are now the most recent)."""
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in self._hashes:
+                break
+            self._hashes.move_to_end(block_hash)
+            count += 1
+        return count
+
+    def __len__(self) -> int:
+        return len(self._hashes)
