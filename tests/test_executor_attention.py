@@ -200,8 +200,9 @@ def test_cpu_decode_kernel_every_gqa_group_size(num_heads, kv_heads):
 
 def test_cpu_decode_kernel_rows_do_not_depend_on_batch_or_threads():
     """A sequence's attention is bit for bit the same alone or in a batch, on 1 or 2 threads: the
-    kernel visits a sequence's KV heads together in runs that threads and batches cut differently,
-    and a greedy answer must not depend on that."""
+    kernel visits a sequence's KV heads together in runs that threads and batches cut differently
+    (alone, its heads split over the threads; five sequences, whole ones claimed longest first by
+    whichever thread is free), and a greedy answer must not depend on that."""
     generator = torch.Generator().manual_seed(4)
     kv_heads, num_heads, head, num_blocks = 3, 9, 64, 300
     backend = CpuAttentionBackend(torch.device("cpu"))

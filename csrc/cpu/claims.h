@@ -1,4 +1,5 @@
-// Work claimed a piece at a time by whichever thread is free, for the kernels of a prompt step.
+// Work claimed a piece at a time by whichever thread is free, for the kernels of a prompt step and
+// the decode attention over many sequences.
 //
 // at::parallel_for gives each thread one fixed share. On the 2-vCPU VMs this project runs on, the
 // two threads of one kernel do not run at one speed: on the AMX Xeon one of them took 1.3-1.5x as

@@ -31,10 +31,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
 #include "avx2_lanes.h"
+#include "claims.h"
 #include "vec16.h"
 
 namespace {
@@ -336,8 +338,30 @@ void attend_all(const at::Tensor& q, const at::Tensor& key_cache, const at::Tens
   const int32_t* tables_ptr = tables.data_ptr<int32_t>();
   const int32_t* lens_ptr = lens.data_ptr<int32_t>();
   T* o_ptr = out.data_ptr<T>();
-  // Work items are (sequence, kv head); a thread's contiguous range of them is cut into runs
-  // of one sequence's heads.
+  if (num_seqs >= 2 * at::get_num_threads()) {
+    // Whole sequences, longest first, each claimed by whichever thread is free: a fixed half of a
+    // batch's sequences is not half of its K/V (32 decode rows of 100-1,000 tokens over 30 layers'
+    // caches, 414 MB a step: 0.955x the time of the fixed split, faster in 9 of 10 blocks of steps
+    // taking turns, on the AMX Xeon), nor is a thread's half done as fast as the other's where the
+    // gateway or another guest takes its core. A sequence's bits do not depend on its thread.
+    std::vector<int64_t> order(num_seqs);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens_ptr[a] > lens_ptr[b]; });
+    parallel_claims(num_seqs, 1, [&](Claims& claims) {
+      std::vector<float> scratch;
+      int64_t begin, end;
+      while (claims(begin, end)) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t s = order[i], offset = s * num_heads * head_size;
+          attend_run<T, C>(q_ptr + offset, k_ptr, keys, v_ptr, values, tables_ptr + s * max_blocks, lens_ptr[s], 0,
+                           kv_heads, shape, o_ptr + offset, scratch);
+        }
+      }
+    });
+    return;
+  }
+  // Fewer sequences: work items are (sequence, kv head), so that one sequence's heads can take
+  // every thread; a thread's contiguous range of them is cut into runs of one sequence's heads.
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t item = begin; item < end;) {
