@@ -6,9 +6,9 @@ A step's token budget counts the tokens it computes. A new sequence's Allocate a
 a scheduler that asked for the whole prompt and charged it to the budget would leave the hit's
 share of the step unused (32 prompts behind one 128-token system prompt: steps of 1,024-1,375
 computed tokens where 2,048 were planned). So it remembers the full blocks of the prompts it saw
-computed, hashed as kvmanager hashes them (``kvmanager.hashing.prefix_block_hashes``: cache salt,
-tenant and shared range included), and plans each new prompt's chunk after the longest run of
-them it starts with. A guess that is too high leaves a prompt's tail to the next step; one too
+computed, chained as kvmanager chains them (``kvmanager.hashing``: cache salt, tenant and shared
+range included; the root is this gateway's own, since only its own hashes are compared), and plans
+each new prompt's chunk after the longest run of them it starts with. A guess that is too high leaves a prompt's tail to the next step; one too
 low leaves budget unused, as without a guess. Neither changes a token: kvmanager's answer decides
 what is computed.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmanager.hashing import prefix_block_hashes
+from kvmanager.hashing import BlockExtras, chain_hashes, pack_tokens, root_hash
 
 # Blocks remembered (least recently used forgotten): 64k blocks of 16 are a million prompt tokens,
 # more than a CPU pool holds, at ~100 bytes each.
@@ -32,13 +32,15 @@ class ComputedPrefixes:
             raise ValueError(f"block_size {block_size} and capacity {capacity} must be > 0")
         self.block_size = block_size
         self.capacity = capacity
+        self._root = root_hash("")
         self._hashes: OrderedDict[bytes, None] = OrderedDict()
 
-    def hashes(self, token_ids: Sequence[int], cache_salt: str = "", tenant: str = "",
+    def hashes(self, token_ids: Sequence[int], num_blocks: int, cache_salt: str = "", tenant: str = "",
                num_shared_tokens: int = 0) -> list[bytes]:
-        """The hashes of the blocks a lookup of ``token_ids`` walks (all full blocks but one that
-        ends the prompt: a hit always leaves its last token to compute)."""
-        return prefix_block_hashes("", self.block_size, token_ids, cache_salt, "", tenant, num_shared_tokens)
+        """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+        bs = self.block_size
+        extras = BlockExtras(cache_salt, "", tenant, num_shared_tokens // bs)
+        return chain_hashes(self._root, extras, pack_tokens(token_ids[:num_blocks * bs]), bs, num_blocks)
 
     def record(self, hashes: Sequence[bytes]) -> None:
         for block_hash in hashes:

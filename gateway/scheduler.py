@@ -350,23 +350,24 @@ class Scheduler:
     def _cap_drafts(self, entry: ScheduledSeq) -> None:
         cap_drafts(entry, self.kv_block_size or 0)
 
-    def _block_hashes(self, seq: Sequence, tokens: int) -> list[bytes]:
-        """The hashes of the full blocks a lookup of the sequence's first ``tokens`` tokens walks,
-        as kvmanager hashes them; [] where prefix caching is off for it."""
+    def _block_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The hashes of the full blocks in the sequence's first ``num_tokens`` tokens, as kvmanager
+        hashes them; [] where prefix caching is off for it."""
         bs = self.block_size
         options = seq.request.options
-        if not bs or not options.enable_prefix_caching or tokens <= bs:
+        if not bs or not options.enable_prefix_caching or num_tokens < bs:
             return []
         if self._computed_prefixes is None or self._computed_prefixes.block_size != bs:
             self._computed_prefixes = ComputedPrefixes(bs)
-        return self._computed_prefixes.hashes(seq.token_ids[:tokens], options.cache_salt, options.tenant,
+        return self._computed_prefixes.hashes(seq.token_ids, num_tokens // bs, options.cache_salt, options.tenant,
                                               options.num_shared_tokens)
 
     def _lookup_hashes(self, seq: Sequence) -> list[bytes]:
-        """What the Allocate that creates the sequence looks up: a prompt sharing its first block
-        with one admitted in the same step waits one step, then hits what the first wrote (no
-        same-step hits), instead of computing the same prefix again beside it."""
-        return [] if seq.known_to_kvmanager else self._block_hashes(seq, seq.num_sendable())
+        """The blocks the Allocate that creates the sequence looks up (every full block but one that
+        ends what it sends: a hit leaves the last token to compute). A prompt sharing its first
+        block with one admitted in the same step waits one step, then hits what the first wrote
+        (no same-step hits), instead of computing the same prefix again beside it."""
+        return [] if seq.known_to_kvmanager else self._block_hashes(seq, seq.num_sendable() - 1)
 
     def _expected_hit(self, seq: Sequence, cached_blocks: int) -> int:
         """The prefix-cache hit planned for a new sequence: the blocks this scheduler saw computed,

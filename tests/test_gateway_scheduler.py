@@ -11,8 +11,10 @@ import math
 
 import pytest
 
+from gateway.computed_prefixes import ComputedPrefixes
 from gateway.scheduler import AllocationResult, SampledToken, Scheduler, SchedulerConfig
 from gateway.sequence import FinishReason, GenerationRequest, SamplingOptions, SeqStatus, TextDecoder
+from kvmanager.hashing import prefix_block_hashes
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest, PoolConfig
 
@@ -499,3 +501,36 @@ def test_an_expected_hit_the_cache_no_longer_holds_costs_a_step_never_a_token():
     assert not pool.hits
     assert model.tokens_per_step[1] == 36, model.tokens_per_step  # 7 x 5 from position 0, and a decode
     assert max(model.tokens_per_step) <= 40, model.tokens_per_step
+
+
+@pytest.mark.parametrize("salt,tenant,shared", [("", "", 0), ("s", "", 0), ("", "acme", 0), ("", "acme", 8),
+                                                ("s", "globex", 4)])
+def test_expected_hits_hash_blocks_as_kvmanager_does(salt, tenant, shared):
+    """The scheduler's guess compares its own hashes only, but a tenant must never expect another
+    tenant's blocks: they chain cache salt, tenant and shared range as kvmanager's lookups do."""
+    tokens = list(range(100, 117))
+    prefixes = ComputedPrefixes(BLOCK)
+    assert prefixes.hashes(tokens, 4, salt, tenant, shared) == \
+        prefix_block_hashes("", BLOCK, tokens, salt, "", tenant, shared)
+    prefixes.record(prefixes.hashes(tokens, 4, salt, tenant, shared))
+    assert prefixes.num_leading(prefixes.hashes(tokens, 4, salt, tenant, shared)) == 4
+    assert prefixes.num_leading(prefixes.hashes(tokens, 4, salt + "x", tenant, shared)) == 0
+    others = prefixes.hashes(tokens, 4, salt, tenant + "x", shared)
+    assert prefixes.num_leading(others) == shared // BLOCK, "only the shared range is another tenant's hit"
+
+
+def test_a_follow_up_prompt_expects_every_full_block_of_the_turn_before():
+    """A conversation's next turn starts with the whole previous prompt: a prompt of exactly two
+    blocks, once computed, is a hit of both for the prompt that extends it, which asks for its
+    5 new tokens alone."""
+    scheduler = new_scheduler(max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.block_size = scheduler.kv_block_size = BLOCK
+    pool, model = ManagerPool(64), FakeModel()
+    pool.scheduler = scheduler
+    first = add(scheduler, make_request("turn1", [11, 12, 13, 14, 15, 16, 17, 18], max_tokens=1))
+    run_to_completion(scheduler, pool, model)
+    follow_up = add(scheduler, make_request("turn2", first.prompt_token_ids + [30, 31, 32, 33, 34], max_tokens=1))
+    (entry,) = scheduler.schedule()
+    assert entry.seq.request is follow_up and entry.num_new_tokens == 5
+    (result,) = pool.allocate(scheduler.take_pending_frees(), [entry])
+    assert (result.num_cached_tokens, result.start_position, result.num_tokens) == (8, 8, 5)
