@@ -168,12 +168,12 @@ def over_grpc(quick: bool) -> None:
 def routing_lookup(stub, session: str, quick: bool, server_pid: int) -> None:
     """LookupPrefix (the routing question) for one prompt whose blocks are all published:
     sent as token ids (the kvmanager hashes them), as token ids plus the block hashes
-    the gateway computed (``kvmanager.hashing.prefix_block_hashes``: no hashing, every
+    the gateway computed (``kvserve.prefix_hashes.prefix_block_hashes``: no hashing, every
     hit still checked against the tokens), and as block hashes alone; then against 4
     pools that hash alike (one chain hashed for all of them). Target: 256 blocks under
     1 ms median. The CPU columns (server and client, per call) do not depend on what
     the neighbours of a shared machine do."""
-    from kvmanager.hashing import prefix_block_hashes
+    from kvserve.prefix_hashes import prefix_block_hashes
     from kvserve.v1 import kvmanager_pb2 as pb
 
     print(f"gRPC loopback: LookupPrefix of one prompt, all its blocks published (block_size {BLOCK_SIZE}); "
@@ -228,7 +228,7 @@ def tiered_lookup(quick: bool) -> None:
     half in its store's index; the prompt hits 128 blocks in each."""
     from types import SimpleNamespace
 
-    from kvmanager.hashing import block_key, extra_keys, prefix_block_hashes, root_hash
+    from kvserve.prefix_hashes import block_key, extra_keys, prefix_block_hashes, root_hash
     from kvmanager.manager import KVManager, StoreConfig
     from kvmanager.pool import AllocationRequest, PoolConfig
 

@@ -6,7 +6,7 @@ A step's token budget counts the tokens it computes. A new sequence's Allocate a
 a scheduler that asked for the whole prompt and charged it to the budget would leave the hit's
 share of the step unused (32 prompts behind one 128-token system prompt: steps of 1,024-1,375
 computed tokens where 2,048 were planned). So it remembers the full blocks of the prompts it saw
-computed, chained as kvmanager chains them (``kvmanager.hashing``: cache salt, tenant and shared
+computed, chained as kvmanager chains them (``kvserve.prefix_hashes``: cache salt, tenant and shared
 range included; the root is this gateway's own, since only its own hashes are compared), and plans
 each new prompt's chunk after the longest run of them it starts with. A guess that is too high leaves a prompt's tail to the next step; one too
 low leaves budget unused, as without a guess. Neither changes a token: kvmanager's answer decides
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvmanager.hashing import BlockExtras, chain_hashes, pack_tokens, root_hash
+from kvserve.prefix_hashes import BlockExtras, chain_hashes, pack_tokens, root_hash
 
 # Blocks remembered (least recently used forgotten): 64k blocks of 16 are a million prompt tokens,
 # more than a CPU pool holds, at ~100 bytes each.

@@ -47,7 +47,7 @@ class KVCacheBlock:
         # Prefix-cache identity while the block is cached; None otherwise.
         self.block_hash: bytes | None = None
         # What block_hash was computed from (parent hash, extra keys, tokens),
-        # kept so that a hit is verified, not trusted (see hashing.py).
+        # kept so that a hit is verified, not trusted (see kvserve/prefix_hashes.py).
         self.block_key: bytes | None = None
         # Slots holding (or about to hold) KV: feeds PoolStats.num_stored_tokens.
         self.num_tokens = 0

@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvmanager.hashing import DEFAULT_TENANT, SHARED_NAMESPACE, BlockExtras, chain_hashes, checked_pack_tokens
+from kvserve.prefix_hashes import DEFAULT_TENANT, SHARED_NAMESPACE, BlockExtras, chain_hashes, checked_pack_tokens
 from kvmanager.pins import Pin
 from kvmanager.pool import KVPool
 from kvmanager.tenants import check_tenant_name

@@ -20,7 +20,7 @@ from kvmanager.events import (
     DEFAULT_EVENT_BUFFER, DEFAULT_MEDIUM, AllBlocksCleared, BlockRemoved, EventBatch, EventHub, Subscriber,
 )
 from kvmanager.governance import Governance, TenantStatsView
-from kvmanager.hashing import HASH_BYTES, BlockExtras, checked_pack_tokens, root_hash
+from kvserve.prefix_hashes import HASH_BYTES, BlockExtras, checked_pack_tokens, root_hash
 from kvmanager.pool import (
     SAVE_POLICIES, AllocationPolicy, AllocationRequest, KVSequence, PoolConfig, KVPool,
     StepAllocation, match_cached_prefix, snapshot_events,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvmanager.block_pool import BlockPool, KVCacheBlock
 from kvmanager.events import AllBlocksCleared, BlockStored, EventRecorder, KVEvent
-from kvmanager.hashing import (
+from kvserve.prefix_hashes import (
     DEFAULT_TENANT, HASH_BYTES, SHARED_NAMESPACE, BlockExtras, adapter_of_extra, hash_key, pack_tokens, root_hash,
     split_key,
 )
@@ -692,7 +692,7 @@ def match_cached_prefix(pools: Sequence[KVPool], extras: BlockExtras, packed_tok
     ``packed_tokens`` (``pack_tokens`` of the prompt, ``num_tokens`` ids) caps the hit at
     ``(num_tokens - 1) // block_size`` blocks and verifies every hit byte for byte
     against the cached block's key, as an admission does. ``block_hashes`` are the
-    prompt's precomputed chained hashes (``hashing.prefix_block_hashes``): with tokens
+    prompt's precomputed chained hashes (``kvserve.prefix_hashes.prefix_block_hashes``): with tokens
     they only save the hashing (the key check still applies, so a wrong hash is a miss);
     without tokens (None) they are all there is, the hit is capped at their number, and
     a cached block is trusted by hash alone (fine for routing: nothing reads KV on it).

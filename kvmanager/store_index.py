@@ -36,7 +36,7 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvmanager.hashing import DEFAULT_TENANT, HASH_BYTES, namespace_of_extra, split_key
+from kvserve.prefix_hashes import DEFAULT_TENANT, HASH_BYTES, namespace_of_extra, split_key
 from kvmanager.tenants import TenantPolicies
 
 # Deletes queued beyond this are dropped: the entries are unfindable already, and the

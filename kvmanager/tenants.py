@@ -1,9 +1,9 @@
 """Tenants of one KV cache: their policies (weight, quotas) and, per pool, what each holds.
 
 A tenant is a name the gateway resolves from the API key that authenticated a request
-(``SequenceAllocation.tenant``); the default tenant is ``hashing.DEFAULT_TENANT`` and
-``hashing.SHARED_NAMESPACE`` holds the blocks of shareable ranges (a system prompt cached
-once for everyone). Hashing keeps tenants apart (``hashing.BlockExtras``); this module
+(``SequenceAllocation.tenant``); the default tenant is ``kvserve.prefix_hashes.DEFAULT_TENANT`` and
+``prefix_hashes.SHARED_NAMESPACE`` holds the blocks of shareable ranges (a system prompt cached
+once for everyone). Hashing keeps tenants apart (``prefix_hashes.BlockExtras``); this module
 governs how much of the cache each may keep:
 
 * **Quota** (``quota_blocks``, per pool; ``store_quota_blocks`` in each store): the most
@@ -25,7 +25,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvmanager.hashing import DEFAULT_TENANT, SHARED_NAMESPACE
+from kvserve.prefix_hashes import DEFAULT_TENANT, SHARED_NAMESPACE
 from kvserve.errors import InvalidArgument, ResourceExhausted
 
 MAX_TENANTS = 1024

@@ -9,7 +9,7 @@ from hypothesis.stateful import precondition, rule
 
 from kvmanager.block_pool import NULL_BLOCK_ID
 import kvmanager.pool as pool_module
-from kvmanager.hashing import block_key
+from kvserve.prefix_hashes import block_key
 import struct
 
 from kvmanager.pool import KVPool, StepAllocation
@@ -243,7 +243,7 @@ class ShadowExecutor:
 
 
 def key_tokens(key: bytes, block_size: int) -> list[int]:
-    """The token ids a block key (``hashing.block_key``) was computed from."""
+    """The token ids a block key (``prefix_hashes.block_key``) was computed from."""
     return list(struct.unpack(f"<{block_size}i", key[len(key) - 4 * block_size:]))
 
 

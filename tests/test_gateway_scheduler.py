@@ -14,7 +14,7 @@ import pytest
 from gateway.computed_prefixes import ComputedPrefixes
 from gateway.scheduler import AllocationResult, SampledToken, Scheduler, SchedulerConfig
 from gateway.sequence import FinishReason, GenerationRequest, SamplingOptions, SeqStatus, TextDecoder
-from kvmanager.hashing import prefix_block_hashes
+from kvserve.prefix_hashes import prefix_block_hashes
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest, PoolConfig
 

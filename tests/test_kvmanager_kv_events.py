@@ -17,7 +17,7 @@ import pytest
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventsUnavailable
 from kvserve.kv_medium import medium_for_device
-from kvmanager.hashing import prefix_block_hashes
+from kvserve.prefix_hashes import prefix_block_hashes
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest as Req
 from kvmanager.pool import PoolConfig
@@ -76,7 +76,7 @@ class Index:
 
 def pool_index(manager: KVManager, pool_id: str) -> dict[bytes, tuple]:
     """The pool's own truth: every cached block's parent (empty for a first block) and tokens."""
-    from kvmanager.hashing import adapter_of_extra, split_key
+    from kvserve.prefix_hashes import adapter_of_extra, split_key
     pool = manager.pools[pool_id]
     out = {}
     for h, block in pool.block_pool.cached_blocks.items():

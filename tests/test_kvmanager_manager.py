@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvmanager.events import AllBlocksCleared, BlockRemoved, BlockStored, EventHub
-from kvmanager.hashing import block_key, extra_keys, hash_key, root_hash
+from kvserve.prefix_hashes import block_key, extra_keys, hash_key, root_hash
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationPolicy, AllocationRequest as Req, PoolConfig
 from kvserve.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -244,7 +244,7 @@ def test_hashes_are_128_bit_chained_and_keyed():
 
 
 def test_hashes_are_deterministic_across_processes():
-    code = ("from kvmanager.hashing import *; r = root_hash('m'); "
+    code = ("from kvserve.prefix_hashes import *; r = root_hash('m'); "
             "print(hash_key(block_key(r, extra_keys('s', 'a'), [1, 2, 70000])).hex())")
     out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={"PYTHONHASHSEED": seed, "PATH": ""}, cwd=".").stdout.strip()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmanager.hashing import prefix_block_hashes
+from kvserve.prefix_hashes import prefix_block_hashes
 from kvmanager.manager import KVManager, StoreConfig
 from kvmanager.pool import AllocationRequest as Req, PoolConfig
 from kvserve.errors import InvalidArgument

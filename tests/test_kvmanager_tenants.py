@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvmanager.hashing import BlockExtras, block_key, hash_key, namespace_of_extra, split_key
+from kvserve.prefix_hashes import BlockExtras, block_key, hash_key, namespace_of_extra, split_key
 from kvmanager.manager import KVManager
 from kvmanager.pool import AllocationRequest as Req, PoolConfig
 from kvmanager.store_index import StoreIndex

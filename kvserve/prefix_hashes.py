@@ -23,7 +23,9 @@ Why xxh3-128 and not sha256:
   token-for-token identical, so a collision can only cost a cache miss, never
   another prompt's KV.
 
-Clients that route (a gateway asking ``LookupPrefix``) can hash a prompt once with
+The module sits in the shared package, not in kvmanager's: the gateway's scheduler chains the
+prompts it saw computed the same way (``gateway/computed_prefixes.py``), and services never import
+each other. Clients that route (a gateway asking ``LookupPrefix``) can hash a prompt once with
 ``prefix_block_hashes`` and send the hashes instead of (or with) the token ids: the
 bytes hashed are the same as here, so the hashes equal the ones in ``BlockStored``
 events and in the pool.
