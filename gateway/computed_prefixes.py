@@ -8,15 +8,15 @@ share of the step unused (32 prompts behind one 128-token system prompt: steps o
 computed tokens where 2,048 were planned). So it remembers the full blocks of the prompts it saw
 computed, chained as kvmanager chains them (``kvserve.prefix_hashes``: cache salt, tenant and shared
 range included; the root is this gateway's own, since only its own hashes are compared), and plans
-each new prompt's chunk after the longest run of them it starts with. A guess that is too high leaves a prompt's tail to the next step; one too
-low leaves budget unused, as without a guess. Neither changes a token: kvmanager's answer decides
-what is computed.
+each new prompt's chunk after the longest run of them it starts with. A guess that is too high
+leaves a prompt's tail to the next step; one too low leaves budget unused, as without a guess.
+Neither changes a token: kvmanager's answer decides what is computed.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
+from gateway.block_chains import BlockChainIndex
 from kvserve.prefix_hashes import BlockExtras, chain_hashes, pack_tokens, root_hash
 
 # Blocks remembered (least recently used forgotten): 64k blocks of 16 are a million prompt tokens,
@@ -24,16 +24,15 @@ from kvserve.prefix_hashes import BlockExtras, chain_hashes, pack_tokens, root_h
 DEFAULT_CAPACITY = 65536
 
 
-class ComputedPrefixes:
-    """The hashes of full prompt blocks this scheduler saw computed, most recently used last."""
+class ComputedPrefixes(BlockChainIndex):
+    """The hashes of full prompt blocks this scheduler saw computed."""
 
     def __init__(self, block_size: int, capacity: int = DEFAULT_CAPACITY):
-        if block_size <= 0 or capacity <= 0:
-            raise ValueError(f"block_size {block_size} and capacity {capacity} must be > 0")
+        if block_size <= 0:
+            raise ValueError(f"block_size {block_size} must be > 0")
+        super().__init__(capacity)
         self.block_size = block_size
-        self.capacity = capacity
         self._root = root_hash("")
-        self._hashes: OrderedDict[bytes, None] = OrderedDict()
 
     def hashes(self, token_ids: Sequence[int], num_blocks: int, cache_salt: str = "", tenant: str = "",
                num_shared_tokens: int = 0) -> list[bytes]:
@@ -41,23 +40,3 @@ class ComputedPrefixes:
         bs = self.block_size
         extras = BlockExtras(cache_salt, "", tenant, num_shared_tokens // bs)
         return chain_hashes(self._root, extras, pack_tokens(token_ids[:num_blocks * bs]), bs, num_blocks)
-
-    def record(self, hashes: Sequence[bytes]) -> None:
-        for block_hash in hashes:
-            self._hashes[block_hash] = None
-            self._hashes.move_to_end(block_hash)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
-
-    def num_leading(self, hashes: Sequence[bytes]) -> int:
-        """How many of ``hashes``, from the first, were recorded (and are now the most recent)."""
-        count = 0
-        for block_hash in hashes:
-            if block_hash not in self._hashes:
-                break
-            self._hashes.move_to_end(block_hash)
-            count += 1
-        return count
-
-    def __len__(self) -> int:
-        return len(self._hashes)

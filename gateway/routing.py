@@ -21,9 +21,10 @@ answer, ``kv`` routes as ``least-loaded`` and the decision is counted as such.
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
+
+from gateway.block_chains import BlockChainIndex
 
 ROUTING_POLICIES = ("kv", "least-loaded", "round-robin")
 DECODE_COST_TOKENS = 16
@@ -68,26 +69,17 @@ class PendingPrefixes:
 
     def __init__(self, capacity: int = PENDING_PREFIXES_PER_EXECUTOR):
         self.capacity = capacity
-        self._keys: dict[str, OrderedDict[int, None]] = {}
+        self._keys: dict[str, BlockChainIndex] = {}
 
     def record(self, address: str, keys: list[int]) -> None:
-        known = self._keys.setdefault(address, OrderedDict())
-        for key in keys:
-            known[key] = None
-            known.move_to_end(key)
-        while len(known) > self.capacity:
-            known.popitem(last=False)
+        known = self._keys.get(address)
+        if known is None:
+            known = self._keys[address] = BlockChainIndex(self.capacity)
+        known.record(keys)
 
     def matched_blocks(self, address: str, keys: list[int]) -> int:
         known = self._keys.get(address)
-        if not known:
-            return 0
-        matched = 0
-        for key in keys:
-            if key not in known:
-                break
-            matched += 1
-        return matched
+        return known.num_leading(keys) if known is not None else 0
 
     def forget(self, address: str) -> None:
         """The executor's KV is gone (restart, departure)."""

@@ -326,7 +326,7 @@ class Scheduler:
                 self.config.max_num_seqs:
             seq = self.waiting.popleft()
             hashes = self._lookup_hashes(seq)
-            cached_blocks = self._computed_prefixes.num_leading(hashes) if hashes else 0
+            cached_blocks = self._computed_prefixes.num_leading(hashes, refresh=True) if hashes else 0
             if hashes and not cached_blocks:  # its first block is not computed yet
                 if hashes[0] in first_blocks:
                     deferred.append(seq)

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from gateway.block_chains import BlockChainIndex
 from gateway.computed_prefixes import ComputedPrefixes
 from gateway.scheduler import AllocationResult, SampledToken, Scheduler, SchedulerConfig
 from gateway.sequence import FinishReason, GenerationRequest, SamplingOptions, SeqStatus, TextDecoder
@@ -534,3 +535,13 @@ def test_a_follow_up_prompt_expects_every_full_block_of_the_turn_before():
     assert entry.seq.request is follow_up and entry.num_new_tokens == 5
     (result,) = pool.allocate(scheduler.take_pending_frees(), [entry])
     assert (result.num_cached_tokens, result.start_position, result.num_tokens) == (8, 8, 5)
+
+
+def test_the_index_of_block_chains_forgets_the_least_recently_used_first():
+    index = BlockChainIndex(3)
+    index.record(["a", "b", "c"])
+    assert index.num_leading(["a", "b", "x"], refresh=True) == 2  # a, b now the most recent
+    index.record(["d"])  # forgets c
+    assert len(index) == 3 and index.num_leading(["a", "b", "c"]) == 2
+    index.record(["e"])  # forgets a: num_leading without refresh left it the oldest
+    assert index.num_leading(["a"]) == 0 and index.num_leading(["b", "d", "e"]) == 3
